@@ -1,0 +1,29 @@
+"""Typed errors. Each says what was asked, what the state is, and what to do."""
+
+
+class SegcacheError(Exception):
+    """Base class of every error segcache raises on purpose."""
+
+
+class BranchError(SegcacheError):
+    """A fork/commit/rollback that cannot be carried out; nothing was changed."""
+
+
+class UnsupportedModelError(SegcacheError):
+    """The model uses a layer or cache type that segcache cannot roll back."""
+
+
+class InvariantError(SegcacheError, AssertionError):
+    """`check()` found the runtime or the store inconsistent (a bug: please report)."""
+
+
+class StoreError(SegcacheError):
+    """A prefix-store operation failed; the store is unchanged."""
+
+
+class StoreFormatError(StoreError):
+    """The store on disk was written by another format version of segcache."""
+
+
+class ModelError(SegcacheError):
+    """A model directory could not be loaded or does not fit the request."""
