@@ -1,0 +1,58 @@
+"""Per-family recurrent adapters: find a layer's recurrent module and adapt it.
+
+Adapting swaps one module instance's class for a subclass whose `__call__`
+runs `branch_forward` when its cache is a `RecurrentLayer` inside a branch,
+and mlx-lm's own `__call__` otherwise (native caches included), so the model
+keeps working with mlx-lm's caches and outside branches nothing changes.
+"""
+
+from __future__ import annotations
+
+from . import qwen3_5, qwen3_next
+from .gated_delta import branch_forward
+
+# module class -> project(module, inputs) -> (qkv, z, b, a)
+FAMILIES = {
+    qwen3_next.MODULE: qwen3_next.project,
+    qwen3_5.MODULE: qwen3_5.project,
+}
+
+_adapted_classes: dict[type, type] = {}
+
+
+def _adapted_class(base: type, project) -> type:
+    if base not in _adapted_classes:
+        from ..layers.recurrent import RecurrentLayer
+
+        original = base.__call__
+
+        def __call__(self, inputs, mask=None, cache=None):
+            if isinstance(cache, RecurrentLayer) and cache.capturing:
+                return branch_forward(self, project, inputs, mask, cache)
+            return original(self, inputs, mask, cache)
+
+        _adapted_classes[base] = type(base.__name__, (base,), {"__call__": __call__, "segcache_adapted": True})
+    return _adapted_classes[base]
+
+
+def find_recurrent_module(layer):
+    """The adaptable recurrent module inside a decoder layer, or None."""
+    for _, module in layer.named_modules():
+        base = type(module).__mro__[1] if getattr(type(module), "segcache_adapted", False) else type(module)
+        if base in FAMILIES:
+            return module, base
+    return None
+
+
+def adapt(module, base: type) -> None:
+    """Make `module` hand its recurrence inputs to segcache inside branches (idempotent)."""
+    if not getattr(type(module), "segcache_adapted", False):
+        module.__class__ = _adapted_class(base, FAMILIES[base])
+
+
+def describe_layer(layer) -> str:
+    """", with <Module>" naming a recurrent-looking submodule, for error messages."""
+    for name, module in layer.named_modules():
+        if name and ("attn" in name or "mixer" in name or "ssm" in name):
+            return f", {name}: {type(module).__name__}"
+    return ""

@@ -1,0 +1,108 @@
+"""The Gated DeltaNet forward inside a branch, shared by the model families.
+
+It computes what mlx-lm's module computes, in the same order with the same
+functions (so the outputs and the cache are bit-identical: tests pin this
+against the unpatched module), and hands the recurrence's inputs to the
+`RecurrentLayer`. Outside a branch the adapted module calls mlx-lm's own
+`__call__` instead, so the optimized kernel path is untouched.
+
+A family supplies only `project(module, inputs) -> (qkv, z, b, a)`: the
+conv input rows [B, S, C], the gate z [B, S, Hv, Dv] and the b, a logits.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import gated_delta as gd
+
+from ..errors import BranchError, UnsupportedModelError
+from ..layers.recurrent import RecurrentLayer, Steps
+
+
+def _recurrence(module, k: mx.array):
+    """The function `gated_delta_update` dispatches to for these shapes and device."""
+    use_kernel = not module.training
+    if (
+        not use_kernel
+        or mx.default_device() != mx.gpu
+        or not mx.metal.is_available()
+        or k.shape[-1] < 32
+        or k.shape[-1] % 32 != 0
+    ):
+        return gd.gated_delta_ops
+    return gd.gated_delta_kernel
+
+
+def _replay(recurrence, inputs: dict, state):
+    _, state = recurrence(
+        inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], state, inputs["mask"]
+    )
+    return state
+
+
+def branch_forward(module, project, inputs: mx.array, mask, cache: RecurrentLayer) -> mx.array:
+    """One GDN forward inside a branch; records its `Steps` in `cache`."""
+    if getattr(module, "sharding_group", None) is not None:
+        raise UnsupportedModelError(
+            f"{type(module).__name__}: a tensor-parallel (sharded) Gated DeltaNet cannot be "
+            "forwarded inside a branch; run it unsharded"
+        )
+    if cache.lengths is not None or cache.left_padding is not None:
+        raise BranchError("batched (padded) recurrent caches cannot be forwarded inside a branch")
+    B, S, _ = inputs.shape
+    qkv, z, b, a = project(module, inputs)
+
+    if cache[0] is not None:
+        conv_state = cache[0]
+    else:
+        conv_state = mx.zeros((B, module.conv_kernel_size - 1, module.conv_dim), dtype=inputs.dtype)
+    if mask is not None:
+        qkv = mx.where(mask[..., None], qkv, 0)
+    conv_input = mx.concatenate([conv_state, qkv], axis=1)
+    cache[0] = mx.contiguous(conv_input[:, -(module.conv_kernel_size - 1) :, :])
+    conv_out = nn.silu(module.conv1d(conv_input))
+
+    q, k, v = [
+        t.reshape(B, S, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [module.key_dim, 2 * module.key_dim], -1),
+            [module.num_k_heads, module.num_k_heads, module.num_v_heads],
+            [module.head_k_dim, module.head_k_dim, module.head_v_dim],
+        )
+    ]
+    state = cache[1]
+    q, k = gd.normalize_qk(q, k, inv_scale=module.head_k_dim**-0.5, eps=1e-6)
+
+    # As gated_delta_update does, but keeping g and beta: the replay must see
+    # the very values the forward used.
+    beta = mx.sigmoid(b)
+    g = gd.compute_g(module.A_log, a, module.dt_bias)
+    if state is None:
+        state = mx.zeros((B, module.num_v_heads, module.head_v_dim, module.head_k_dim), dtype=mx.float32)
+    recurrence = _recurrence(module, k)
+    recorded = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "mask": mask}
+
+    if cache.strategy == "states":
+        outs, states = [], []
+        for t in range(S):
+            step_mask = None if mask is None else mask[:, t : t + 1]
+            y, state = recurrence(
+                q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1],
+                g[:, t : t + 1], beta[:, t : t + 1], state, step_mask,
+            )
+            outs.append(y)
+            states.append(state)
+        out = outs[0] if S == 1 else mx.concatenate(outs, axis=1)
+    else:
+        out, state = recurrence(q, k, v, g, beta, state, mask)
+        states = None
+
+    cache.record(Steps(qkv, recorded, partial(_replay, recurrence), states))
+    cache[1] = state
+    cache.advance(S)
+
+    out = module.norm(out, z)
+    return module.out_proj(out.reshape(B, S, -1))

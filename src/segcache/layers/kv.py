@@ -1,0 +1,78 @@
+"""Full-attention KV segment: one append-only buffer, branches are offsets.
+
+    buffer  [ committed ........ | branch 1 ..... | branch 2 ... | free ]
+            0                    marks[0]         marks[1]       offset  capacity
+
+A branch never copies or references the buffer: it remembers where it began
+(`marks`). Tokens a branch appends land past every mark, where no committed
+reader looks, so `rollback` and `commit(n)` only move `offset`. Writes stay in
+place because nothing else holds the buffer (a clone holds its own view, which
+costs one copy of the buffer at the first write on each side, never one per
+token).
+"""
+
+from __future__ import annotations
+
+from mlx_lm.models.cache import KVCache
+
+from ..errors import InvariantError
+
+
+class KVLayer(KVCache):
+    """mlx-lm's `KVCache` (same update path, same logits) plus a branch stack."""
+
+    def __init__(self):
+        super().__init__()
+        # marks[i]: offset where open branch i began; non-decreasing, each <= offset.
+        self.marks: list[int] = []
+
+    @property
+    def committed_offset(self) -> int:
+        """Tokens outside every open branch."""
+        return self.marks[0] if self.marks else self.offset
+
+    def fork(self) -> None:
+        self.marks.append(self.offset)
+
+    def commit(self, n: int) -> None:
+        self.offset = self.marks.pop() + n
+
+    def rollback(self) -> None:
+        self.offset = self.marks.pop()
+
+    def branch_offsets(self) -> list[int]:
+        return list(self.marks)
+
+    def savepoint(self) -> int:
+        return self.offset
+
+    def restore(self, point: int) -> None:
+        """Undo a forward that failed half-way (bytes past offset are never read)."""
+        self.offset = point
+
+    def clone(self) -> "KVLayer":
+        """An independent layer holding the committed tokens (shares the buffer until a write)."""
+        other = KVLayer()
+        if self.keys is not None:
+            # New array objects over the same data: a write through either side
+            # never reaches the other (MLX copies a shared buffer on write).
+            other.keys, other.values = self.keys[...], self.values[...]
+        other.offset = self.committed_offset
+        return other
+
+    def check(self) -> None:
+        where = f"KVLayer(offset={self.offset}, marks={self.marks})"
+        if self.offset < 0:
+            raise InvariantError(f"{where}: negative offset")
+        if any(b < a for a, b in zip(self.marks, self.marks[1:])):
+            raise InvariantError(f"{where}: marks must be non-decreasing")
+        if self.marks and self.marks[-1] > self.offset:
+            raise InvariantError(f"{where}: a branch begins past the end of the cache")
+        if self.keys is None:
+            if self.offset != 0:
+                raise InvariantError(f"{where}: tokens counted but no buffer")
+            return
+        if self.offset > self.keys.shape[2] or self.keys.shape[:3] != self.values.shape[:3]:
+            raise InvariantError(
+                f"{where}: buffer shapes {self.keys.shape} / {self.values.shape} do not hold the offset"
+            )

@@ -1,0 +1,133 @@
+"""Sliding-window attention segment: mlx-lm's ring buffer plus snapshots.
+
+The ring overwrites its oldest entries in place, so a branch cannot share it
+by offset alone. `fork` keeps the pre-branch ring as new array objects over
+the same data (free until the first in-place write, which then copies the
+ring once: at most `max_size` tokens, never the context) and records the K/V
+rows the branch appends. `commit(n)` restores the snapshot and re-appends the
+first n recorded rows in the same chunks, which reproduces the exact layout
+mlx-lm would have reached feeding those chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.models.cache import RotatingKVCache
+
+from ..errors import InvariantError
+
+
+@dataclass
+class _WindowMark:
+    keys: mx.array | None  # ring before the branch; own array objects, never written
+    values: mx.array | None
+    offset: int
+    idx: int
+    # K/V the branch appended, one entry per update call, in call order.
+    chunks: list[tuple[mx.array, mx.array]] = field(default_factory=list)
+
+    @property
+    def appended(self) -> int:
+        return sum(k.shape[2] for k, _ in self.chunks)
+
+
+def _view(a: mx.array | None) -> mx.array | None:
+    return None if a is None else a[...]
+
+
+class WindowLayer(RotatingKVCache):
+    """mlx-lm's `RotatingKVCache` (same ring layout, same logits) plus a branch stack."""
+
+    def __init__(self, max_size: int, keep: int = 0):
+        super().__init__(max_size=max_size, keep=keep)
+        # marks[i]: the ring as it was when open branch i began, and what i appended.
+        self.marks: list[_WindowMark] = []
+
+    @property
+    def committed_offset(self) -> int:
+        return self.marks[0].offset if self.marks else self.offset
+
+    def update_and_fetch(self, keys, values):
+        if self.marks:
+            self.marks[-1].chunks.append((keys, values))
+        return super().update_and_fetch(keys, values)
+
+    def fork(self) -> None:
+        self.marks.append(
+            _WindowMark(_view(self.keys), _view(self.values), self.offset, self._idx)
+        )
+
+    def rollback(self) -> None:
+        self._restore(self.marks.pop())
+
+    def commit(self, n: int) -> None:
+        mark = self.marks.pop()
+        if n == mark.appended:
+            if self.marks:
+                self.marks[-1].chunks.extend(mark.chunks)
+            return
+        self._restore(mark)
+        for k, v in _first_tokens(mark.chunks, n):
+            self.update_and_fetch(k, v)  # records into the enclosing branch, if any
+
+    def branch_offsets(self) -> list[int]:
+        return [m.offset for m in self.marks]
+
+    def savepoint(self):
+        # Views, dropped before anything is evaluated when the forward succeeds,
+        # so they never force a copy of the ring.
+        chunks = len(self.marks[-1].chunks) if self.marks else 0
+        return _WindowMark(_view(self.keys), _view(self.values), self.offset, self._idx), chunks
+
+    def restore(self, point) -> None:
+        """Undo a forward that failed half-way."""
+        mark, chunks = point
+        self._restore(mark)
+        if self.marks:
+            del self.marks[-1].chunks[chunks:]
+
+    def _restore(self, mark: _WindowMark) -> None:
+        self.keys, self.values = mark.keys, mark.values
+        self.offset, self._idx = mark.offset, mark.idx
+
+    def clone(self) -> "WindowLayer":
+        """An independent layer holding the committed window (shares data until a write)."""
+        other = WindowLayer(self.max_size, self.keep)
+        if self.marks:
+            base = self.marks[0]
+            keys, values, other.offset, other._idx = base.keys, base.values, base.offset, base.idx
+        else:
+            keys, values, other.offset, other._idx = self.keys, self.values, self.offset, self._idx
+        other.keys, other.values = _view(keys), _view(values)
+        return other
+
+    def check(self) -> None:
+        where = f"WindowLayer(offset={self.offset}, idx={self._idx}, depth={len(self.marks)})"
+        if self.offset < 0 or self._idx < 0:
+            raise InvariantError(f"{where}: negative offset or ring index")
+        if self.keys is not None:
+            if self.keys.shape[:3] != self.values.shape[:3] or self._idx > self.keys.shape[2]:
+                raise InvariantError(f"{where}: ring shapes {self.keys.shape} do not hold the index")
+        elif self.offset != 0:
+            raise InvariantError(f"{where}: tokens counted but no ring")
+        ends = [m.offset for m in self.marks[1:]] + [self.offset]
+        for mark, end in zip(self.marks, ends):
+            if mark.offset + mark.appended != end:
+                raise InvariantError(
+                    f"{where}: a branch from {mark.offset} recorded {mark.appended} tokens "
+                    f"but the next level begins at {end}"
+                )
+
+
+def _first_tokens(chunks, n):
+    """The chunks cut to their first n tokens in total, keeping chunk boundaries."""
+    out = []
+    for k, v in chunks:
+        if n <= 0:
+            break
+        take = min(n, k.shape[2])
+        out.append((k[..., :take, :], v[..., :take, :]) if take < k.shape[2] else (k, v))
+        n -= take
+    return out

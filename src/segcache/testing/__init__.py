@@ -1,0 +1,1 @@
+"""Public testing helpers: tiny models, hypothesis strategies, the runtime state machine."""
