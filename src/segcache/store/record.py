@@ -1,0 +1,32 @@
+"""The unit the prefix store keeps: a few named arrays plus plain metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+
+@dataclass
+class Record:
+    """One cached item (a KV page, a recurrent checkpoint, ...).
+
+    Attributes:
+        kind: What the record holds, e.g. ``"kv"`` or ``"ckpt"``; free text, <= 64 chars.
+        tokens: How many prompt tokens this record lets a caller skip.
+        arrays: Name -> array. Arrays are immutable, so the store keeps them as given.
+        meta: Plain msgpack-able values (str, int, float, bool, None, bytes, lists, dicts).
+        cost: Estimated seconds of compute the record saves; drives eviction.
+    """
+
+    kind: str
+    tokens: int
+    arrays: dict[str, mx.array] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+    cost: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of array data (what the RAM budget counts)."""
+        return sum(a.nbytes for a in self.arrays.values())
