@@ -1,0 +1,123 @@
+"""The RAM tier: decoded records bounded by bytes, evicted by compute saved per byte.
+
+Putting a record is a dict insert: no copy and no compression. Records that
+leave RAM and are not on disk yet ("dirty") are handed, in one batch per
+eviction round, to a callback that suspends them to disk.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ..errors import InvariantError
+from .policy import eviction_key
+from .record import Record
+
+SuspendFn = Callable[[list[tuple[bytes, Record]]], None]
+
+
+class RamTier:
+    """Byte-bounded map of key -> Record with cost-aware eviction."""
+
+    def __init__(self, ram_bytes: int, on_evict: SuspendFn):
+        self.budget = int(ram_bytes)
+        self._on_evict = on_evict  # receives dirty records leaving RAM; must not raise
+        self._items: dict[bytes, Record] = {}
+        self._nbytes: dict[bytes, int] = {}  # same keys as _items; Record.nbytes at insert
+        self._last: dict[bytes, int] = {}  # same keys as _items; value of _clock at last use
+        self._dirty: set[bytes] = set()  # subset of _items: not known to be on disk
+        self.used = 0  # == sum(_nbytes.values()) <= budget between public calls
+        self.evictions = 0  # records that left RAM for lack of room, since creation
+        self._clock = 0  # strictly increasing use counter
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._items
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def put(self, key: bytes, record: Record, *, dirty: bool = True) -> None:
+        """Insert (or replace) key, then evict until the budget holds."""
+        self.pop(key)
+        n = record.nbytes
+        if n > self.budget:  # never fits: straight to disk
+            self.evictions += 1
+            if dirty:
+                self._on_evict([(key, record)])
+            return
+        self._items[key] = record
+        self._nbytes[key] = n
+        self._last[key] = self._tick()
+        if dirty:
+            self._dirty.add(key)
+        self.used += n
+        if self.used > self.budget:
+            self._evict(self.budget)
+
+    def get(self, key: bytes) -> Record | None:
+        rec = self._items.get(key)
+        if rec is not None:
+            self._last[key] = self._tick()
+        return rec
+
+    def pop(self, key: bytes) -> Record | None:
+        """Remove key without suspending it; returns the record or None."""
+        rec = self._items.pop(key, None)
+        if rec is not None:
+            self.used -= self._nbytes.pop(key)
+            del self._last[key]
+            self._dirty.discard(key)
+        return rec
+
+    def _evict(self, target: int) -> None:
+        order = sorted(self._items, key=lambda k: eviction_key(self._items[k].cost, self._nbytes[k], self._last[k]))
+        out = []
+        for k in order:
+            if self.used <= target:
+                break
+            dirty = k in self._dirty
+            rec = self.pop(k)
+            self.evictions += 1
+            if dirty:
+                out.append((k, rec))
+        if out:  # state is consistent before the callback runs
+            self._on_evict(out)
+
+    def shrink(self, target: int) -> None:
+        """Evict (suspending dirty records) until at most target bytes remain."""
+        if self.used > target:
+            self._evict(max(int(target), 0))
+
+    def dirty(self) -> list[tuple[bytes, Record]]:
+        """Records not yet on disk, oldest use first."""
+        return sorted(((k, self._items[k]) for k in self._dirty), key=lambda kv: self._last[kv[0]])
+
+    def mark_clean(self, keys) -> None:
+        self._dirty.difference_update(keys)
+
+    def keys(self) -> list[bytes]:
+        return list(self._items)
+
+    def is_dirty(self, key: bytes) -> bool:
+        return key in self._dirty
+
+    def check(self) -> None:
+        """Raise InvariantError unless the bookkeeping agrees with itself and the budget."""
+        if not (set(self._items) == set(self._nbytes) == set(self._last)):
+            raise InvariantError("RAM tier maps disagree on their keys")
+        if not self._dirty <= set(self._items):
+            raise InvariantError("RAM tier has dirty keys that it does not hold")
+        total = sum(self._nbytes.values())
+        if total != self.used:
+            raise InvariantError(f"RAM tier counts {self.used} bytes, records sum to {total}")
+        for k, r in self._items.items():
+            if r.nbytes != self._nbytes[k]:
+                raise InvariantError(f"record {k.hex()[:16]} changed size in RAM")
+        if self.used > self.budget:
+            raise InvariantError(f"RAM tier holds {self.used} bytes over its budget {self.budget}")
+        if len(set(self._last.values())) != len(self._last):
+            raise InvariantError("RAM tier has two records with the same use tick")
