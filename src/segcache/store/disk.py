@@ -262,9 +262,11 @@ class DiskTier:
                 if v is None and ie is not None:  # an index entry alone: drop it too
                     txn.delete(key, db=self.index)
                 return False
+            ie = txn.get(key, db=self.index)
+            n = len(v) if ie is None else self._entry_or_none(key, ie, default=len(v))  # META_BYTES sums index sizes
             txn.delete(key, db=self.records)
             txn.delete(key, db=self.index)
-            txn.put(META_BYTES, _U64.pack(max(self._used(txn) - len(v), 0)), db=self.meta)
+            txn.put(META_BYTES, _U64.pack(max(self._used(txn) - n, 0)), db=self.meta)
             return True
 
         self._touched.pop(key, None)
