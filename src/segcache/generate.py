@@ -1,0 +1,496 @@
+"""Plain and speculative generation on segcache Runtimes.
+
+Every speculative round, on any mix of dense and hybrid models:
+
+    draft runtime:   fork ─ forward(gap + [y]) ─ forward([d1]) ... ─┐         commit(gap + kept)
+    target runtime:                              fork ─ forward([y, d1..dK]) ─ commit(1 + n)
+                                                        one verify forward      y' = t_n
+
+y is the last emitted token (not yet fed), d1..dK the drafts, n the drafts
+accepted, t_n the target's token after them. No code here trims a cache:
+the runtimes' branches drop the rejected tail exactly.
+
+Both forks stay open while the round's accepted drafts are yielded, and are
+committed up to the tokens the caller actually received, so closing the
+generator at any yield leaves the target holding exactly prompt + emitted.
+The token after the last round is fed when the generation ends (as mlx-lm's
+pipelined step does), so `rt.tokens == prompt + emitted`, all fed, and a
+later call with `runtime=rt` continues the conversation. The draft runtime
+always holds a prefix of what the target holds; a later call feeds it the
+difference first.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional, Sequence, Union
+
+import mlx.core as mx
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .errors import BranchError
+from .lookup import PromptLookup
+from .runtime import Runtime
+from .sampling import Sampler, match_accept, speculative_accept
+
+# A gap (tokens the target committed that the draft has not seen) up to this
+# long rides along in the draft's first forward of a round; longer gaps are
+# fed outside the fork first, so a branch never holds a long prefill.
+_GAP_IN_FORK = 8
+
+
+@dataclass
+class GenerationStats:
+    """What one generation did and where the time went.
+
+    Attributes:
+        mode: "plain", "draft" or "lookup".
+        prompt_tokens: tokens in the prompt (new tokens only when continuing a runtime).
+        prompt_time: seconds until the first generated token (prefill included).
+        generation_tokens: tokens emitted (an EOS included).
+        generation_time: seconds from the first token to the last.
+        rounds: target forwards after the prefill (one per round).
+        drafted / accepted: draft tokens proposed / accepted by the target.
+        draft_time / verify_time / commit_time: seconds drafting (draft forwards
+            or n-gram lookup), in the verify forwards and acceptance, and
+            committing branches. With the "replay" recurrent strategy part of a
+            commit's work is lazy and lands in the next forward.
+        drafted_per_round / accepted_per_round: per verify round.
+    """
+
+    mode: str = "plain"
+    prompt_tokens: int = 0
+    prompt_time: float = 0.0
+    generation_tokens: int = 0
+    generation_time: float = 0.0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    commit_time: float = 0.0
+    drafted_per_round: List[int] = field(default_factory=list)
+    accepted_per_round: List[int] = field(default_factory=list)
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_time if self.prompt_time > 0 else 0.0
+
+    @property
+    def generation_tps(self) -> float:
+        return self.generation_tokens / self.generation_time if self.generation_time > 0 else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean drafts accepted per round (rounds that drafted nothing count as 0)."""
+        return self.accepted / self.rounds if self.rounds else 0.0
+
+    def summary(self) -> str:
+        """A few human-readable lines, as `generate(verbose=True)` prints them."""
+        lines = [
+            f"Prompt: {self.prompt_tokens} tokens, {self.prompt_tps:.3f} tokens-per-sec",
+            f"Generation: {self.generation_tokens} tokens, {self.generation_tps:.3f} tokens-per-sec",
+        ]
+        if self.mode != "plain":
+            lines.append(
+                f"Speculative ({self.mode}): {self.rounds} rounds, drafted {self.drafted}, "
+                f"accepted {self.accepted} ({self.acceptance_rate:.1%}), "
+                f"{self.mean_accepted:.2f} accepted per round"
+            )
+            lines.append(
+                f"Time: draft {self.draft_time:.3f}s, verify {self.verify_time:.3f}s, "
+                f"commit {self.commit_time:.3f}s"
+            )
+        return "\n".join(lines)
+
+
+@dataclass
+class GenerationResponse:
+    """One emitted token, as mlx-lm's `GenerationResponse`, plus the running stats.
+
+    Attributes:
+        text: the next segment of decoded text (may be empty).
+        token: the token id.
+        logprobs: the target's log probabilities at this position, [V].
+        from_draft: the token was drafted and accepted.
+        prompt_tokens, prompt_tps, generation_tokens, generation_tps, peak_memory:
+            as in mlx-lm.
+        finish_reason: "stop" (EOS), "length" (max_tokens) or None.
+        stats: the generation's `GenerationStats` (final once finish_reason is set).
+    """
+
+    text: str
+    token: int
+    logprobs: mx.array
+    from_draft: bool
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float
+    finish_reason: Optional[str] = None
+    stats: Optional[GenerationStats] = None
+
+
+def _eval_cache(rt: Runtime) -> None:
+    mx.eval([layer.state for layer in rt.cache])
+
+
+def _feed(rt: Runtime, tokens: Sequence[int], step: int) -> None:
+    """Forward `tokens` through `rt` outside any branch, in chunks of `step`."""
+    for i in range(0, len(tokens), step):
+        rt.forward(tokens[i : i + step])
+        _eval_cache(rt)
+        mx.clear_cache()
+
+
+def _normalize(logits: mx.array) -> mx.array:
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+class _Speculator:
+    """The round loop. `tokens()` yields (token, logprobs, from_draft) forever.
+
+    The caller stops by closing the generator; every exit path commits the
+    open branches up to what was emitted (`_settle`).
+    """
+
+    def __init__(self, target, draft, lookup, prompt, *, width, max_tokens, sampler, prefill_step, stats):
+        self.target: Runtime = target
+        self.draft: Optional[Runtime] = draft
+        self.lookup: Optional[PromptLookup] = lookup
+        self.prompt = prompt
+        self.width = width
+        self.max_tokens = max_tokens
+        self.sampler = sampler
+        self.prefill_step = prefill_step
+        self.stats = stats
+        # history[i] is the token at position i of the target; its last entry
+        # is `pending`, the last emitted token, not yet fed to the target.
+        self.history: list = target.tokens + list(prompt)
+        self.pending_fed = False
+        # The open round: branches and how many target-branch tokens were emitted.
+        self._tbr = None
+        self._dbr = None
+        self._gap_in_fork = 0
+        self._keep = 0
+
+    # -- cleanup ------------------------------------------------------------------
+
+    def _settle(self) -> None:
+        """Commit the open branches to the emitted tokens (0 if nothing emitted)."""
+        tic = time.perf_counter()
+        try:
+            if self._tbr is not None and self._tbr.open:
+                self._tbr.commit(min(self._keep, self._tbr.length))
+        finally:
+            self._tbr = None
+            if self._dbr is not None and self._dbr.open:
+                self._dbr.commit(min(self._dbr.length, self._gap_in_fork + self._keep))
+            self._dbr = None
+            self._keep = 0
+            self.stats.commit_time += time.perf_counter() - tic
+
+    # -- drafting -----------------------------------------------------------------
+
+    def _draft_model(self, pending: int, width: int):
+        """Open a draft fork and draft `width` tokens; returns (drafts, q or None)."""
+        draft = self.draft
+        gap = self.history[draft.offset : self.target.offset]
+        if len(gap) > _GAP_IN_FORK:
+            _feed(draft, gap, self.prefill_step)
+            gap = []
+        self._gap_in_fork = len(gap)
+        self._dbr = draft.fork()
+        tokens, qs = [], []
+        step = gap + [pending]
+        for i in range(width):
+            logprobs = _normalize(draft.forward(step)[0, -1])
+            if isinstance(self.sampler, Sampler):
+                q = self.sampler.probs(logprobs)
+                tok = mx.random.categorical(mx.log(q))
+                qs.append(q)
+            elif self.sampler is None:
+                tok = mx.argmax(logprobs, axis=-1)
+            else:
+                tok = self.sampler(logprobs[None])[0]
+            tok = tok.item()
+            tokens.append(tok)
+            step = [tok]
+            if i == width - 1:
+                break
+        return tokens, (mx.stack(qs) if qs else None)
+
+    # -- the loop -----------------------------------------------------------------
+
+    def tokens(self) -> Iterator[tuple]:
+        target, stats = self.target, self.stats
+        emitted = 0
+        clean = False
+        try:
+            if len(self.prompt) > 1:
+                _feed(target, self.prompt[:-1], self.prefill_step)
+            if self.draft is not None:
+                lag = self.history[self.draft.offset : target.offset]
+                _feed(self.draft, lag, self.prefill_step)
+            pending = self.history[-1]
+            while True:
+                remaining = self.width if self.max_tokens < 0 else self.max_tokens - emitted - 1
+                drafting = self.draft is not None or self.lookup is not None
+                width = max(0, min(self.width, remaining)) if drafting else 0
+                drafts, q = [], None
+                try:
+                    t0 = time.perf_counter()
+                    if width and self.draft is not None:
+                        drafts, q = self._draft_model(pending, width)
+                    elif width:
+                        drafts = self.lookup.draft(width)
+                    t1 = time.perf_counter()
+                    if drafts:
+                        self._tbr = target.fork()
+                    logits = target.forward([pending] + drafts)[0]
+                    logprobs = _normalize(logits)
+                    n, nxt = self._accept(logprobs, drafts, q)
+                    self.pending_fed = True
+                    self._keep = 1
+                    t2 = time.perf_counter()
+                    stats.draft_time += t1 - t0
+                    stats.verify_time += t2 - t1
+                    stats.rounds += 1
+                    stats.drafted += len(drafts)
+                    stats.accepted += n
+                    stats.drafted_per_round.append(len(drafts))
+                    stats.accepted_per_round.append(n)
+                    for i in range(n):
+                        self._keep += 1
+                        emitted += 1
+                        self.history.append(drafts[i])
+                        if self.lookup is not None:
+                            self.lookup.extend(drafts[i : i + 1])
+                        yield drafts[i], logprobs[i], True
+                finally:
+                    self._settle()
+                pending = nxt
+                self.pending_fed = False
+                self.history.append(nxt)
+                if self.lookup is not None:
+                    self.lookup.extend([nxt])
+                emitted += 1
+                yield nxt, logprobs[n], False
+        except GeneratorExit:
+            clean = True
+            raise
+        finally:
+            try:
+                self._settle()
+            finally:
+                # Feed the last emitted token only on a normal stop: after an
+                # error no further forward is attempted (the runtime then holds
+                # one token less than was emitted; rt.tokens says so).
+                if clean and not self.pending_fed:
+                    target.forward([self.history[-1]])
+                    _eval_cache(target)
+                    self.pending_fed = True
+
+    def _accept(self, logprobs: mx.array, drafts: list, q) -> tuple[int, int]:
+        sampler = self.sampler
+        if isinstance(sampler, Sampler):
+            p = sampler.probs(logprobs)
+            return speculative_accept(p, q, drafts)
+        if sampler is None:
+            targets = mx.argmax(logprobs, axis=-1).tolist()
+        else:
+            targets = sampler(logprobs).tolist()
+        n = match_accept(drafts, targets)
+        return n, targets[n]
+
+
+def _prompt_ids(tokenizer: TokenizerWrapper, prompt) -> list[int]:
+    if isinstance(prompt, str):
+        # As mlx-lm: add special tokens unless the text already starts with BOS.
+        bos = tokenizer.bos_token
+        ids = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+    elif isinstance(prompt, mx.array):
+        ids = prompt.reshape(-1).tolist()
+    else:
+        try:
+            ids = [operator.index(t) for t in prompt]
+        except TypeError:
+            raise ValueError(f"prompt must be text or token ids, got {prompt!r:.80}") from None
+    if not ids:
+        raise ValueError("the prompt is empty: generation needs at least one new token to start from")
+    if min(ids) < 0:
+        raise ValueError(f"token ids must be non-negative, got {ids!r:.80}")
+    return ids
+
+
+def _check_runtime(rt: Runtime, model, name: str) -> None:
+    if rt.model is not model:
+        raise ValueError(f"{name}.model is not the model passed for it; pass the runtime built on that model")
+    if rt.depth:
+        raise BranchError(
+            f"{name} has {rt.depth} open branch(es); commit or roll them back (or close the "
+            "generator that opened them) before generating on it"
+        )
+
+
+def stream_generate(
+    model,
+    tokenizer,
+    prompt: Union[str, mx.array, List[int]],
+    *,
+    draft_model=None,
+    prompt_lookup: bool = False,
+    num_draft_tokens: int = 4,
+    max_tokens: int = 256,
+    sampler=None,
+    runtime: Optional[Runtime] = None,
+    draft_runtime: Optional[Runtime] = None,
+    prefill_step_size: int = 2048,
+) -> Iterator[GenerationResponse]:
+    """Generate on segcache runtimes, speculatively with a draft model or prompt lookup.
+
+    Stops at EOS and at `max_tokens` exactly as `mlx_lm.stream_generate` does;
+    greedy output is token-identical to it. Afterwards the target runtime holds
+    prompt + emitted tokens, all fed, with no open branch; the draft runtime a
+    prefix of that. While the generator is suspended at a yield the runtimes
+    may hold an open branch: exhaust or close it before using them.
+
+    Args:
+        model: the target mlx-lm model.
+        tokenizer: its tokenizer (a `TokenizerWrapper` or an HF tokenizer).
+        prompt: text or token ids; only the new tokens when `runtime` is given.
+        draft_model: a draft mlx-lm model sharing the tokenizer (dense or hybrid).
+        prompt_lookup: draft by n-gram lookup in prompt + output instead.
+        num_draft_tokens: drafts per round.
+        max_tokens: tokens to generate; -1 for no limit.
+        sampler: None for greedy; a `segcache.sampling.Sampler` for exact
+            speculative sampling; any mlx-lm sampler (match rule, still exact).
+        runtime: a target Runtime to continue (its model must be `model`).
+        draft_runtime: a draft Runtime to continue (its model must be `draft_model`).
+        prefill_step_size: prompt tokens per prefill forward.
+
+    Yields:
+        GenerationResponse per token; the last one has `finish_reason` set.
+
+    Raises:
+        ValueError: invalid arguments or an empty prompt.
+        BranchError: a given runtime has an open branch.
+    """
+    if max_tokens == 0:
+        raise ValueError("max_tokens must be non-zero (use -1 for no limit)")
+    if draft_runtime is not None and draft_model is None:
+        draft_model = draft_runtime.model
+    if draft_model is not None and prompt_lookup:
+        raise ValueError("choose one drafter: draft_model or prompt_lookup, not both")
+    if (draft_model is not None or prompt_lookup) and num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    ids = _prompt_ids(tokenizer, prompt)
+
+    if runtime is None:
+        runtime = Runtime(model)
+    _check_runtime(runtime, model, "runtime")
+    history = runtime.tokens + ids
+    draft = None
+    if draft_model is not None:
+        draft = draft_runtime if draft_runtime is not None else Runtime(draft_model)
+        _check_runtime(draft, draft_model, "draft_runtime")
+        held = draft.tokens
+        if held != history[: len(held)] or len(held) >= len(history):
+            raise ValueError(
+                f"draft_runtime holds {len(held)} tokens that are not a prefix of the target's "
+                f"{len(history) - 1} + the prompt's last; pass a draft runtime that followed this target"
+            )
+        if None in history[: len(history) - 1]:
+            raise ValueError(
+                "the target runtime holds tokens fed without Runtime.forward (ids unknown), so a "
+                "draft model cannot be brought up to date; use prompt lookup or a fresh runtime"
+            )
+    lookup = None
+    if prompt_lookup:
+        lookup = PromptLookup()
+        known = len(history) - history[::-1].index(None) if None in history else 0
+        lookup.extend(history[known:])
+
+    mode = "draft" if draft is not None else "lookup" if lookup is not None else "plain"
+    stats = GenerationStats(mode=mode, prompt_tokens=len(ids))
+    speculator = _Speculator(
+        runtime, draft, lookup, ids,
+        width=num_draft_tokens, max_tokens=max_tokens, sampler=sampler,
+        prefill_step=prefill_step_size, stats=stats,
+    )
+    return _responses(speculator, tokenizer, max_tokens, stats)
+
+
+def _responses(speculator: _Speculator, tokenizer, max_tokens: int, stats: GenerationStats):
+    """mlx-lm's stream_generate loop over our token stream: same stops, same fields."""
+    detokenizer = tokenizer.detokenizer
+    eos = tokenizer.eos_token_ids
+    tokens = speculator.tokens()
+    tic = time.perf_counter()
+    prompt_tps = 0.0
+
+    def response(text, token, logprobs, from_draft, n, finish=None):
+        stats.generation_tokens = n + 1
+        stats.generation_time = time.perf_counter() - tic
+        return GenerationResponse(
+            text=text, token=token, logprobs=logprobs, from_draft=from_draft,
+            prompt_tokens=stats.prompt_tokens, prompt_tps=prompt_tps,
+            generation_tokens=n + 1, generation_tps=(n + 1) / stats.generation_time,
+            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish, stats=stats,
+        )
+
+    try:
+        for n, (token, logprobs, from_draft) in enumerate(tokens):
+            if n == 0:
+                stats.prompt_time = time.perf_counter() - tic
+                prompt_tps = stats.prompt_tps
+                tic = time.perf_counter()
+            if token in eos:
+                break
+            detokenizer.add_token(token)
+            if n + 1 == max_tokens:
+                break
+            yield response(detokenizer.last_segment, token, logprobs, from_draft, n)
+        # Settle the runtimes before the last response, so a caller that stops
+        # iterating there still finds them committed.
+        tokens.close()
+        detokenizer.finalize()
+        finish = "stop" if token in eos else "length"
+        yield response(detokenizer.last_segment, token, logprobs, from_draft, n, finish)
+    finally:
+        tokens.close()
+
+
+def generate(model, tokenizer, prompt, *, verbose: bool = False, **kwargs) -> str:
+    """Generate a complete response; see `stream_generate` for the arguments.
+
+    Args:
+        verbose: print the text as it is generated, then the stats.
+
+    Returns:
+        The generated text.
+    """
+    if verbose:
+        print("=" * 10)
+    text = ""
+    response = None
+    for response in stream_generate(model, tokenizer, prompt, **kwargs):
+        if verbose:
+            print(response.text, end="", flush=True)
+        text += response.text
+    if verbose:
+        print()
+        print("=" * 10)
+        if response is not None:
+            print(response.stats.summary())
+            print(f"Peak memory: {response.peak_memory:.3f} GB")
+    return text
