@@ -1,0 +1,23 @@
+import segcache  # noqa: F401  (first: binds the system BLAS before mlx loads)
+
+import functools
+
+import pytest
+
+from segcache.testing import models
+
+
+@functools.lru_cache(maxsize=None)
+def tiny(family: str, seed: int = 0):
+    """A tiny random-weight model, built once per session."""
+    return models.build(family, seed=seed)
+
+
+@pytest.fixture(params=models.FAMILIES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture(params=models.HYBRID)
+def hybrid(request):
+    return request.param
