@@ -1,4 +1,8 @@
-"""segcache: a segmented copy-on-write cache runtime for MLX and mlx-lm."""
+"""segcache: a segmented copy-on-write cache runtime for MLX and mlx-lm.
+
+The public API is what this module exports. Names that need mlx-lm load on
+first use, so `import segcache` (and the store CLI) stays fast.
+"""
 
 from . import _blas
 
@@ -12,18 +16,41 @@ from .errors import (  # noqa: E402
     StoreFormatError,
     UnsupportedModelError,
 )
-from .runtime import Branch, Runtime  # noqa: E402
 
 __version__ = "0.1.0"
 
+# public name -> module that defines it (imported on first access)
+_LAZY = {
+    "Runtime": "runtime",
+    "Branch": "runtime",
+    "open_store": "store",
+    "PrefixStore": "store",
+    "Record": "store",
+    "stream_generate": "generate",
+    "generate": "generate",
+}
+
 __all__ = [
     "BLAS",
-    "Branch",
     "BranchError",
     "InvariantError",
-    "Runtime",
     "SegcacheError",
     "StoreError",
     "StoreFormatError",
     "UnsupportedModelError",
+    *_LAZY,
 ]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'segcache' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(__all__)
