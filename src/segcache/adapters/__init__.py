@@ -52,7 +52,8 @@ def adapt(module, base: type) -> None:
 
 def describe_layer(layer) -> str:
     """", with <Module>" naming a recurrent-looking submodule, for error messages."""
-    for name, module in layer.named_modules():
+    named = getattr(layer, "named_modules", None)
+    for name, module in named() if named else ():
         if name and ("attn" in name or "mixer" in name or "ssm" in name):
             return f", {name}: {type(module).__name__}"
     return ""

@@ -79,5 +79,6 @@ def build(family: str, *, seed: int = 0, dtype=mx.float32, **overrides) -> nn.Mo
     ]
     model.load_weights(sharpened, strict=False)
     model.set_dtype(dtype)
+    model.eval()  # as mlx_lm.load leaves it: inference mode (GDN uses its kernel on Metal)
     mx.eval(model.parameters())
     return model
