@@ -239,6 +239,8 @@ def test_argument_errors():
     with pytest.raises(BranchError, match="open branch"):
         stream_generate(target, tok(), PROMPT, runtime=rt)
     rt.rollback()
+    with pytest.raises(ValueError, match="of its own"):
+        stream_generate(target, tok(), [5], runtime=rt, draft_model=target, draft_runtime=rt)
     other = Runtime(target)
     other.forward([3])
     with pytest.raises(ValueError, match="prefix"):

@@ -180,6 +180,10 @@ class _Speculator:
         self._dbr = None
         self._gap_in_fork = 0
         self._keep = 0
+        # Lookup drafts are free but a miss still widens the verify forward, so
+        # the lookup width halves after a round that accepted nothing and
+        # doubles after one that accepted everything (never above `width`).
+        self._lookup_width = width
 
     # -- cleanup ------------------------------------------------------------------
 
@@ -250,7 +254,7 @@ class _Speculator:
                     if width and self.draft is not None:
                         drafts, q = self._draft_model(pending, width)
                     elif width:
-                        drafts = self.lookup.draft(width)
+                        drafts = self.lookup.draft(min(width, self._lookup_width))
                     t1 = time.perf_counter()
                     if drafts:
                         self._tbr = target.fork()
@@ -267,6 +271,11 @@ class _Speculator:
                     stats.accepted += n
                     stats.drafted_per_round.append(len(drafts))
                     stats.accepted_per_round.append(n)
+                    if self.lookup is not None and drafts:
+                        if n == 0:
+                            self._lookup_width = max(1, self._lookup_width // 2)
+                        elif n == len(drafts):
+                            self._lookup_width = min(self.width, 2 * self._lookup_width)
                     for i in range(n):
                         self._keep += 1
                         emitted += 1
@@ -359,7 +368,9 @@ def stream_generate(
     Stops at EOS and at `max_tokens` exactly as `mlx_lm.stream_generate` does;
     greedy output is token-identical to it. Afterwards the target runtime holds
     prompt + emitted tokens, all fed, with no open branch; the draft runtime a
-    prefix of that. While the generator is suspended at a yield the runtimes
+    prefix of that (up to the last round's tokens short; the next call feeds
+    it the rest first). After an exception the runtimes hold what was fed
+    before it: prompt + emitted, possibly without the last emitted token. While the generator is suspended at a yield the runtimes
     may hold an open branch: exhaust or close it before using them.
 
     Args:
@@ -398,6 +409,8 @@ def stream_generate(
     if runtime is None:
         runtime = Runtime(model)
     _check_runtime(runtime, model, "runtime")
+    if draft_runtime is not None and draft_runtime is runtime:
+        raise ValueError("draft_runtime must be a runtime of its own, not the target's runtime")
     history = runtime.tokens + ids
     draft = None
     if draft_model is not None:
