@@ -18,6 +18,7 @@ from . import adapters
 from .errors import BranchError, InvariantError, UnsupportedModelError
 from .layers import KVLayer, RecurrentLayer, WindowLayer
 from .layers.recurrent import STRATEGIES
+from .store import apc
 
 RECURRENT_STRATEGIES = ("auto",) + STRATEGIES
 
@@ -129,6 +130,8 @@ class Runtime:
 
     Args:
         model: an mlx-lm model (dense, sliding-window or Gated DeltaNet hybrid).
+        store: a `PrefixStore` (`segcache.open_store`) for `prefill`/`publish`;
+            clones share it.
         recurrent_strategy: "auto", "replay" or "states" (see
             `default_recurrent_strategy`).
 
@@ -140,7 +143,7 @@ class Runtime:
         UnsupportedModelError: a layer's cache cannot be rolled back.
     """
 
-    def __init__(self, model, *, recurrent_strategy: str = "auto"):
+    def __init__(self, model, *, store=None, recurrent_strategy: str = "auto"):
         if recurrent_strategy not in RECURRENT_STRATEGIES:
             raise ValueError(f"recurrent_strategy must be one of {RECURRENT_STRATEGIES}")
         if recurrent_strategy == "auto":
@@ -153,6 +156,8 @@ class Runtime:
         self._tokens: list[int | None] = []
         # _branches[i].base_offset == every layer's mark i offset; innermost last.
         self._branches: list[Branch] = []
+        self.store = store
+        self._apc = None  # store.apc.Binding once prefill/publish ran; shared with clones
 
     # -- what the cache holds -------------------------------------------------
 
@@ -274,6 +279,46 @@ class Runtime:
         self._branches.pop()
         branch.open = False
 
+    # -- prefix store -------------------------------------------------------------
+
+    def prefill(self, tokens: Sequence[int] | mx.array, *, step_size: int = 2048) -> mx.array:
+        """Run a prompt, resuming from the longest prefix the store holds, and publish it.
+
+        Without a store this is a chunked `forward`. With one: restore the
+        longest cached prefix (bit-identical to the state that was published),
+        compute the rest in chunks of `step_size`, then publish the prompt's
+        pages and a checkpoint at its end (and at the point where it leaves an
+        earlier published prompt). Store failures make a miss, never an error.
+
+        Args:
+            tokens: the whole prompt. Tokens the runtime already holds must be its
+                strict prefix (typically: none, or a previous turn of a chat).
+
+        Returns:
+            The logits of the prompt's last position, [1, vocab].
+
+        Raises:
+            BranchError: a branch is open, or the runtime holds tokens that are not
+                a strict prefix of `tokens`; nothing changed.
+            ValueError: `tokens` is empty or not token ids.
+        """
+        return apc.prefill(self, _token_ids(tokens), step_size=step_size)
+
+    def publish(self) -> int:
+        """Publish the committed tokens and state to the store (e.g. after generating).
+
+        Tokens of an open branch are never published. The checkpoint carries no
+        logits, so a later prefill of exactly these tokens recomputes the last one
+        on dense models; longer prompts (the next turn) resume from it.
+
+        Returns:
+            The number of records written (0 also when the store failed: a warning).
+
+        Raises:
+            StoreError: no store, or tokens fed without `forward` (ids unknown).
+        """
+        return apc.publish_runtime(self)
+
     # -- sharing ----------------------------------------------------------------
 
     def clone(self) -> "Runtime":
@@ -288,6 +333,7 @@ class Runtime:
         other.cache = [layer.clone() for layer in self.cache]
         other._tokens = self._tokens[: self.committed_offset]
         other._branches = []
+        other.store, other._apc = self.store, self._apc
         return other
 
     # -- invariants -------------------------------------------------------------

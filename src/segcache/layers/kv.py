@@ -13,9 +13,10 @@ token).
 
 from __future__ import annotations
 
+import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from ..errors import InvariantError
+from ..errors import BranchError, InvariantError
 
 
 class KVLayer(KVCache):
@@ -60,6 +61,37 @@ class KVLayer(KVCache):
         other.offset = self.committed_offset
         return other
 
+    # -- prefix store export / import ------------------------------------------
+
+    def export_pages(self, start: int, end: int) -> tuple[mx.array, mx.array]:
+        """Copies of the committed keys and values of positions [start, end).
+
+        The copies own their data, so a store that keeps them neither pins
+        the live buffer nor makes the next in-place write copy it.
+
+        Raises:
+            ValueError: the range is empty or reaches past the committed tokens.
+        """
+        if not 0 <= start < end <= self.committed_offset:
+            raise ValueError(f"export_pages({start}, {end}): need 0 <= start < end <= {self.committed_offset}")
+        return _copy(self.keys[..., start:end, :]), _copy(self.values[..., start:end, :])
+
+    def load(self, keys: mx.array, values: mx.array) -> None:
+        """Replace the cache by `keys`/`values` ([B, H, T, D]) holding T tokens.
+
+        The layer takes the arrays as its buffer (the next append reallocates,
+        as mlx-lm's `KVCache.state` setter does), so pass arrays nobody else holds.
+
+        Raises:
+            BranchError: a branch is open (loading would drop it).
+            ValueError: the shapes do not agree.
+        """
+        if self.marks:
+            raise BranchError("load() with an open branch: commit or roll it back first")
+        if keys.ndim != 4 or keys.shape[:3] != values.shape[:3]:
+            raise ValueError(f"load(): keys {keys.shape} and values {values.shape} must be [B, H, T, D] alike")
+        self.keys, self.values, self.offset = keys, values, keys.shape[2]
+
     def check(self) -> None:
         where = f"KVLayer(offset={self.offset}, marks={self.marks})"
         if self.offset < 0:
@@ -76,3 +108,8 @@ class KVLayer(KVCache):
             raise InvariantError(
                 f"{where}: buffer shapes {self.keys.shape} / {self.values.shape} do not hold the offset"
             )
+
+
+def _copy(a: mx.array) -> mx.array:
+    """A copy with its own buffer (x * 1 is exact for every float, -0 and inf included)."""
+    return a * 1

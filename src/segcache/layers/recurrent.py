@@ -25,7 +25,7 @@ from typing import Callable
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
-from ..errors import InvariantError
+from ..errors import BranchError, InvariantError
 
 STRATEGIES = ("replay", "states")
 
@@ -166,6 +166,39 @@ class RecurrentLayer(ArraysCache):
         else:
             other.cache, other.offset = list(self.cache), self.offset
         return other
+
+    # -- prefix store export / import ------------------------------------------
+
+    def snapshot(self) -> tuple[mx.array | None, mx.array | None, int]:
+        """The committed (conv tail, state, offset).
+
+        The arrays are new objects over immutable data: forwards replace the
+        slots, never write into them, so sharing the data is safe and free.
+        """
+        if self.marks:
+            m = self.marks[0]
+            conv, state, offset = m.conv, m.state, m.offset
+        else:
+            (conv, state), offset = self.cache, self.offset
+        view = (lambda a: None if a is None else a[...])
+        return view(conv), view(state), offset
+
+    def load(self, conv: mx.array | None, state: mx.array | None, offset: int) -> None:
+        """Replace the tail and state by a `snapshot()` taken after `offset` tokens.
+
+        Raises:
+            BranchError: a branch is open.
+            ValueError: the snapshot is inconsistent (what `check()` would reject).
+        """
+        if self.marks:
+            raise BranchError("load() with an open branch: commit or roll it back first")
+        if (conv is None) != (offset == 0) or (state is None) != (offset == 0) or offset < 0:
+            raise ValueError(f"load(): conv tail and state must be given iff offset > 0 (offset {offset})")
+        if conv is not None and (conv.ndim != 3 or conv.shape[1] != self.conv_tail):
+            raise ValueError(f"load(): conv tail of shape {conv.shape}, this layer keeps {self.conv_tail} rows")
+        self.cache = [conv, state]
+        self.offset = int(offset)
+        self.lengths = self.left_padding = None
 
     def check(self) -> None:
         where = f"RecurrentLayer(offset={self.offset}, depth={len(self.marks)})"

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
-from ..errors import InvariantError
+from ..errors import BranchError, InvariantError
 
 
 @dataclass
@@ -102,6 +102,39 @@ class WindowLayer(RotatingKVCache):
             keys, values, other.offset, other._idx = self.keys, self.values, self.offset, self._idx
         other.keys, other.values = _view(keys), _view(values)
         return other
+
+    # -- prefix store export / import ------------------------------------------
+
+    def snapshot(self) -> tuple[mx.array | None, mx.array | None, int, int]:
+        """The committed ring as (keys, values, offset, idx); arrays are copies.
+
+        The ring is kept in its exact layout (slots, rotation index), which is
+        what a later step needs to attend exactly as mlx-lm would.
+        """
+        if self.marks:
+            m = self.marks[0]
+            keys, values, offset, idx = m.keys, m.values, m.offset, m.idx
+        else:
+            keys, values, offset, idx = self.keys, self.values, self.offset, self._idx
+        copy = (lambda a: None if a is None else a * 1)  # own buffer: never pins or aliases the live ring
+        return copy(keys), copy(values), offset, idx
+
+    def load(self, keys: mx.array | None, values: mx.array | None, offset: int, idx: int) -> None:
+        """Replace the ring by a `snapshot()`; the layer takes the arrays as its buffer.
+
+        Raises:
+            BranchError: a branch is open.
+            ValueError: the snapshot is inconsistent (what `check()` would reject).
+        """
+        if self.marks:
+            raise BranchError("load() with an open branch: commit or roll it back first")
+        ok = (keys is None and values is None and offset == 0 == idx) or (
+            keys is not None and values is not None and keys.ndim == 4
+            and keys.shape[:3] == values.shape[:3] and 0 <= idx <= keys.shape[2] and offset >= 0
+        )
+        if not ok:
+            raise ValueError(f"load(): inconsistent ring snapshot (offset {offset}, idx {idx})")
+        self.keys, self.values, self.offset, self._idx = keys, values, int(offset), int(idx)
 
     def check(self) -> None:
         where = f"WindowLayer(offset={self.offset}, idx={self._idx}, depth={len(self.marks)})"

@@ -75,7 +75,11 @@ class PrefixStore:
         self._lock = threading.RLock()  # one operation at a time per handle
         self._disk = DiskTier(self.path, disk_bytes=disk_bytes, compress=compress)
         self._ram = RamTier(ram_bytes, self._suspend)
-        self._hits = self._misses = self._hit_tokens = 0  # since this handle opened
+        # Since this handle opened. A prefill through the prefix cache counts once
+        # (hit if it resumed any tokens); a direct get() counts per record.
+        self._hits = self._misses = self._hit_tokens = 0
+        self._prefills = self._prefill_tokens = 0
+        self._errors = 0  # store failures degraded to a miss or a skipped publish
         self._closed = False
         ref = weakref.ref(self)
         self._atexit = lambda: (s := ref()) is not None and s.close()
@@ -123,8 +127,14 @@ class PrefixStore:
             mx.eval(list(record.arrays.values()))
             self._ram.put(key, record)
 
-    def get(self, key: bytes) -> Record | None:
-        """Return the record at key, or None. RAM first; a disk hit is promoted to RAM."""
+    def get(self, key: bytes, *, count: bool = True) -> Record | None:
+        """Return the record at key, or None. RAM first; a disk hit is promoted to RAM.
+
+        Args:
+            key: The record key.
+            count: Count the lookup in `hits`/`misses`/`hit_tokens`. The prefix
+                cache passes False and counts one hit or miss per prefill instead.
+        """
         with self._lock:
             self._check_open()
             rec = self._ram.get(key)
@@ -132,12 +142,30 @@ class PrefixStore:
                 rec = self._disk.get(key)
                 if rec is not None:
                     self._ram.put(key, rec, dirty=False)
+            if not count:
+                return rec
             if rec is None:
                 self._misses += 1
             else:
                 self._hits += 1
                 self._hit_tokens += rec.tokens
             return rec
+
+    def note_prefill(self, tokens: int, hit_tokens: int) -> None:
+        """Count one prefill of `tokens` tokens that resumed `hit_tokens` of them from the store."""
+        with self._lock:
+            self._prefills += 1
+            self._prefill_tokens += tokens
+            if hit_tokens > 0:
+                self._hits += 1
+                self._hit_tokens += hit_tokens
+            else:
+                self._misses += 1
+
+    def note_error(self) -> None:
+        """Count a store failure the prefix cache turned into a miss (or a skipped publish)."""
+        with self._lock:
+            self._errors += 1
 
     def contains(self, key: bytes) -> bool:
         """True if key is held in RAM or on disk (the disk record is not decoded)."""
@@ -171,7 +199,14 @@ class PrefixStore:
             self._ram.shrink(target_bytes)
 
     def stats(self) -> dict:
-        """Counters since this handle opened, and sizes as they are now."""
+        """Counters since this handle opened, and sizes as they are now.
+
+        ``hits``/``misses``/``hit_tokens`` count prefills through the prefix
+        cache (one each; ``hit_tokens`` = tokens resumed instead of computed)
+        plus direct counted ``get`` calls; ``prefills``/``prefill_tokens`` the
+        prefills and their prompt tokens; ``errors`` store failures that a
+        prefill or publish turned into a miss.
+        """
         with self._lock:
             self._check_open()
             ram_only = sum(1 for k in self._ram.keys() if self._ram.is_dirty(k) and not self._disk.contains(k))
@@ -182,6 +217,9 @@ class PrefixStore:
                 "evictions": self._ram.evictions + self._disk.evictions,
                 "ram_evictions": self._ram.evictions,
                 "disk_evictions": self._disk.evictions,
+                "prefills": self._prefills,
+                "prefill_tokens": self._prefill_tokens,
+                "errors": self._errors,
                 "corrupt_dropped": self._disk.corrupt_dropped,
                 "dropped": self._disk.dropped,
                 "ram_bytes": self._ram.used,
