@@ -134,3 +134,23 @@ def test_unknown_recurrent_module_is_refused():
     )
     with pytest.raises(UnsupportedModelError, match="layer 0 .*ArraysCache"):
         Runtime(mamba.Model(args))
+
+
+def test_mlx_lm_stream_generate_runs_on_rt_cache(hybrid):
+    from mlx_lm import stream_generate
+
+    from segcache.testing.tokenizer import tokenizer
+
+    model, tok = tiny(hybrid), tokenizer(eos=False)
+    prompt = mx.array(PROMPT)
+    want = [r.token for r in stream_generate(model, tok, prompt, max_tokens=10)]
+    rt = Runtime(model)
+    got = [r.token for r in stream_generate(model, tok, prompt, max_tokens=10, prompt_cache=rt.cache)]
+    assert got == want
+    rt.check()
+    # mlx-lm computes one step ahead: the cache holds the prompt and every token
+    assert rt.offset == len(PROMPT) + len(got)
+    with rt.fork() as br:  # and the runtime goes on from there
+        rt.forward([3, 4])
+        br.commit(1)
+    rt.check()
