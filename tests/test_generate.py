@@ -122,6 +122,22 @@ def test_draft_greedy_identical_with_every_rejection_position(target_family, dra
     _assert_draft_prefix(drt, rt)
 
 
+def test_replay_strategy_runtimes():
+    """The recurrent "replay" strategy (the Metal default) gives the same tokens and states."""
+    prompt, k = prompt_ids(), 4
+    expected = ref_tokens("qwen3_next", prompt)
+    draft = Steered(model("qwen3_5", 1), prompt + expected, pattern(k))
+    rt = Runtime(model("qwen3_next"), recurrent_strategy="replay")
+    drt = Runtime(draft, recurrent_strategy="replay")
+    out = list(stream_generate(rt.model, tok(), prompt, draft_model=draft, num_draft_tokens=k,
+                               max_tokens=MAX_TOKENS, runtime=rt, draft_runtime=drt))
+    assert [r.token for r in out] == expected
+    assert set(out[-1].stats.accepted_per_round[:4]) == {0, k // 2, k - 1, k}
+    _assert_holds(rt, prompt + expected)
+    draft.active = False
+    _assert_draft_prefix(drt, rt)
+
+
 @pytest.mark.parametrize("target_family", ["llama", "qwen3_5", "qwen3_next"])
 def test_draft_sharing_target_weights_is_always_accepted(target_family):
     target = model(target_family)

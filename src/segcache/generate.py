@@ -214,7 +214,7 @@ class _Speculator:
         self._dbr = draft.fork()
         tokens, qs = [], []
         step = gap + [pending]
-        for i in range(width):
+        for _ in range(width):  # the last draft is not fed: the next round's gap holds it if accepted
             logprobs = _normalize(draft.forward(step)[0, -1])
             if isinstance(self.sampler, Sampler):
                 q = self.sampler.probs(logprobs)
@@ -227,8 +227,6 @@ class _Speculator:
             tok = tok.item()
             tokens.append(tok)
             step = [tok]
-            if i == width - 1:
-                break
         return tokens, (mx.stack(qs) if qs else None)
 
     # -- the loop -----------------------------------------------------------------
