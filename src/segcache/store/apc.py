@@ -299,14 +299,16 @@ def lookup(store, b: Binding, ids: list[int], held: int) -> Plan:
             n = _common(c, rem)
             if n > d:
                 d, src = n, c
+        tail = None
+        if d:
+            key = (PAGE if len(src) == P else CKPT) + chain_key(ix.chain[j_max], src, b.identity)
+            tail = store.get(key, count=False)
+            if tail is None:  # evicted or dropped: the pages alone still serve
+                d = 0
         r = min(j_max * P + d, L - 1)
         if r > max(plan.resume, held):
             plan.ckpt, plan.resume = None, r
-            tail = None
-            if r > j_max * P and src is not None:
-                key = (PAGE if len(src) == P else CKPT) + chain_key(ix.chain[j_max], src, b.identity)
-                tail = store.get(key, count=False)
-            plan.kv = _kv_sources(ix, r, tail)
+            plan.kv = _kv_sources(ix, r, tail if r > j_max * P else None)
             return plan
 
     if plan.resume:
