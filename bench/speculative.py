@@ -16,6 +16,7 @@ the target always (an acceptance upper bound) and the dense draft almost
 never (a lower bound), which the output says.
 
     python bench/speculative.py [--quick] [--repeats N] [--max-tokens N] [--num-draft-tokens K]
+                                [--target DIR --draft DIR]
 """
 
 from __future__ import annotations
@@ -100,15 +101,18 @@ def silence_layers_after(model, first: int) -> None:
     mx.eval(model.parameters())
 
 
-def load_models():
-    """(target, dense draft, hybrid draft, tokenizer, description lines)."""
-    target_dir, draft_dir = MODELS_DIR / "target", MODELS_DIR / "draft"
+def load_models(target_dir=None, draft_dir=None):
+    """(target, dense draft, hybrid draft, tokenizer, description lines, specs)."""
+    given = target_dir is not None
+    target_dir = Path(target_dir or MODELS_DIR / "target")
+    draft_dir = Path(draft_dir or MODELS_DIR / "draft")
     if (target_dir / "config.json").exists() and (draft_dir / "config.json").exists():
         target, tokenizer = mlx_lm.load(str(target_dir))
         dense, _ = mlx_lm.load(str(draft_dir))
         hybrid = early_exit(target, EXIT_LAYERS)
+        what = "models given on the command line" if given else "shipped demo models"
         notes = [
-            f"models: shipped demo models ({target_dir.parent}); tokenizer vocab {len(tokenizer.vocab)}",
+            f"models: {what}: target {target_dir}, draft {draft_dir}; tokenizer vocab {len(tokenizer.vocab)}",
             f"hybrid draft: the target's first {EXIT_LAYERS} layers + its head (early exit, shared weights)",
         ]
         specs = [("target", json.loads((target_dir / "config.json").read_text())),
@@ -140,12 +144,14 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--target", help="target model directory (default: the shipped demo target)")
+    parser.add_argument("--draft", help="dense draft model directory (default: the shipped demo draft)")
     args = parser.parse_args()
     repeats = args.repeats or (2 if args.quick else 5)
     max_tokens = args.max_tokens or (64 if args.quick else 256)
     k = args.num_draft_tokens
 
-    target, dense, hybrid, tokenizer, notes, specs = load_models()
+    target, dense, hybrid, tokenizer, notes, specs = load_models(args.target, args.draft)
     params = lambda m: sum(v.size for _, v in tree_flatten(m.parameters()))  # noqa: E731
     sized = [(role, {"family": cfg.get("model_type", cfg.get("family")),
                      **{x: cfg[x] for x in ("hidden_size", "num_hidden_layers") if x in cfg}}, params(m))

@@ -192,5 +192,8 @@ def test_prompt_lookup_drafts():
     assert lk.draft(2) == [7, 1]
     run = PromptLookup()
     run.extend([5, 5, 5])
-    assert run.draft(4) == [5]  # the continuation stops at the end of the history
+    assert run.draft(4) == [5, 5, 5, 5]  # past the end, the copy reads its own output
+    cycle = PromptLookup()
+    cycle.extend([1, 2, 3, 9, 1, 2, 3, 1, 2])  # (1, 2) last seen at 4: then 3, 1, 2, 3, 1, ...
+    assert cycle.draft(5) == [3, 1, 2, 3, 1]
     assert PromptLookup().draft(3) == [] and run.draft(0) == []

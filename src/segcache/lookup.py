@@ -5,8 +5,8 @@
     draft:              x y z ...        (up to k tokens after the match)
 
 The suffix of the history is looked up as an n-gram, longest first (3 down
-to 1); the most recent earlier occurrence wins, and the tokens after it are
-the draft. Drafts cost no model call, so any acceptance is a gain; a wrong
+to 1); the most recent earlier occurrence wins, and the k tokens after it are
+the draft (copying on past the end of the history, as a repeat would). Drafts cost no model call, so any acceptance is a gain; a wrong
 draft costs only the extra verify width.
 
 An index from n-gram to its last two start positions keeps `draft` O(n)
@@ -50,7 +50,7 @@ class PromptLookup:
                 self._starts[gram] = (start, latest)
 
     def draft(self, k: int) -> list[int]:
-        """Up to `k` tokens that followed the longest recent match of the history's suffix.
+        """The `k` tokens that followed the longest recent match of the history's suffix.
 
         Returns an empty list when no suffix of `min_ngram`..`max_ngram` tokens
         occurred before.
@@ -62,6 +62,12 @@ class PromptLookup:
             latest, previous = self._starts.get(tuple(self.history[size - n :]), (-1, -1))
             match = previous if latest == size - n else latest
             if match >= 0:
-                # match + n <= size - 1: the continuation holds at least one token.
-                return self.history[match + n : match + n + k]
+                # Copy on from the match. Past the end of the history the copy
+                # reads its own output (match + n <= size - 1, so that is always
+                # defined): a repeating stretch is drafted k tokens deep, not
+                # cut short by the distance to the end.
+                out = self.history[match + n : match + n + k]
+                while len(out) < k:
+                    out.append(out[match + n + len(out) - size])
+                return out
         return []
