@@ -104,7 +104,7 @@ def test_draft_greedy_identical_with_every_rejection_position(target_family, dra
     draft = Steered(model(draft_family, 1), prompt + expected, pattern(k))
     rt, drt = Runtime(model(target_family)), Runtime(draft)
     out = list(stream_generate(model(target_family), tok(), prompt, draft_model=draft, num_draft_tokens=k,
-                               max_tokens=MAX_TOKENS, runtime=rt, draft_runtime=drt))
+                               max_tokens=MAX_TOKENS, runtime=rt, draft_runtime=drt, adaptive=False))
     assert [r.token for r in out] == expected
     assert [r.text for r in out] == [t for _, t, _ in reference(target_family, tuple(prompt))]
     stats = out[-1].stats
@@ -130,12 +130,24 @@ def test_replay_strategy_runtimes():
     rt = Runtime(model("qwen3_next"), recurrent_strategy="replay")
     drt = Runtime(draft, recurrent_strategy="replay")
     out = list(stream_generate(rt.model, tok(), prompt, draft_model=draft, num_draft_tokens=k,
-                               max_tokens=MAX_TOKENS, runtime=rt, draft_runtime=drt))
+                               max_tokens=MAX_TOKENS, runtime=rt, draft_runtime=drt, adaptive=False))
     assert [r.token for r in out] == expected
     assert set(out[-1].stats.accepted_per_round[:4]) == {0, k // 2, k - 1, k}
     _assert_holds(rt, prompt + expected)
     draft.active = False
     _assert_draft_prefix(drt, rt)
+
+
+def test_adaptive_width_follows_acceptance():
+    prompt, k = prompt_ids(), 4
+    expected = ref_tokens("qwen3_5", prompt, 40)
+    # Rejected at the first position for 3 rounds, then always accepted: 4, 2, 1, 1, 2, 4, 4 ...
+    draft = Steered(model("llama", 1), prompt + expected, lambda r: 0 if r < 3 else None)
+    out = list(stream_generate(model("qwen3_5"), tok(), prompt, draft_model=draft, num_draft_tokens=k,
+                               max_tokens=40))
+    assert [r.token for r in out] == expected
+    assert out[-1].stats.drafted_per_round[:7] == [4, 2, 1, 1, 2, 4, 4]
+    assert out[-1].stats.accepted_per_round[:7] == [0, 0, 0, 1, 2, 4, 4]
 
 
 @pytest.mark.parametrize("target_family", ["llama", "qwen3_5", "qwen3_next"])

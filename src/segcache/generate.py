@@ -161,7 +161,8 @@ class _Speculator:
     open branches up to what was emitted (`_settle`).
     """
 
-    def __init__(self, target, draft, lookup, prompt, *, width, max_tokens, sampler, prefill_step, stats):
+    def __init__(self, target, draft, lookup, prompt, *, width, max_tokens, sampler, prefill_step, stats,
+                 adaptive=True):
         self.target: Runtime = target
         self.draft: Optional[Runtime] = draft
         self.lookup: Optional[PromptLookup] = lookup
@@ -180,10 +181,11 @@ class _Speculator:
         self._dbr = None
         self._gap_in_fork = 0
         self._keep = 0
-        # Lookup drafts are free but a miss still widens the verify forward, so
-        # the lookup width halves after a round that accepted nothing and
-        # doubles after one that accepted everything (never above `width`).
-        self._lookup_width = width
+        # With `adaptive`, the draft width halves after a round that accepted
+        # nothing and doubles after one that accepted everything (1..width):
+        # a miss costs draft forwards and a wider verify, even for free lookups.
+        self.adaptive = adaptive
+        self._cap = width
 
     # -- cleanup ------------------------------------------------------------------
 
@@ -245,14 +247,14 @@ class _Speculator:
             while True:
                 remaining = self.width if self.max_tokens < 0 else self.max_tokens - emitted - 1
                 drafting = self.draft is not None or self.lookup is not None
-                width = max(0, min(self.width, remaining)) if drafting else 0
+                width = max(0, min(self.width, self._cap, remaining)) if drafting else 0
                 drafts, q = [], None
                 try:
                     t0 = time.perf_counter()
                     if width and self.draft is not None:
                         drafts, q = self._draft_model(pending, width)
                     elif width:
-                        drafts = self.lookup.draft(min(width, self._lookup_width))
+                        drafts = self.lookup.draft(width)
                     t1 = time.perf_counter()
                     if drafts:
                         self._tbr = target.fork()
@@ -269,11 +271,11 @@ class _Speculator:
                     stats.accepted += n
                     stats.drafted_per_round.append(len(drafts))
                     stats.accepted_per_round.append(n)
-                    if self.lookup is not None and drafts:
+                    if self.adaptive and drafts:
                         if n == 0:
-                            self._lookup_width = max(1, self._lookup_width // 2)
+                            self._cap = max(1, self._cap // 2)
                         elif n == len(drafts):
-                            self._lookup_width = min(self.width, 2 * self._lookup_width)
+                            self._cap = min(self.width, 2 * self._cap)
                     for i in range(n):
                         self._keep += 1
                         emitted += 1
@@ -360,6 +362,7 @@ def stream_generate(
     runtime: Optional[Runtime] = None,
     draft_runtime: Optional[Runtime] = None,
     prefill_step_size: int = 2048,
+    adaptive: bool = True,
 ) -> Iterator[GenerationResponse]:
     """Generate on segcache runtimes, speculatively with a draft model or prompt lookup.
 
@@ -377,13 +380,16 @@ def stream_generate(
         prompt: text or token ids; only the new tokens when `runtime` is given.
         draft_model: a draft mlx-lm model sharing the tokenizer (dense or hybrid).
         prompt_lookup: draft by n-gram lookup in prompt + output instead.
-        num_draft_tokens: drafts per round.
+        num_draft_tokens: drafts per round (at most, with `adaptive`).
         max_tokens: tokens to generate; -1 for no limit.
         sampler: None for greedy; a `segcache.sampling.Sampler` for exact
             speculative sampling; any mlx-lm sampler (match rule, still exact).
         runtime: a target Runtime to continue (its model must be `model`).
         draft_runtime: a draft Runtime to continue (its model must be `draft_model`).
         prefill_step_size: prompt tokens per prefill forward.
+        adaptive: halve the draft width after a round that accepted nothing,
+            double it after one that accepted all (between 1 and
+            num_draft_tokens). Never changes the output, only the speed.
 
     Yields:
         GenerationResponse per token; the last one has `finish_reason` set.
@@ -436,7 +442,7 @@ def stream_generate(
     speculator = _Speculator(
         runtime, draft, lookup, ids,
         width=num_draft_tokens, max_tokens=max_tokens, sampler=sampler,
-        prefill_step=prefill_step_size, stats=stats,
+        prefill_step=prefill_step_size, stats=stats, adaptive=adaptive,
     )
     return _responses(speculator, tokenizer, max_tokens, stats)
 
