@@ -125,7 +125,8 @@ def test_prompt_lookup_sampling_matches_target_distribution():
         p = dist(target, prompt)
         if 0.15 < p[d] < 0.7:
             break
-    assert PromptLookup().__class__ and p[d] > 0.15
+    else:
+        pytest.fail("no draft token with a moderate target probability")
     lookup = PromptLookup()
     lookup.extend(prompt)
     assert lookup.draft(2)[0] == d
