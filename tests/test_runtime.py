@@ -154,3 +154,18 @@ def test_mlx_lm_stream_generate_runs_on_rt_cache(hybrid):
         rt.forward([3, 4])
         br.commit(1)
     rt.check()
+
+
+def test_token_arrays_are_recorded_without_a_sync_and_in_order():
+    model = tiny("qwen3_5")
+    rt = Runtime(model)
+    rt.forward(mx.array(PROMPT[:5]))
+    rt.forward([PROMPT[5]])
+    rt.forward(mx.array([PROMPT[6:9]], dtype=mx.int32))  # shape [1, S]
+    assert rt._pending_len == 5  # not read yet
+    model(mx.array([[PROMPT[9]]]), cache=rt.cache)  # fed around the runtime
+    rt.forward(mx.argmax(rt.forward([PROMPT[10]])[0, -1:], axis=-1))  # a lazy next token
+    rt.check()
+    tokens = rt.tokens
+    assert tokens[:9] == PROMPT[:9] and tokens[9] is None and tokens[10] == PROMPT[10]
+    assert len(tokens) == rt.offset == 12 and isinstance(tokens[11], int)

@@ -110,15 +110,20 @@ def _build_layers(model, strategy: str) -> list:
     return out
 
 
+def _token_array(tokens: mx.array) -> mx.array:
+    """`tokens` as a 1-D integer array, checked by shape and dtype only (values stay unread)."""
+    if tokens.ndim == 2 and tokens.shape[0] == 1:
+        tokens = tokens[0]
+    if tokens.ndim != 1 or tokens.size == 0 or not mx.issubdtype(tokens.dtype, mx.integer):
+        raise ValueError(
+            f"tokens must be a non-empty 1-D integer array (or shape [1, S]); got {tokens.dtype} {tokens.shape}"
+        )
+    return tokens
+
+
 def _token_ids(tokens) -> list[int]:
     if isinstance(tokens, mx.array):
-        if tokens.ndim == 2 and tokens.shape[0] == 1:
-            tokens = tokens[0]
-        if tokens.ndim != 1 or not mx.issubdtype(tokens.dtype, mx.integer):
-            raise ValueError(
-                f"tokens must be a 1-D integer array (or shape [1, S]); got {tokens.dtype} {tokens.shape}"
-            )
-        tokens = tokens.tolist()
+        tokens = _token_array(tokens).tolist()
     ids = list(tokens) if isinstance(tokens, Iterable) else None
     if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
         raise ValueError(f"tokens must be a non-empty sequence of non-negative ints; got {tokens!r:.80}")
@@ -152,8 +157,13 @@ class Runtime:
         self.recurrent_strategy = recurrent_strategy
         self.cache = _build_layers(model, recurrent_strategy)
         # _tokens[i]: the id at position i, None where the model was called on
-        # rt.cache directly; len(_tokens) == offset after _sync_tokens().
+        # rt.cache directly. Ids given as mx.arrays wait unread in _pending
+        # (reading them would sync the device every step), in order after
+        # _tokens. len(_tokens) + _pending_len <= offset; after _sync_tokens()
+        # _pending is empty and len(_tokens) == offset.
         self._tokens: list[int | None] = []
+        self._pending: list[mx.array] = []
+        self._pending_len = 0
         # _branches[i].base_offset == every layer's mark i offset; innermost last.
         self._branches: list[Branch] = []
         self.store = store
@@ -183,6 +193,11 @@ class Runtime:
         return self._branches[0].base_offset if self._branches else self.offset
 
     def _sync_tokens(self) -> None:
+        if self._pending:
+            for chunk in self._pending:
+                self._tokens.extend(chunk.tolist())
+            self._pending.clear()
+            self._pending_len = 0
         gap = self.offset - len(self._tokens)
         if gap > 0:
             self._tokens.extend([None] * gap)
@@ -196,6 +211,8 @@ class Runtime:
 
         Args:
             tokens: token ids, a list or an integer mx.array of shape [S] or [1, S].
+                An array is recorded without being read (reading it would wait
+                for the device each step), so its values are not checked.
 
         Returns:
             The logits, [1, S, vocab] (lazy, as the model returns them).
@@ -203,16 +220,25 @@ class Runtime:
         Raises:
             ValueError: `tokens` is empty or not token ids; nothing changed.
         """
-        ids = _token_ids(tokens)
-        self._sync_tokens()
+        if isinstance(tokens, mx.array):
+            chunk = _token_array(tokens)  # left unread: no device sync per step
+        else:
+            chunk = _token_ids(tokens)
+        if len(self._tokens) + self._pending_len != self.offset:
+            self._sync_tokens()  # the model was called on rt.cache directly
         saved = [layer.savepoint() for layer in self.cache]
+        x = chunk[None] if isinstance(chunk, mx.array) else mx.array(chunk, dtype=mx.uint32)[None]
         try:
-            logits = self.model(mx.array(ids, dtype=mx.uint32)[None], cache=self.cache)
+            logits = self.model(x, cache=self.cache)
         except BaseException:
             for layer, point in zip(self.cache, saved):
                 layer.restore(point)
             raise
-        self._tokens.extend(ids)
+        if isinstance(chunk, mx.array):
+            self._pending.append(chunk)
+            self._pending_len += chunk.size
+        else:
+            self._tokens.extend(chunk)
         return logits
 
     # -- branches ---------------------------------------------------------------
@@ -332,6 +358,7 @@ class Runtime:
         other.recurrent_strategy = self.recurrent_strategy
         other.cache = [layer.clone() for layer in self.cache]
         other._tokens = self._tokens[: self.committed_offset]
+        other._pending, other._pending_len = [], 0
         other._branches = []
         other.store, other._apc = self.store, self._apc
         return other
@@ -357,8 +384,12 @@ class Runtime:
                 raise InvariantError(f"layer {i} has branches at {bases}, the runtime at {expected}")
         if any(not b.open for b in self._branches):
             raise InvariantError("a closed branch is still on the stack")
-        if len(self._tokens) > self.offset:
-            raise InvariantError(f"{len(self._tokens)} token ids recorded for {self.offset} cached tokens")
+        if len(self._tokens) + self._pending_len > self.offset:
+            raise InvariantError(
+                f"{len(self._tokens) + self._pending_len} token ids recorded for {self.offset} cached tokens"
+            )
+        if self._pending_len != sum(chunk.size for chunk in self._pending):
+            raise InvariantError("the count of unread token ids is off")
 
     def __repr__(self) -> str:
         kinds = {}
