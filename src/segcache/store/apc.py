@@ -41,6 +41,7 @@ import hashlib
 import json
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -54,7 +55,6 @@ from .record import Record
 
 APC_VERSION = 1  # record schema below; part of the identity, so a change is a miss
 PAGE, CKPT, NODE = b"pg", b"ck", b"nd"
-KINDS = {"page": "KV pages", "ckpt": "checkpoints", "node": "index nodes"}
 MAX_CONTS = 32  # continuations kept per node (newest first); older ones only lose branch-point hints
 MAX_CKPTS = 64  # checkpoint tails kept per node (newest first)
 DEFAULT_SPT = 1e-3  # seconds per token assumed before any prefill was timed
@@ -113,13 +113,35 @@ class Binding:
         return any(k != "kv" for k in self.kinds)
 
 
+# id(model) -> (weak reference, {(page_tokens, salt): model identity}). Sampling the
+# weights costs ~10-20 ms per call, as much as a whole warm prefill, so every
+# Runtime on one model object shares one computation. Call `forget(model)` after
+# changing a model's weights in place.
+_IDENTITIES: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def forget(model) -> None:
+    """Drop the cached identity of `model` (after loading other weights into it)."""
+    _IDENTITIES.pop(id(model), None)
+
+
+def _model_identity(model, page_tokens: int, salt) -> bytes:
+    entry = _IDENTITIES.get(id(model))
+    if entry is None or entry[0]() is not model:
+        entry = _IDENTITIES[id(model)] = (weakref.ref(model, lambda _, k=id(model): _IDENTITIES.pop(k, None)), {})
+    key = (page_tokens, salt)
+    if key not in entry[1]:
+        entry[1][key] = model_identity(model, page_tokens=page_tokens, salt=salt)
+    return entry[1][key]
+
+
 def bind(rt) -> Binding:
-    """The runtime's binding to its store; computed once (weights are sampled, not read)."""
+    """The runtime's binding to its store; the model identity is computed once per model."""
     store = rt.store
     b = rt._apc
     if b is not None and b.page_tokens == store.page_tokens and b.salt == store.salt:
         return b
-    base = model_identity(rt.model, page_tokens=store.page_tokens, salt=store.salt)
+    base = _model_identity(rt.model, store.page_tokens, store.salt)
     desc = json.dumps({"apc": APC_VERSION, "layers": [_layout(layer) for layer in rt.cache]}, sort_keys=True)
     ident = hashlib.blake2b(base + desc.encode(), digest_size=32, person=b"segcache.apc.1").digest()
     rt._apc = Binding(ident, store.page_tokens, store.salt, [_kind(layer) for layer in rt.cache])

@@ -12,6 +12,7 @@ import sys
 import time
 
 from ..errors import StoreError
+KINDS = {"page": "KV pages", "ckpt": "checkpoints", "node": "index nodes"}  # written by store.apc
 from .store import open_store
 
 _HUGE = 1 << 50  # CLI handles never evict on their own: only `gc` removes records
@@ -40,7 +41,10 @@ def stats(path: str) -> int:
     print(f"store   {path}")
     print(f"entries {st['entries']}   bytes {_mib(st['disk_bytes'])}")
     for kind, (n, b, t) in sorted(kinds.items()):
-        print(f"  {kind:<12} {n:>8} entries {_mib(b):>12} {t:>12} tokens")
+        label = f"{kind} ({KINDS[kind]})" if kind in KINDS else kind
+        print(f"  {label:<26} {n:>8} entries {_mib(b):>12} {t:>12} tokens")
+    if "page" in kinds:
+        print(f"  (pages: tokens are stored K/V; checkpoints: tokens are the prompt length they resume)")
     return 0
 
 
