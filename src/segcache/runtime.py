@@ -162,7 +162,7 @@ class Runtime:
         # _tokens. len(_tokens) + _pending_len <= offset; after _sync_tokens()
         # _pending is empty and len(_tokens) == offset.
         self._tokens: list[int | None] = []
-        self._pending: list[mx.array] = []
+        self._pending: list[mx.array | list[int]] = []
         self._pending_len = 0
         # _branches[i].base_offset == every layer's mark i offset; innermost last.
         self._branches: list[Branch] = []
@@ -195,7 +195,7 @@ class Runtime:
     def _sync_tokens(self) -> None:
         if self._pending:
             for chunk in self._pending:
-                self._tokens.extend(chunk.tolist())
+                self._tokens.extend(chunk.tolist() if isinstance(chunk, mx.array) else chunk)
             self._pending.clear()
             self._pending_len = 0
         gap = self.offset - len(self._tokens)
@@ -234,9 +234,9 @@ class Runtime:
             for layer, point in zip(self.cache, saved):
                 layer.restore(point)
             raise
-        if isinstance(chunk, mx.array):
-            self._pending.append(chunk)
-            self._pending_len += chunk.size
+        if isinstance(chunk, mx.array) or self._pending:
+            self._pending.append(chunk)  # after unread ids, lists wait too (order)
+            self._pending_len += len(chunk)
         else:
             self._tokens.extend(chunk)
         return logits
@@ -388,7 +388,7 @@ class Runtime:
             raise InvariantError(
                 f"{len(self._tokens) + self._pending_len} token ids recorded for {self.offset} cached tokens"
             )
-        if self._pending_len != sum(chunk.size for chunk in self._pending):
+        if self._pending_len != sum(len(chunk) for chunk in self._pending):
             raise InvariantError("the count of unread token ids is off")
 
     def __repr__(self) -> str:
