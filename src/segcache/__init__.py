@@ -28,6 +28,11 @@ _LAZY = {
     "Record": "store",
     "stream_generate": "generate",
     "generate": "generate",
+    "GenerationResponse": "generate",
+    "GenerationStats": "generate",
+    "Sampler": "sampling",
+    "make_sampler": "sampling",
+    "PromptLookup": "lookup",
 }
 
 __all__ = [
