@@ -80,6 +80,8 @@ class PrefixStore:
         self._hits = self._misses = self._hit_tokens = 0
         self._prefills = self._prefill_tokens = 0
         self._errors = 0  # store failures degraded to a miss or a skipped publish
+        self._ram_reads = 0  # records served from the RAM tier
+        self._disk_reads = 0  # records read from disk (and promoted to RAM)
         self._closed = False
         ref = weakref.ref(self)
         self._atexit = lambda: (s := ref()) is not None and s.close()
@@ -138,9 +140,12 @@ class PrefixStore:
         with self._lock:
             self._check_open()
             rec = self._ram.get(key)
-            if rec is None:
+            if rec is not None:
+                self._ram_reads += 1
+            else:
                 rec = self._disk.get(key)
                 if rec is not None:
+                    self._disk_reads += 1
                     self._ram.put(key, rec, dirty=False)
             if not count:
                 return rec
@@ -205,7 +210,8 @@ class PrefixStore:
         cache (one each; ``hit_tokens`` = tokens resumed instead of computed)
         plus direct counted ``get`` calls; ``prefills``/``prefill_tokens`` the
         prefills and their prompt tokens; ``errors`` store failures that a
-        prefill or publish turned into a miss.
+        prefill or publish turned into a miss; ``ram_reads``/``disk_reads`` the
+        records each tier served (a disk read is promoted to RAM).
         """
         with self._lock:
             self._check_open()
@@ -220,6 +226,8 @@ class PrefixStore:
                 "prefills": self._prefills,
                 "prefill_tokens": self._prefill_tokens,
                 "errors": self._errors,
+                "ram_reads": self._ram_reads,
+                "disk_reads": self._disk_reads,
                 "corrupt_dropped": self._disk.corrupt_dropped,
                 "dropped": self._disk.dropped,
                 "ram_bytes": self._ram.used,
