@@ -73,3 +73,24 @@ def test_cli_errors(dirs, capsys, tmp_path):
     assert code == 2 and "--max-tokens" in out.err
     with pytest.raises(SystemExit):  # argparse: the two drafters exclude each other
         parse(["generate", "--model", "m", "--prompt", "x", "--draft-model", "d", "--prompt-lookup"])
+
+
+def test_cli_generate_prompt_cache_dir_hits_on_the_second_run(dirs, capsys, tmp_path):
+    model, tokenizer = mlx_lm.load(dirs["target"])
+    expected = mlx_lm.generate(model, tokenizer, PROMPT, max_tokens=12)
+    cache = str(tmp_path / "apc")
+    argv = ["generate", "--model", dirs["target"], "--prompt", PROMPT, "--max-tokens", "12",
+            "--prompt-lookup", "--prompt-cache-dir", cache, "--verbose"]
+    resumed = []
+    for _ in range(2):  # each run is a new process's worth of state: a fresh load and store handle
+        code, out = run(argv, capsys)
+        assert code == 0, out.err
+        assert expected in out.out
+        resumed.append(int(out.err.split("prompt cache: ")[1].split()[0]))
+    prompt_tokens = len(tokenizer.encode(PROMPT))
+    assert resumed[0] == 0
+    assert resumed[1] >= prompt_tokens - 1  # all but (at most) the last prompt token
+    from segcache.store import open_store
+
+    with open_store(cache) as store:
+        assert store.stats()["entries"] > 0

@@ -29,6 +29,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling mass (0: off)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as raw text")
+    p.add_argument("--prompt-cache-dir", help="persistent prefix cache directory: a later run of a prompt "
+                   "sharing a prefix resumes from it")
     p.add_argument("--verbose", action="store_true", help="stream the text and print speculative stats")
     p.set_defaults(handler=run)
     return p
@@ -78,15 +80,30 @@ def run(args: argparse.Namespace) -> int:
         prompt = _prompt(tokenizer, args.prompt, getattr(args, "ignore_chat_template", False))
         response = None
         text = []
-        for response in stream_generate(
-            model, tokenizer, prompt,
-            draft_model=draft_model, prompt_lookup=args.prompt_lookup,
-            num_draft_tokens=args.num_draft_tokens, max_tokens=args.max_tokens, sampler=sampler,
-        ):
-            if args.verbose:
-                print(response.text, end="", flush=True)
-            else:
-                text.append(response.text)
+        store = runtime = None
+        if getattr(args, "prompt_cache_dir", None):
+            from .runtime import Runtime
+            from .store import open_store
+
+            store = open_store(args.prompt_cache_dir)
+            runtime = Runtime(model, store=store)
+        try:
+            for response in stream_generate(
+                model, tokenizer, prompt,
+                draft_model=draft_model, prompt_lookup=args.prompt_lookup,
+                num_draft_tokens=args.num_draft_tokens, max_tokens=args.max_tokens, sampler=sampler,
+                runtime=runtime,
+            ):
+                if args.verbose:
+                    print(response.text, end="", flush=True)
+                else:
+                    text.append(response.text)
+        finally:
+            if store is not None:
+                if args.verbose:
+                    st = store.stats()
+                    print(f"\nprompt cache: {st['hit_tokens']} tokens resumed, {st['entries']} entries", file=sys.stderr)
+                store.close()
         if args.verbose:
             print()
             print("=" * 10)

@@ -239,7 +239,10 @@ class _Speculator:
         clean = False
         try:
             if len(self.prompt) > 1:
-                _feed(target, self.prompt[:-1], self.prefill_step)
+                if target.store is not None:  # resume from the prefix store, publish the prompt
+                    target.prefill(self.history[:-1], step_size=self.prefill_step)
+                else:
+                    _feed(target, self.prompt[:-1], self.prefill_step)
             if self.draft is not None:
                 lag = self.history[self.draft.offset : target.offset]
                 _feed(self.draft, lag, self.prefill_step)
@@ -306,6 +309,8 @@ class _Speculator:
                     target.forward([self.history[-1]])
                     _eval_cache(target)
                     self.pending_fed = True
+                if clean and target.store is not None:
+                    target.publish()  # the next turn resumes from prompt + reply
 
     def _accept(self, logprobs: mx.array, drafts: list, q) -> tuple[int, int]:
         sampler = self.sampler
