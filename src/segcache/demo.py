@@ -1,20 +1,84 @@
-"""`segcache demo`: the runtime on a built-in small hybrid model.
+"""`segcache demo`: the main job on the shipped demo models (or any local mlx-lm models).
 
-Prefills a prompt, drafts tokens in a branch and commits part of them, rolls
-back a second branch, and checks the result against a recomputation.
+1. load the target (hybrid) and the draft;
+2. open a persistent prefix store (the user's cache directory by default);
+3. complete a code prompt with plain greedy decoding (mlx-lm), with the draft
+   model and with prompt lookup, and check that all three texts are identical;
+4. run a second request that continues the first one and compare its
+   time-to-first-token cold and warm, saying which tier the hit came from;
+5. print the store's stats.
+
+`segcache demo --runtime` instead walks through fork / commit / rollback on a
+built-in random hybrid model.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import sys
 import time
+from pathlib import Path
 
 from . import BLAS, __version__
 
+MODELS_DIR = Path(__file__).resolve().parent / "models"
+
+PROMPT = '''import os
+import sys
+
+
+def read_lines(path, encoding="utf-8"):
+    """Return the lines of the file at path, without line endings."""
+    with open(path, encoding=encoding) as f:
+        return [line.rstrip("\\n") for line in f]
+
+
+def write_lines(path, lines, encoding="utf-8"):
+    """Write lines to the file at path, one per line."""
+    with open(path, "w", encoding=encoding) as f:
+        for line in lines:
+            f.write(line + "\\n")
+
+
+def count_lines(path, encoding="utf-8"):
+    """Return the number of lines in the file at path."""
+    with open(path, encoding=encoding) as f:
+        return sum(1 for _ in f)
+
+
+def append_lines(path, lines, encoding="utf-8"):
+    """'''
+
+FOLLOW_UP = '''
+
+
+def main(argv=None):
+    """Command line entry point."""
+    if argv is None:
+        argv = sys.argv[1:]
+'''
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seed", type=int, default=0, help="seed of the built-in model's weights")
-    parser.add_argument("--prompt-tokens", type=int, default=512, help="length of the demo prompt")
+    parser.add_argument("--model", help="target model directory (default: the shipped hybrid demo model)")
+    parser.add_argument("--draft-model", help="draft model directory (default: the shipped draft)")
+    parser.add_argument("--prompt-cache-dir", help="prefix store directory (default: the user's cache directory)")
+    parser.add_argument("--max-tokens", type=int, default=96, help="tokens to generate per completion")
+    parser.add_argument("--num-draft-tokens", type=int, default=4, help="drafts per speculative round")
+    parser.add_argument("--report", help="also write the results as JSON to this file")
+    parser.add_argument("--runtime", action="store_true", help="walk through fork / commit / rollback instead")
+    parser.add_argument("--prompt-tokens", type=int, default=512, help="with --runtime: prompt length")
+    parser.add_argument("--seed", type=int, default=0, help="with --runtime: seed of the random model")
+
+
+def default_cache_dir() -> Path:
+    """Where the demo keeps its prefix store unless told otherwise."""
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Caches" / "segcache" / "demo"
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "segcache" / "demo"
 
 
 def _header() -> None:
@@ -23,8 +87,174 @@ def _header() -> None:
     print(f"segcache {__version__} | mlx {mx.__version__} on {mx.default_device()} | BLAS: {BLAS}")
 
 
+class _Progress:
+    """A one-line progress bar on stderr (silent when stderr is not a terminal)."""
+
+    def __init__(self, label: str, total: int):
+        self.label, self.total, self.done = label, total, 0
+        self.live = sys.stderr.isatty()
+        self._draw()
+
+    def advance(self, n: int = 1) -> None:
+        self.done = min(self.total, self.done + n)
+        self._draw()
+
+    def _draw(self) -> None:
+        if self.live:
+            filled = int(30 * self.done / max(self.total, 1))
+            sys.stderr.write(f"\r  {self.label:<16} [{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total}")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.live:
+            sys.stderr.write("\r" + " " * 70 + "\r")
+            sys.stderr.flush()
+
+
+def _collect(responses, label: str, total: int):
+    """Drain a stream of generation responses with a progress bar; (tokens, text, last response)."""
+    bar = _Progress(label, total)
+    tokens, text, last = [], [], None
+    try:
+        for last in responses:
+            tokens.append(last.token)
+            text.append(last.text)
+            bar.advance()
+    finally:
+        bar.close()
+    return tokens, "".join(text), last
+
+
+def _timed_first_token(rt, ids) -> tuple[float, int]:
+    """Seconds to prefill `ids` through `rt` and pick the greedy next token."""
+    import mlx.core as mx
+
+    start = time.perf_counter()
+    logits = rt.prefill(ids)
+    token = mx.argmax(logits[0]).item()
+    return time.perf_counter() - start, token
+
+
+def _tier(before: dict, after: dict) -> str:
+    if after["hit_tokens"] == before["hit_tokens"]:
+        return "nowhere (a miss: computed)"
+    disk = after["disk_reads"] - before["disk_reads"]
+    ram = after["ram_reads"] - before["ram_reads"]
+    if disk and ram:
+        return f"disk ({disk} records) and RAM ({ram})"
+    return f"disk ({disk} records)" if disk else f"RAM ({ram} records)" if ram else "none (miss)"
+
+
 def run(args) -> int:
-    """Run the runtime demo; returns an exit code (0: every check held)."""
+    """Run the demo; returns an exit code (0: every check held)."""
+    if args.runtime:
+        return run_runtime_walkthrough(args)
+    target_dir = Path(args.model) if args.model else MODELS_DIR / "target"
+    draft_dir = Path(args.draft_model) if args.draft_model else MODELS_DIR / "draft"
+    if not (target_dir / "config.json").exists() or not (draft_dir / "config.json").exists():
+        print(f"segcache demo: no models at {target_dir} / {draft_dir}; pass --model and --draft-model",
+              file=sys.stderr)
+        return 2
+    _header()
+    import mlx.core as mx
+    import mlx_lm
+
+    from .generate import stream_generate
+    from .runtime import Runtime
+    from .store import open_store
+
+    print("\n[1] models")
+    target, tokenizer = mlx_lm.load(str(target_dir))
+    draft, _ = mlx_lm.load(str(draft_dir))
+    for role, path, model in (("target", target_dir, target), ("draft", draft_dir, draft)):
+        params = sum(v.size for _, v in _flat(model.parameters()))
+        print(f"    {role:<7}{model.model_type:<11}{params / 1e6:5.2f}M parameters  {path}")
+    prompt_ids = tokenizer.encode(PROMPT)
+
+    cache_dir = Path(args.prompt_cache_dir) if args.prompt_cache_dir else default_cache_dir()
+    print(f"\n[2] prefix store: {cache_dir}")
+    store = open_store(cache_dir)
+    report: dict = {"cache_dir": str(cache_dir)}
+    try:
+        print(f"\n[3] completing a {len(prompt_ids)}-token code prompt, {args.max_tokens} tokens, greedy")
+        runs = {}
+        plain = mlx_lm.stream_generate(target, tokenizer, prompt_ids, max_tokens=args.max_tokens)
+        runs["plain greedy (mlx-lm)"] = _collect(plain, "plain greedy", args.max_tokens)
+        spec = stream_generate(target, tokenizer, prompt_ids, draft_model=draft,
+                               num_draft_tokens=args.num_draft_tokens, max_tokens=args.max_tokens)
+        runs["draft model"] = _collect(spec, "draft model", args.max_tokens)
+        before = store.stats()
+        rt = Runtime(target, store=store)
+        lookup = stream_generate(target, tokenizer, prompt_ids, prompt_lookup=True, runtime=rt,
+                                 num_draft_tokens=args.num_draft_tokens, max_tokens=args.max_tokens)
+        runs["prompt lookup"] = _collect(lookup, "prompt lookup", args.max_tokens)
+        after = store.stats()
+
+        reference_tokens, reference_text, reference = runs["plain greedy (mlx-lm)"]
+        identical = all(tokens == reference_tokens for tokens, _, _ in runs.values())
+        print("    " + reference_text.replace("\n", "\n    ").rstrip())
+        print()
+        print(f"    {'':<22}{'tokens':>7}{'tok/s':>8}{'accepted':>10}{'per round':>10}{'speedup':>9}  same text")
+        base_tps = reference.generation_tps
+        report["completions"] = {}
+        for name, (tokens, text, last) in runs.items():
+            stats = getattr(last, "stats", None)
+            accepted = f"{stats.acceptance_rate:.0%}" if stats and stats.drafted else "-"
+            per_round = f"{stats.mean_accepted:.2f}" if stats and stats.drafted else "-"
+            speedup = last.generation_tps / base_tps if base_tps else 0.0
+            same = "reference" if tokens is reference_tokens else ("yes" if tokens == reference_tokens else "NO")
+            print(f"    {name:<22}{len(tokens):>7}{last.generation_tps:>8.1f}{accepted:>10}{per_round:>10}"
+                  f"{speedup:>8.2f}x  {same}")
+            report["completions"][name] = {
+                "tokens": tokens, "text": text, "tps": last.generation_tps, "speedup": speedup,
+                "acceptance": stats.acceptance_rate if stats and stats.drafted else None,
+            }
+        print(f"    all three outputs identical: {'yes' if identical else 'NO'}")
+        report["identical"] = identical
+        request1 = {"hit_tokens": after["hit_tokens"] - before["hit_tokens"], "tier": _tier(before, after),
+                    "ttft": runs["prompt lookup"][2].stats.prompt_time}
+        report["request1"] = request1
+        print(f"    first request through the store: {request1['hit_tokens']} of {len(prompt_ids)} prompt "
+              f"tokens resumed, from {request1['tier']}; time to first token {request1['ttft'] * 1e3:.0f} ms")
+
+        print("\n[4] a second request continuing the first (prompt + reply + more code)")
+        follow_ids = rt.tokens + tokenizer.encode(FOLLOW_UP)
+        cold_time, cold_token = _timed_first_token(Runtime(target), follow_ids)
+        before = store.stats()
+        warm_time, warm_token = _timed_first_token(Runtime(target, store=store), follow_ids)
+        after = store.stats()
+        request2 = {"tokens": len(follow_ids), "hit_tokens": after["hit_tokens"] - before["hit_tokens"],
+                    "tier": _tier(before, after), "cold_ttft": cold_time, "warm_ttft": warm_time,
+                    "same_first_token": cold_token == warm_token}
+        report["request2"] = request2
+        print(f"    {len(follow_ids)} tokens; {request2['hit_tokens']} resumed from {request2['tier']}")
+        print(f"    time to first token: cold {cold_time * 1e3:.0f} ms, warm {warm_time * 1e3:.0f} ms "
+              f"({cold_time / max(warm_time, 1e-9):.1f}x faster); same first token: "
+              f"{'yes' if request2['same_first_token'] else 'NO'}")
+
+        print("\n[5] store stats")
+        stats = store.stats()
+        for key in ("hits", "misses", "hit_tokens", "evictions", "corrupt_dropped", "ram_bytes", "disk_bytes",
+                    "entries"):
+            print(f"    {key:<16}{stats[key]}")
+        report["store"] = stats
+    finally:
+        store.close()
+    mx.clear_cache()
+    if args.report:
+        Path(args.report).write_text(json.dumps(report, indent=1))
+    ok = report["identical"] and report["request2"]["same_first_token"]
+    return 0 if ok else 1
+
+
+def _flat(params):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(params)
+
+
+def run_runtime_walkthrough(args) -> int:
+    """Prefill, draft in a branch and commit part, roll back another, check against a recompute."""
     import mlx.core as mx
 
     from .runtime import Runtime
@@ -48,10 +278,9 @@ def run(args) -> int:
     took = time.perf_counter() - start
     print(f"prefill   {len(prompt)} tokens in {took * 1e3:.0f} ms ({len(prompt) / took:.0f} tok/s)")
 
-    # Branch 1: draft 6 tokens greedily one by one, keep 4 of them.
     next_token = mx.argmax(logits[0, -1]).item()
     start = time.perf_counter()
-    with rt.fork() as branch:
+    with rt.fork() as branch:  # draft 6 tokens one by one, keep 4
         draft = []
         for _ in range(6):
             draft.append(next_token)
@@ -61,8 +290,7 @@ def run(args) -> int:
     print(f"branch 1  drafted {draft}, committed the first 4 "
           f"({(time.perf_counter() - start) * 1e3:.0f} ms); offset {rt.offset}")
 
-    # Branch 2: forward 5 tokens, then drop them.
-    with rt.fork() as branch:
+    with rt.fork() as branch:  # forward 5 tokens, then drop them
         rt.forward([1, 2, 3, 4, 5])
         print(f"branch 2  forwarded 5 tokens (offset {rt.offset}, depth {rt.depth}), rolling back")
         branch.rollback()
@@ -71,8 +299,7 @@ def run(args) -> int:
     rt.check()
     fresh = Runtime(model)
     fresh.forward(prompt + draft[:4])
-    probe = [11]
-    ours, theirs = rt.forward(probe), fresh.forward(probe)
+    ours, theirs = rt.forward([11]), fresh.forward([11])
     diff = mx.abs(ours - theirs).max().item()
     assert_logits_close(ours, theirs, "demo")
     same = mx.argmax(ours[0, -1]).item() == mx.argmax(theirs[0, -1]).item()
