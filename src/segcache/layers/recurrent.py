@@ -26,6 +26,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from ..errors import BranchError, InvariantError
+from .snapshots import SnapshotBranches
 
 STRATEGIES = ("replay", "states")
 
@@ -63,14 +64,14 @@ class _RecurrentMark:
     offset: int
     conv: mx.array | None  # slot 0 before the branch; immutable, shared by reference
     state: mx.array | None  # slot 1 before the branch; immutable, shared by reference
-    steps: list[Steps] = field(default_factory=list)  # private to the branch
+    records: list[Steps] = field(default_factory=list)  # private to the branch, in call order
 
     @property
     def appended(self) -> int:
-        return sum(s.length for s in self.steps)
+        return sum(s.length for s in self.records)
 
 
-class RecurrentLayer(ArraysCache):
+class RecurrentLayer(SnapshotBranches, ArraysCache):
     """mlx-lm's two-slot `ArraysCache` plus a token count and a branch stack.
 
     Args:
@@ -95,34 +96,26 @@ class RecurrentLayer(ArraysCache):
         """True inside a branch: the adapter must hand over what the recurrence consumes."""
         return bool(self.marks)
 
-    @property
-    def committed_offset(self) -> int:
-        return self.marks[0].offset if self.marks else self.offset
-
     def advance(self, N):
         super().advance(N)
         self.offset += N
 
     def record(self, steps: Steps) -> None:
-        self.marks[-1].steps.append(steps)
+        self.marks[-1].records.append(steps)
 
-    def fork(self) -> None:
-        self.marks.append(_RecurrentMark(self.offset, self.cache[0], self.cache[1]))
+    def _snapshot(self) -> _RecurrentMark:
+        return _RecurrentMark(self.offset, self.cache[0], self.cache[1])
 
-    def rollback(self) -> None:
-        self._restore(self.marks.pop())
+    def _restore(self, mark: _RecurrentMark) -> None:
+        self.cache = [mark.conv, mark.state]
+        self.offset = mark.offset
 
-    def commit(self, n: int) -> None:
-        mark = self.marks.pop()
-        if n == mark.appended:
-            if self.marks:
-                self.marks[-1].steps.extend(mark.steps)
-            return
+    def _commit_prefix(self, mark: _RecurrentMark, n: int) -> None:
         if n == 0:
             self._restore(mark)
             return
-        kept = _first_steps(mark.steps, n)
-        rows = [s.conv_rows for s in mark.steps]
+        kept = _first_steps(mark.records, n)
+        rows = [s.conv_rows for s in mark.records]
         before = mark.conv
         if before is None:
             first = rows[0]
@@ -138,24 +131,7 @@ class RecurrentLayer(ArraysCache):
         self.cache = [conv, state]
         self.offset = mark.offset + n
         if self.marks:
-            self.marks[-1].steps.extend(kept)
-
-    def branch_offsets(self) -> list[int]:
-        return [m.offset for m in self.marks]
-
-    def savepoint(self):
-        return _RecurrentMark(self.offset, *self.cache), len(self.marks[-1].steps) if self.marks else 0
-
-    def restore(self, point) -> None:
-        """Undo a forward that failed half-way."""
-        mark, steps = point
-        self._restore(mark)
-        if self.marks:
-            del self.marks[-1].steps[steps:]
-
-    def _restore(self, mark: _RecurrentMark) -> None:
-        self.cache = [mark.conv, mark.state]
-        self.offset = mark.offset
+            self.marks[-1].records.extend(kept)
 
     def clone(self) -> "RecurrentLayer":
         """An independent layer holding the committed state (arrays shared, never written)."""
@@ -209,14 +185,9 @@ class RecurrentLayer(ArraysCache):
             raise InvariantError(f"{where}: conv tail / state present iff tokens were seen")
         if conv is not None and conv.shape[1] != self.conv_tail:
             raise InvariantError(f"{where}: conv tail has {conv.shape[1]} rows, expected {self.conv_tail}")
-        ends = [m.offset for m in self.marks[1:]] + [self.offset]
-        for mark, end in zip(self.marks, ends):
-            if mark.offset + mark.appended != end:
-                raise InvariantError(
-                    f"{where}: a branch from {mark.offset} recorded {mark.appended} steps "
-                    f"but the next level begins at {end}"
-                )
-            if self.strategy == "states" and any(len(s.states) != s.length for s in mark.steps):
+        self._check_marks(where)
+        for mark in self.marks:
+            if self.strategy == "states" and any(len(s.states) != s.length for s in mark.records):
                 raise InvariantError(f"{where}: a step record lacks its per-token states")
 
 

@@ -17,6 +17,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
 from ..errors import BranchError, InvariantError
+from .snapshots import SnapshotBranches
 
 
 @dataclass
@@ -25,19 +26,19 @@ class _WindowMark:
     values: mx.array | None
     offset: int
     idx: int
-    # K/V the branch appended, one entry per update call, in call order.
-    chunks: list[tuple[mx.array, mx.array]] = field(default_factory=list)
+    # K/V the branch appended, one (keys, values) per update call, in call order.
+    records: list[tuple[mx.array, mx.array]] = field(default_factory=list)
 
     @property
     def appended(self) -> int:
-        return sum(k.shape[2] for k, _ in self.chunks)
+        return sum(k.shape[2] for k, _ in self.records)
 
 
 def _view(a: mx.array | None) -> mx.array | None:
     return None if a is None else a[...]
 
 
-class WindowLayer(RotatingKVCache):
+class WindowLayer(SnapshotBranches, RotatingKVCache):
     """mlx-lm's `RotatingKVCache` (same ring layout, same logits) plus a branch stack."""
 
     def __init__(self, max_size: int, keep: int = 0):
@@ -45,48 +46,18 @@ class WindowLayer(RotatingKVCache):
         # marks[i]: the ring as it was when open branch i began, and what i appended.
         self.marks: list[_WindowMark] = []
 
-    @property
-    def committed_offset(self) -> int:
-        return self.marks[0].offset if self.marks else self.offset
-
     def update_and_fetch(self, keys, values):
         if self.marks:
-            self.marks[-1].chunks.append((keys, values))
+            self.marks[-1].records.append((keys, values))
         return super().update_and_fetch(keys, values)
 
-    def fork(self) -> None:
-        self.marks.append(
-            _WindowMark(_view(self.keys), _view(self.values), self.offset, self._idx)
-        )
+    def _snapshot(self) -> _WindowMark:
+        return _WindowMark(_view(self.keys), _view(self.values), self.offset, self._idx)
 
-    def rollback(self) -> None:
-        self._restore(self.marks.pop())
-
-    def commit(self, n: int) -> None:
-        mark = self.marks.pop()
-        if n == mark.appended:
-            if self.marks:
-                self.marks[-1].chunks.extend(mark.chunks)
-            return
+    def _commit_prefix(self, mark: _WindowMark, n: int) -> None:
         self._restore(mark)
-        for k, v in _first_tokens(mark.chunks, n):
+        for k, v in _first_tokens(mark.records, n):
             self.update_and_fetch(k, v)  # records into the enclosing branch, if any
-
-    def branch_offsets(self) -> list[int]:
-        return [m.offset for m in self.marks]
-
-    def savepoint(self):
-        # Views, dropped before anything is evaluated when the forward succeeds,
-        # so they never force a copy of the ring.
-        chunks = len(self.marks[-1].chunks) if self.marks else 0
-        return _WindowMark(_view(self.keys), _view(self.values), self.offset, self._idx), chunks
-
-    def restore(self, point) -> None:
-        """Undo a forward that failed half-way."""
-        mark, chunks = point
-        self._restore(mark)
-        if self.marks:
-            del self.marks[-1].chunks[chunks:]
 
     def _restore(self, mark: _WindowMark) -> None:
         self.keys, self.values = mark.keys, mark.values
@@ -145,13 +116,7 @@ class WindowLayer(RotatingKVCache):
                 raise InvariantError(f"{where}: ring shapes {self.keys.shape} do not hold the index")
         elif self.offset != 0:
             raise InvariantError(f"{where}: tokens counted but no ring")
-        ends = [m.offset for m in self.marks[1:]] + [self.offset]
-        for mark, end in zip(self.marks, ends):
-            if mark.offset + mark.appended != end:
-                raise InvariantError(
-                    f"{where}: a branch from {mark.offset} recorded {mark.appended} tokens "
-                    f"but the next level begins at {end}"
-                )
+        self._check_marks(where)
 
 
 def _first_tokens(chunks, n):
