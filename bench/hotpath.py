@@ -7,7 +7,8 @@ Three sides, interleaved round by round on the same model and tokens:
 
 Each round builds a fresh cache per side and times a prefill of P tokens
 (one call, as mlx-lm's generate does below its 2048-token prefill step); the
-first rounds also time a decode of D tokens one at a time on that cache.
+first rounds also time a decode of D tokens one at a time on that cache
+(decode tokens/s from the median step of each round).
 Every call evaluates the logits and the whole cache state. Prefills
 interleave call by call and decode steps step by step, rotating the order,
 so load from other processes hits all sides alike. Ratios are tokens/s of
@@ -25,6 +26,7 @@ from __future__ import annotations
 import _common as C  # noqa: I001  (first: binds OpenBLAS before mlx loads)
 
 import gc
+import statistics
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -68,7 +70,7 @@ def sides(model, pristine) -> dict[str, Side]:
 
 
 def measure(sides: dict[str, Side], prompt: list[int], steps: list[int], *, prefills: int, decodes: int):
-    """Per side: Stats of prefill seconds, and of decode seconds (sum of the steps).
+    """Per side: Stats of prefill seconds, and of decode seconds (median step x steps).
 
     Round 0 is the warm-up of both phases; rounds 1..prefills time a prefill,
     and rounds 1..decodes also time a decode on the cache that prefill left.
@@ -91,18 +93,20 @@ def measure(sides: dict[str, Side], prompt: list[int], steps: list[int], *, pref
                 pre[n].samples.append(t)
         if r > decodes:
             continue
-        total = dict.fromkeys(names, 0.0)
+        step_times = {n: [] for n in names}
         gc.collect()
         gc.disable()
         try:
             for i, (tok, sx) in enumerate(zip(steps, step_x)):
                 for n in C.rotated(names, r + i):
-                    total[n] += C.timed(sides[n].run([tok], sx), collect=False)
+                    step_times[n].append(C.timed(sides[n].run([tok], sx), collect=False))
         finally:
             gc.enable()
         if r >= 1:
             for n in names:
-                dec[n].samples.append(total[n])
+                # median step x D: a few steps stalled by another process
+                # would otherwise decide a whole round
+                dec[n].samples.append(statistics.median(step_times[n]) * len(steps))
     return pre, dec
 
 
