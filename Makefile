@@ -17,6 +17,8 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/hotpath.py
 	$(PY) bench/branch.py
+	$(PY) bench/speculative.py
+	$(PY) bench/apc.py
 
 $(STAMP): pyproject.toml | blas
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
