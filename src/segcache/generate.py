@@ -216,6 +216,8 @@ class _Speculator:
         self._dbr = draft.fork()
         tokens, qs = [], []
         step = gap + [pending]
+        # The drafts stay lazy: each feeds the next forward as an array, and
+        # the whole chain is evaluated once (one device sync per round, not K).
         for _ in range(width):  # the last draft is not fed: the next round's gap holds it if accepted
             logprobs = _normalize(draft.forward(step)[0, -1])
             if isinstance(self.sampler, Sampler):
@@ -226,10 +228,9 @@ class _Speculator:
                 tok = mx.argmax(logprobs, axis=-1)
             else:
                 tok = self.sampler(logprobs[None])[0]
-            tok = tok.item()
             tokens.append(tok)
-            step = [tok]
-        return tokens, (mx.stack(qs) if qs else None)
+            step = tok.reshape(1)
+        return mx.stack(tokens).tolist(), (mx.stack(qs) if qs else None)
 
     # -- the loop -----------------------------------------------------------------
 
