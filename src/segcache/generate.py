@@ -53,9 +53,10 @@ class GenerationStats:
         generation_time: seconds from the first token to the last.
         rounds: target forwards after the prefill (one per round).
         drafted / accepted: draft tokens proposed / accepted by the target.
-        draft_time / verify_time / commit_time: seconds drafting (draft forwards
-            or n-gram lookup), in the verify forwards and acceptance, and
-            committing branches. With the "replay" recurrent strategy part of a
+        draft_time / verify_time / commit_time: seconds drafting (building the
+            draft model's graph, or n-gram lookup), in the verify forwards and
+            acceptance (for a draft model this includes evaluating the draft
+            chain, which runs in the same graph), and committing branches. With the "replay" recurrent strategy part of a
             commit's work is lazy and lands in the next forward.
         drafted_per_round / accepted_per_round: per verify round.
     """
@@ -206,7 +207,7 @@ class _Speculator:
     # -- drafting -----------------------------------------------------------------
 
     def _draft_model(self, pending: int, width: int):
-        """Open a draft fork and draft `width` tokens; returns (drafts, q or None)."""
+        """Open a draft fork and draft `width` tokens; returns (lazy drafts [width], q or None)."""
         draft = self.draft
         gap = self.history[draft.offset : self.target.offset]
         if len(gap) > _GAP_IN_FORK:
@@ -230,7 +231,7 @@ class _Speculator:
                 tok = self.sampler(logprobs[None])[0]
             tokens.append(tok)
             step = tok.reshape(1)
-        return mx.stack(tokens).tolist(), (mx.stack(qs) if qs else None)
+        return mx.stack(tokens), (mx.stack(qs) if qs else None)
 
     # -- the loop -----------------------------------------------------------------
 
@@ -252,18 +253,26 @@ class _Speculator:
                 remaining = self.width if self.max_tokens < 0 else self.max_tokens - emitted - 1
                 drafting = self.draft is not None or self.lookup is not None
                 width = max(0, min(self.width, self._cap, remaining)) if drafting else 0
-                drafts, q = [], None
+                drafts, lazy, q = [], None, None
                 try:
                     t0 = time.perf_counter()
                     if width and self.draft is not None:
-                        drafts, q = self._draft_model(pending, width)
+                        lazy, q = self._draft_model(pending, width)
                     elif width:
                         drafts = self.lookup.draft(width)
                     t1 = time.perf_counter()
-                    if drafts:
+                    if lazy is not None:
+                        # Verify the unevaluated drafts: the draft chain and the
+                        # verify forward then run as one graph, one sync per round.
                         self._tbr = target.fork()
-                    logits = target.forward([pending] + drafts)[0]
-                    logprobs = _normalize(logits)
+                        head = mx.array([pending], dtype=lazy.dtype)
+                        logprobs = _normalize(target.forward(mx.concatenate([head, lazy]))[0])
+                        mx.eval(lazy, logprobs)
+                        drafts = lazy.tolist()
+                    else:
+                        if drafts:
+                            self._tbr = target.fork()
+                        logprobs = _normalize(target.forward([pending] + drafts)[0])
                     n, nxt = self._accept(logprobs, drafts, q)
                     self.pending_fed = True
                     self._keep = 1
