@@ -25,39 +25,33 @@ from . import BLAS, __version__
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
 
-PROMPT = '''import os
-import sys
+PROMPT = """class Settings:
 
+    def get_name(self):
+        \"\"\"Return the name.\"\"\"
+        return self._name
 
-def read_lines(path, encoding="utf-8"):
-    """Return the lines of the file at path, without line endings."""
-    with open(path, encoding=encoding) as f:
-        return [line.rstrip("\\n") for line in f]
+    def set_name(self, value):
+        \"\"\"Set the name.\"\"\"
+        self._name = value
 
+    def get_size(self):
+        \"\"\"Return the size.\"\"\"
+        return self._size
 
-def write_lines(path, lines, encoding="utf-8"):
-    """Write lines to the file at path, one per line."""
-    with open(path, "w", encoding=encoding) as f:
-        for line in lines:
-            f.write(line + "\\n")
+    def set_size(self, value):
+        \"\"\"Set the size.\"\"\"
+        self._size = value
 
-
-def count_lines(path, encoding="utf-8"):
-    """Return the number of lines in the file at path."""
-    with open(path, encoding=encoding) as f:
-        return sum(1 for _ in f)
-
-
-def append_lines(path, lines, encoding="utf-8"):
-    """'''
+    def get_mode(self):
+"""
 
 FOLLOW_UP = '''
 
 
-def main(argv=None):
-    """Command line entry point."""
-    if argv is None:
-        argv = sys.argv[1:]
+def load_settings(name):
+    """Return the settings called name."""
+    settings = Settings(name)
 '''
 
 
@@ -65,8 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="target model directory (default: the shipped hybrid demo model)")
     parser.add_argument("--draft-model", help="draft model directory (default: the shipped draft)")
     parser.add_argument("--prompt-cache-dir", help="prefix store directory (default: the user's cache directory)")
-    parser.add_argument("--max-tokens", type=int, default=96, help="tokens to generate per completion")
-    parser.add_argument("--num-draft-tokens", type=int, default=4, help="drafts per speculative round")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens to generate per completion")
+    parser.add_argument("--num-draft-tokens", type=int, default=2, help="drafts per round with the draft model")
+    parser.add_argument("--lookup-tokens", type=int, default=4, help="drafts per round with prompt lookup")
     parser.add_argument("--report", help="also write the results as JSON to this file")
     parser.add_argument("--runtime", action="store_true", help="walk through fork / commit / rollback instead")
     parser.add_argument("--prompt-tokens", type=int, default=512, help="with --runtime: prompt length")
@@ -186,7 +181,7 @@ def run(args) -> int:
         before = store.stats()
         rt = Runtime(target, store=store)
         lookup = stream_generate(target, tokenizer, prompt_ids, prompt_lookup=True, runtime=rt,
-                                 num_draft_tokens=args.num_draft_tokens, max_tokens=args.max_tokens)
+                                 num_draft_tokens=args.lookup_tokens, max_tokens=args.max_tokens)
         runs["prompt lookup"] = _collect(lookup, "prompt lookup", args.max_tokens)
         after = store.stats()
 
