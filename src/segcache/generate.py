@@ -249,6 +249,8 @@ class _Speculator:
                 lag = self.history[self.draft.offset : target.offset]
                 _feed(self.draft, lag, self.prefill_step)
             pending = self.history[-1]
+            if self.draft is None and self.lookup is None:
+                yield from self._plain(pending)
             while True:
                 remaining = self.width if self.max_tokens < 0 else self.max_tokens - emitted - 1
                 drafting = self.draft is not None or self.lookup is not None
@@ -321,6 +323,44 @@ class _Speculator:
                     self.pending_fed = True
                 if clean and target.store is not None:
                     target.publish()  # the next turn resumes from prompt + reply
+
+    def _plain(self, pending: int) -> Iterator[tuple]:
+        """Plain decoding, pipelined as mlx-lm's generate_step: the forward of
+        token i is queued (async_eval) before token i is read and yielded, so
+        graph building overlaps the device. Token i is then fed when yielded;
+        only the last one (max_tokens) is left for the finish to feed."""
+        target, stats = self.target, self.stats
+
+        def step(tokens: mx.array):
+            logprobs = _normalize(target.forward(tokens)[0, -1])
+            token = self._sample(logprobs)
+            mx.async_eval(token, logprobs)
+            return token, logprobs
+
+        token, logprobs = step(mx.array([pending], dtype=mx.uint32))
+        emitted = 0
+        while True:
+            emitted += 1
+            ahead = None
+            if self.max_tokens < 0 or emitted < self.max_tokens:
+                ahead = step(token.reshape(1))
+            value = token.item()
+            self.history.append(value)
+            self.pending_fed = ahead is not None
+            stats.rounds += 1
+            yield value, logprobs, False
+            if ahead is None:
+                return
+            token, logprobs = ahead
+
+    def _sample(self, logprobs: mx.array) -> mx.array:
+        """The next token from logprobs [V], unevaluated (as `_accept` draws it without drafts)."""
+        sampler = self.sampler
+        if sampler is None:
+            return mx.argmax(logprobs, axis=-1)
+        if isinstance(sampler, Sampler):
+            return mx.random.categorical(mx.log(sampler.probs(logprobs).astype(mx.float32)))
+        return sampler(logprobs[None])[0]
 
     def _accept(self, logprobs: mx.array, drafts: list, q) -> tuple[int, int]:
         sampler = self.sampler
