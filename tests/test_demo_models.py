@@ -1,6 +1,6 @@
 """The shipped demo models load with mlx_lm and reproduce their recorded held-out numbers."""
 
-import segcache  # noqa: I001  (binds the system BLAS before mlx is imported)
+import segcache  # noqa: F401, I001  (binds the system BLAS before mlx is imported)
 
 import json
 import math

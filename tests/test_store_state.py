@@ -3,7 +3,6 @@ import segcache  # noqa: F401  (binds OpenBLAS before mlx)
 import shutil
 import tempfile
 
-import lmdb
 import mlx.core as mx
 import numpy as np
 from hypothesis import HealthCheck, settings

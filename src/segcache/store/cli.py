@@ -44,7 +44,7 @@ def stats(path: str) -> int:
         label = f"{kind} ({KINDS[kind]})" if kind in KINDS else kind
         print(f"  {label:<26} {n:>8} entries {_mib(b):>12} {t:>12} tokens")
     if "page" in kinds:
-        print(f"  (pages: tokens are stored K/V; checkpoints: tokens are the prompt length they resume)")
+        print("  (pages: tokens are stored K/V; checkpoints: tokens are the prompt length they resume)")
     return 0
 
 
