@@ -37,6 +37,7 @@ import sysconfig  # noqa: E402
 import time  # noqa: E402
 from functools import partial  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import NamedTuple  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
@@ -357,6 +358,126 @@ def learning_rate_at(step: int, peak: float, warmup: int, cooldown_start: int | 
     return peak * (1.0 - 0.9 * progress)
 
 
+class Schedule:
+    """The warmup-stable-decay schedule of a run, with its cooldown placement.
+
+    The cooldown (linear decay to 10% of peak) is either fixed up front
+    (``cooldown_start``/``cooldown_steps``, replaying a recorded run) or placed
+    at run time: over the last 20% of ``steps`` or, if 80% of ``max_minutes``
+    elapses first, from then on, sized from the measured step rate to end at
+    ``max_minutes``. ``last_step`` is the step the run ends at.
+    """
+
+    def __init__(self, *, steps: int, lr: float, warmup: int, max_minutes: float,
+                 cooldown_start: int | None, cooldown_steps: int | None):
+        self.steps, self.lr, self.warmup, self.max_minutes = steps, lr, warmup, max_minutes
+        self.cooldown_start, self.cooldown_steps = cooldown_start, cooldown_steps
+        self.fixed = cooldown_start is not None
+        self.last_step = min(steps, cooldown_start + cooldown_steps) if self.fixed else steps
+        self.cooldown_reason = "fixed" if self.fixed else None
+
+    def learning_rate(self, step: int, elapsed_min: float) -> float:
+        """Learning rate of ``step``, placing the cooldown first if it is due."""
+        if self.cooldown_start is None:
+            if step > 0.8 * self.steps:
+                self.cooldown_start, self.cooldown_steps = step - 1, self.steps - (step - 1)
+                self.cooldown_reason = "last 20% of steps"
+            elif elapsed_min >= 0.8 * self.max_minutes:
+                steps_per_min = (step - 1) / elapsed_min
+                self.cooldown_start = step - 1
+                self.cooldown_steps = max(1, int(steps_per_min
+                                                 * (self.max_minutes - elapsed_min)))
+                self.last_step = min(self.steps, self.cooldown_start + self.cooldown_steps)
+                self.cooldown_reason = f"80% of {self.max_minutes} min elapsed"
+            if self.cooldown_start is not None:
+                print(f"cooldown from step {self.cooldown_start} for {self.cooldown_steps} "
+                      f"steps ({self.cooldown_reason})", flush=True)
+        return learning_rate_at(step, self.lr, self.warmup, self.cooldown_start,
+                                self.cooldown_steps)
+
+
+class LoopResult(NamedTuple):
+    """What :func:`train_loop` returns."""
+
+    stats: dict
+    timing: dict
+    losses: list[tuple]
+
+
+def train_loop(step_fn, optimizer, tokens: np.ndarray, *, steps: int, batch: int,
+               seq_len: int, lr: float, warmup: int, seed: int, max_minutes: float,
+               cooldown_start: int | None, cooldown_steps: int | None, checkpoint,
+               checkpoint_every: int, log_every: int,
+               loss_names: tuple[str, ...]) -> LoopResult:
+    """The training loop shared by ``train_model`` and ``distill_model``.
+
+    Each step sets ``optimizer``'s learning rate from the :class:`Schedule`, draws
+    a batch and calls ``step_fn(x, y) -> (values, grad_norm)``: ``values`` is the
+    step's loss (a float) or its loss terms (a tuple of floats named by
+    ``loss_names``, the first being the total). Logs the window means every
+    ``log_every`` steps, checkpoints every ``checkpoint_every`` (``checkpoint(step,
+    last logged loss)``) and, if the cooldown is not fixed, stops at 110% of
+    ``max_minutes``.
+
+    Returns:
+        The run's statistics (steps, schedule and cooldown as used), its timing and
+        the logged ``(step, *window means)``.
+    """
+    schedule = Schedule(steps=steps, lr=lr, warmup=warmup, max_minutes=max_minutes,
+                        cooldown_start=cooldown_start, cooldown_steps=cooldown_steps)
+    batches = batch_iterator(tokens, batch, seq_len, seed)
+    start = time.time()
+    recent, losses = [], []
+    step = 0
+    stopped_early = False
+    while step < schedule.last_step:
+        step += 1
+        elapsed_min = (time.time() - start) / 60
+        optimizer.learning_rate = schedule.learning_rate(step, elapsed_min)
+        x, y = next(batches)
+        values, grad_norm = step_fn(x, y)
+        recent.append(values)
+        if step % log_every == 0 or step == 1:
+            elapsed = time.time() - start
+            mean = [float(v) for v in np.atleast_1d(np.mean(recent, axis=0))]
+            losses.append((step, *mean))
+            terms = " ".join(f"{name} {value:.4f}" for name, value in zip(loss_names, mean))
+            print(f"step {step:5d}/{schedule.last_step} {terms} gnorm {grad_norm.item():.2f} "
+                  f"lr {optimizer.learning_rate.item():.2e} "
+                  f"{step * batch * seq_len / elapsed:7.0f} tok/s {elapsed / 60:6.1f} min",
+                  flush=True)
+            recent = []
+        if step % checkpoint_every == 0:
+            checkpoint(step, losses[-1][1] if losses else float("nan"))
+        if not schedule.fixed and (time.time() - start) / 60 > 1.1 * max_minutes:
+            print(f"hard time cap reached at step {step}", flush=True)
+            stopped_early = True
+            break
+    wall = time.time() - start
+    stats = {
+        "steps": step,
+        "steps_max": steps,
+        "stopped_early": stopped_early,
+        "batch": batch,
+        "seq_len": seq_len,
+        "tokens_seen": step * batch * seq_len,
+        "peak_lr": lr,
+        "warmup_steps": warmup,
+        "cooldown_start": schedule.cooldown_start,
+        "cooldown_steps": schedule.cooldown_steps,
+        "cooldown_reason": schedule.cooldown_reason,
+    }
+    timing = {"wall_time_s": round(wall, 1),
+              "tokens_per_s": round(step * batch * seq_len / wall, 1)}
+    return LoopResult(stats, timing, losses)
+
+
+def loss_curve(losses: list[tuple]) -> list[list]:
+    """About 40 of the logged ``(step, *losses)``, losses rounded to 4 decimals."""
+    return [[s, *(round(v, 4) for v in values)]
+            for s, *values in losses[:: max(1, len(losses) // 40)]]
+
+
 def train_model(model: nn.Module, tokens: np.ndarray, *, steps: int, batch: int, seq_len: int,
                 lr: float, warmup: int, seed: int, max_minutes: float,
                 cooldown_start: int | None, cooldown_steps: int | None,
@@ -404,79 +525,28 @@ def train_model(model: nn.Module, tokens: np.ndarray, *, steps: int, batch: int,
         optimizer.update(model, grads)
         return loss, grad_norm
 
-    fixed_schedule = cooldown_start is not None
-    if fixed_schedule:
-        last_step = min(steps, cooldown_start + cooldown_steps)
-    else:
-        last_step = steps
-    cooldown_reason = "fixed" if fixed_schedule else None
-    model.train()
-    batches = batch_iterator(tokens, batch, seq_len, seed)
-    start = time.time()
-    recent = []
-    losses = []
-    step = 0
-    stopped_early = False
-    while step < last_step:
-        step += 1
-        elapsed_min = (time.time() - start) / 60
-        if cooldown_start is None:
-            if step > 0.8 * steps:
-                cooldown_start, cooldown_steps = step - 1, steps - (step - 1)
-                cooldown_reason = "last 20% of steps"
-            elif elapsed_min >= 0.8 * max_minutes:
-                steps_per_min = (step - 1) / elapsed_min
-                cooldown_start = step - 1
-                cooldown_steps = max(1, int(steps_per_min * (max_minutes - elapsed_min)))
-                last_step = min(steps, cooldown_start + cooldown_steps)
-                cooldown_reason = f"80% of {max_minutes} min elapsed"
-            if cooldown_start is not None:
-                print(f"cooldown from step {cooldown_start} for {cooldown_steps} steps "
-                      f"({cooldown_reason})", flush=True)
-        optimizer.learning_rate = learning_rate_at(step, lr, warmup, cooldown_start,
-                                                   cooldown_steps)
-        x, y = next(batches)
+    def step_fn(x, y):
         loss, grad_norm = train_step(x, y)
         mx.eval(state, loss)
-        recent.append(loss.item())
-        if step % log_every == 0 or step == 1:
-            elapsed = time.time() - start
-            mean_loss = float(np.mean(recent))
-            losses.append((step, mean_loss))
-            print(f"step {step:5d}/{last_step} loss {mean_loss:.4f} gnorm {grad_norm.item():.2f} "
-                  f"lr {optimizer.learning_rate.item():.2e} "
-                  f"{step * batch * seq_len / elapsed:7.0f} tok/s {elapsed / 60:6.1f} min",
-                  flush=True)
-            recent = []
-        if step % checkpoint_every == 0:
-            checkpoint(step, losses[-1][1] if losses else float("nan"))
-        if not fixed_schedule and (time.time() - start) / 60 > 1.1 * max_minutes:
-            print(f"hard time cap reached at step {step}", flush=True)
-            stopped_early = True
-            break
-    wall = time.time() - start
+        return loss.item(), grad_norm
+
+    model.train()
+    run = train_loop(step_fn, optimizer, tokens, steps=steps, batch=batch, seq_len=seq_len,
+                     lr=lr, warmup=warmup, seed=seed, max_minutes=max_minutes,
+                     cooldown_start=cooldown_start, cooldown_steps=cooldown_steps,
+                     checkpoint=checkpoint, checkpoint_every=checkpoint_every,
+                     log_every=log_every, loss_names=("loss",))
     model.eval()
-    final_window = [l for s, l in losses[-5:]]
+    final_window = [l for s, l in run.losses[-5:]]
     return {
-        "steps": step,
-        "steps_max": steps,
-        "stopped_early": stopped_early,
-        "batch": batch,
-        "seq_len": seq_len,
-        "tokens_seen": step * batch * seq_len,
-        "peak_lr": lr,
-        "warmup_steps": warmup,
-        "cooldown_start": cooldown_start,
-        "cooldown_steps": cooldown_steps,
-        "cooldown_reason": cooldown_reason,
+        **run.stats,
         "schedule": "warmup-stable-decay: linear warmup from 1% of peak, constant, "
                     "linear cooldown to 10% of peak",
         "optimizer": "AdamW(betas=(0.9, 0.95), weight_decay=0.1), grad clip 1.0",
         "seed": seed,
-        "wall_time_s": round(wall, 1),
-        "tokens_per_s": round(step * batch * seq_len / wall, 1),
+        **run.timing,
         "final_train_loss": float(np.mean(final_window)) if final_window else None,
-        "loss_curve": [[s, round(l, 4)] for s, l in losses[:: max(1, len(losses) // 40)]],
+        "loss_curve": loss_curve(run.losses),
     }
 
 
@@ -690,79 +760,34 @@ def distill_model(student: nn.Module, teacher: nn.Module, tokens: np.ndarray, *,
         optimizer.update(student, grads)
         return loss, kl, ce, grad_norm
 
-    fixed_schedule = cooldown_start is not None
-    last_step = min(steps, cooldown_start + cooldown_steps) if fixed_schedule else steps
-    cooldown_reason = "fixed" if fixed_schedule else None
-    student.train()
-    batches = batch_iterator(tokens, batch, seq_len, seed)
-    start = time.time()
-    recent, losses = [], []
-    step = 0
-    while step < last_step:
-        step += 1
-        elapsed_min = (time.time() - start) / 60
-        if cooldown_start is None:
-            if step > 0.8 * steps:
-                cooldown_start, cooldown_steps = step - 1, steps - (step - 1)
-                cooldown_reason = "last 20% of steps"
-            elif elapsed_min >= 0.8 * max_minutes:
-                cooldown_start = step - 1
-                cooldown_steps = max(1, int((step - 1) / elapsed_min
-                                            * (max_minutes - elapsed_min)))
-                last_step = min(steps, cooldown_start + cooldown_steps)
-                cooldown_reason = f"80% of {max_minutes} min elapsed"
-            if cooldown_start is not None:
-                print(f"cooldown from step {cooldown_start} for {cooldown_steps} steps "
-                      f"({cooldown_reason})", flush=True)
-        optimizer.learning_rate = learning_rate_at(step, lr, warmup, cooldown_start,
-                                                   cooldown_steps)
-        x, y = next(batches)
+    def step_fn(x, y):
         t_logp = teacher_logprobs(x)
         loss, kl, ce, grad_norm = train_step(x, y, t_logp)
         mx.eval(state, loss, kl, ce)
-        recent.append((loss.item(), kl.item(), ce.item()))
-        if step % log_every == 0 or step == 1:
-            elapsed = time.time() - start
-            mean = np.mean(recent, axis=0)
-            losses.append((step, *map(float, mean)))
-            print(f"step {step:5d}/{last_step} loss {mean[0]:.4f} kl {mean[1]:.4f} "
-                  f"ce {mean[2]:.4f} gnorm {grad_norm.item():.2f} "
-                  f"lr {optimizer.learning_rate.item():.2e} "
-                  f"{step * batch * seq_len / elapsed:7.0f} tok/s {elapsed / 60:6.1f} min",
-                  flush=True)
-            recent = []
-        if step % checkpoint_every == 0:
-            checkpoint(step, losses[-1][1] if losses else float("nan"))
-        if not fixed_schedule and (time.time() - start) / 60 > 1.1 * max_minutes:
-            print(f"hard time cap reached at step {step}", flush=True)
-            break
-    wall = time.time() - start
+        return (loss.item(), kl.item(), ce.item()), grad_norm
+
+    student.train()
+    run = train_loop(step_fn, optimizer, tokens, steps=steps, batch=batch, seq_len=seq_len,
+                     lr=lr, warmup=warmup, seed=seed, max_minutes=max_minutes,
+                     cooldown_start=cooldown_start, cooldown_steps=cooldown_steps,
+                     checkpoint=checkpoint, checkpoint_every=checkpoint_every,
+                     log_every=log_every, loss_names=("loss", "kl", "ce"))
     student.eval()
-    final = np.mean([l[1:] for l in losses[-5:]], axis=0)
+    final = np.mean([l[1:] for l in run.losses[-5:]], axis=0)
+    stats = {k: v for k, v in run.stats.items() if k != "stopped_early"}  # not recorded
     return {
-        "steps": step,
-        "steps_max": steps,
-        "batch": batch,
-        "seq_len": seq_len,
-        "tokens_seen": step * batch * seq_len,
-        "peak_lr": lr,
-        "warmup_steps": warmup,
-        "cooldown_start": cooldown_start,
-        "cooldown_steps": cooldown_steps,
-        "cooldown_reason": cooldown_reason,
+        **stats,
         "loss": f"{kl_weight} * KL(target || draft) + {ce_weight} * CE(data), "
                 "nats/token, temperature 1",
         "kl_weight": kl_weight,
         "ce_weight": ce_weight,
         "optimizer": "AdamW(betas=(0.9, 0.95), weight_decay=0), grad clip 1.0",
         "seed": seed,
-        "wall_time_s": round(wall, 1),
-        "tokens_per_s": round(step * batch * seq_len / wall, 1),
+        **run.timing,
         "final_train_loss": float(final[0]),
         "final_train_kl": float(final[1]),
         "final_train_ce": float(final[2]),
-        "loss_curve": [[s, round(l, 4), round(k, 4), round(c, 4)]
-                       for s, l, k, c in losses[:: max(1, len(losses) // 40)]],
+        "loss_curve": loss_curve(run.losses),
     }
 
 
