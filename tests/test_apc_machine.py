@@ -1,9 +1,9 @@
 import segcache  # noqa: F401  (first: binds the system BLAS before mlx loads)
 
 import pytest
-from hypothesis import HealthCheck, settings
 
 from conftest import tiny
+from segcache.testing.statemachine import run_machine
 from segcache.testing.store_machine import store_machine_for
 
 # Item 9: fork/forward/commit/rollback/clone programs with publish/prefill/evict/reopen.
@@ -12,12 +12,4 @@ CASES = [("llama", 30), ("qwen3_5", 25), ("gemma3_text", 30)]
 
 @pytest.mark.parametrize("family,examples", CASES)
 def test_store_state_machine(family, examples):
-    machine = store_machine_for(tiny(family))
-    machine.TestCase.settings = settings(
-        max_examples=examples,
-        stateful_step_count=16,
-        deadline=None,
-        derandomize=True,
-        suppress_health_check=list(HealthCheck),
-    )
-    machine.TestCase("runTest").runTest()
+    run_machine(store_machine_for(tiny(family)), examples=examples, steps=16)

@@ -1,10 +1,9 @@
 import segcache  # noqa: F401
 
 import pytest
-from hypothesis import HealthCheck, settings
 
 from conftest import tiny
-from segcache.testing.statemachine import machine_for
+from segcache.testing.statemachine import machine_for, run_machine
 
 # 3 models x 2 recurrent strategies where they matter: >= 200 programs in all.
 CASES = [
@@ -17,12 +16,4 @@ CASES = [
 
 @pytest.mark.parametrize("family,strategy,examples", CASES)
 def test_runtime_state_machine(family, strategy, examples):
-    machine = machine_for(tiny(family), strategy=strategy)
-    machine.TestCase.settings = settings(
-        max_examples=examples,
-        stateful_step_count=20,
-        deadline=None,
-        derandomize=True,
-        suppress_health_check=list(HealthCheck),
-    )
-    machine.TestCase("runTest").runTest()
+    run_machine(machine_for(tiny(family), strategy=strategy), examples=examples, steps=20)

@@ -12,6 +12,7 @@ Use `machine_for(model)` to get a TestCase-ready machine for a model.
 from __future__ import annotations
 
 import mlx.core as mx
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from mlx_lm.models.cache import make_prompt_cache
@@ -170,3 +171,15 @@ def machine_for(model, *, strategy: str = "auto", vocab: int = 64) -> type[Runti
         (RuntimeMachine,),
         {"model": model, "strategy": strategy, "vocab": vocab},
     )
+
+
+def run_machine(machine: type[RuleBasedStateMachine], *, examples: int, steps: int = 20) -> None:
+    """Run `machine` for `examples` programs of up to `steps` steps, deterministically."""
+    machine.TestCase.settings = settings(
+        max_examples=examples,
+        stateful_step_count=steps,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
+    machine.TestCase("runTest").runTest()
