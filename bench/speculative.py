@@ -4,6 +4,9 @@ Cases, all on the same hybrid (Gated DeltaNet + attention) target and timed
 interleaved with plain greedy generation on the same prompt in the same run:
 
   * dense draft      a llama draft model
+  * dense draft, held-out prompts
+                     the same on code prompts from outside the training
+                     corpus (mlx-lm's sources), one after the other
   * hybrid draft     the target's own first layers (shared weights, early exit)
   * prompt lookup    n-gram drafts from the prompt + output, on a prompt that
                      asks the model to repeat/edit code it was shown
@@ -16,7 +19,7 @@ the target always (an acceptance upper bound) and the dense draft almost
 never (a lower bound), which the output says.
 
     python bench/speculative.py [--quick] [--repeats N] [--max-tokens N] [--num-draft-tokens K]
-                                [--target DIR --draft DIR]
+                                [--draft-min-prob P] [--heldout-prompts N] [--target DIR --draft DIR]
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import mlx_lm  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 import segcache  # noqa: E402
-from segcache.generate import stream_generate  # noqa: E402
+from segcache.generate import DRAFT_MIN_PROB, stream_generate  # noqa: E402
 from segcache.testing import models  # noqa: E402
 from segcache.testing import tokenizer as test_tokenizer  # noqa: E402
 
@@ -65,6 +68,16 @@ PROMPT = "# A small helper module.\nimport os\n\n\ndef join(parts):\n    return 
 # Editing code: the model has just read the code and is asked to write it again,
 # renamed; most of its output then repeats n-grams of the prompt.
 LOOKUP_PROMPT = CODE + "\n\n# The same functions again, with `sep` renamed to `delimiter`:\n\n" + CODE[:60]
+
+
+def heldout_prompts(tokenizer, count: int, length: int = 80) -> list[list[int]]:
+    """`count` code prompts from heldout_other.txt (mlx-lm's sources, outside the
+    training corpus): the `length` tokens up to a `def`/`class` line, spread
+    evenly over the file."""
+    lines = (MODELS_DIR / "heldout_other.txt").read_text().split("\n")
+    starts = [i for i, line in enumerate(lines) if line.lstrip().startswith(("def ", "class "))]
+    picks = starts[:: max(1, len(starts) // count)][:count]
+    return [tokenizer.encode("\n".join(lines[max(0, i - 30) : i + 1]))[-length:] for i in picks]
 
 
 def early_exit(model, layers: int):
@@ -144,12 +157,15 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--draft-min-prob", type=float, default=DRAFT_MIN_PROB,
+                        help=f"stop a round's drafting below this draft probability (default {DRAFT_MIN_PROB}; 0 = off)")
+    parser.add_argument("--heldout-prompts", type=int, default=4, help="prompts in the held-out code case")
     parser.add_argument("--target", help="target model directory (default: the shipped demo target)")
     parser.add_argument("--draft", help="dense draft model directory (default: the shipped demo draft)")
     args = parser.parse_args()
     repeats = args.repeats or (2 if args.quick else 5)
     max_tokens = args.max_tokens or (64 if args.quick else 256)
-    k = args.num_draft_tokens
+    k, gate = args.num_draft_tokens, args.draft_min_prob
 
     target, dense, hybrid, tokenizer, notes, specs = load_models(args.target, args.draft)
     params = lambda m: sum(v.size for _, v in tree_flatten(m.parameters()))  # noqa: E731
@@ -159,50 +175,58 @@ def main() -> int:
     header("speculative generation: hybrid target, speculative vs plain greedy", sized)
     for line in notes:
         print(line)
-    print(f"max_tokens {max_tokens}, num_draft_tokens {k}, repeats {repeats} (+1 warm-up), "
-          "figures are medians; ratios are paired per round\n")
+    print(f"max_tokens {max_tokens}, num_draft_tokens {k}, draft_min_prob {gate}, repeats {repeats} "
+          "(+1 warm-up), figures are medians; ratios are paired per round\n")
 
+    heldout = heldout_prompts(tokenizer, args.heldout_prompts)
+    drafting = {"num_draft_tokens": k, "draft_min_prob": gate}
     cases = [
-        ("dense draft", PROMPT, {"draft_model": dense, "num_draft_tokens": k}),
-        ("hybrid draft", PROMPT, {"draft_model": hybrid, "num_draft_tokens": k}),
-        ("prompt lookup", LOOKUP_PROMPT, {"prompt_lookup": True, "num_draft_tokens": k}),
+        ("dense draft", [tokenizer.encode(PROMPT)], {"draft_model": dense, **drafting}),
+        (f"dense draft, {len(heldout)} held-out prompts", heldout, {"draft_model": dense, **drafting}),
+        ("hybrid draft", [tokenizer.encode(PROMPT)], {"draft_model": hybrid, **drafting}),
+        ("prompt lookup", [tokenizer.encode(LOOKUP_PROMPT)], {"prompt_lookup": True, "num_draft_tokens": k}),
     ]
     rows = []
-    for name, text, kwargs in cases:
-        prompt = tokenizer.encode(text)
-        expected = [r.token for r in mlx_lm.stream_generate(target, tokenizer, mx.array(prompt),
-                                                             max_tokens=max_tokens)]
+    for name, prompts, kwargs in cases:
+        expected = [[r.token for r in mlx_lm.stream_generate(target, tokenizer, mx.array(p), max_tokens=max_tokens)]
+                    for p in prompts]
         seen = {}
 
         def side(label, **kw):
             def setup():
                 def run():
-                    out = list(stream_generate(target, tokenizer, prompt, max_tokens=max_tokens, **kw))
-                    seen[label] = ([r.token for r in out], out[-1].stats)
+                    outs = [list(stream_generate(target, tokenizer, p, max_tokens=max_tokens, **kw)) for p in prompts]
+                    seen[label] = ([[r.token for r in out] for out in outs], [out[-1].stats for out in outs])
                     return []
                 return run
             return setup
 
         def mlx_side():
             def run():
-                for _ in mlx_lm.stream_generate(target, tokenizer, mx.array(prompt), max_tokens=max_tokens):
-                    pass
+                for p in prompts:
+                    for _ in mlx_lm.stream_generate(target, tokenizer, mx.array(p), max_tokens=max_tokens):
+                        pass
                 return []
             return run
 
         stats = interleave({"mlx-lm": mlx_side, "plain": side("plain"), "spec": side("spec", **kwargs)},
                            warmup=1, repeats=repeats)
-        n = len(expected)
+        n = sum(len(e) for e in expected)
         tps = {s: n / stats[s].median for s in stats}
         spec_tokens, spec_stats = seen["spec"]
         plain_tokens, _ = seen["plain"]
         identical = spec_tokens == expected and plain_tokens == expected
+        drafted = sum(st.drafted for st in spec_stats)
+        accepted = sum(st.accepted for st in spec_stats)
+        rounds = sum(st.rounds for st in spec_stats)
+        times = [sum(getattr(st, f) for st in spec_stats) for f in ("draft_time", "verify_time", "commit_time")]
         rows.append([
-            name, str(len(prompt)), str(n), f"{tps['mlx-lm']:.1f}", f"{tps['plain']:.1f}", f"{tps['spec']:.1f}",
+            name, "+".join(str(len(p)) for p in prompts), str(n),
+            f"{tps['mlx-lm']:.1f}", f"{tps['plain']:.1f}", f"{tps['spec']:.1f}",
             fmt_ratio(paired_ratio(stats["plain"], stats["spec"])),
             fmt_ratio(paired_ratio(stats["mlx-lm"], stats["spec"])),
-            f"{spec_stats.acceptance_rate:.1%}", f"{spec_stats.mean_accepted:.2f}",
-            f"{spec_stats.draft_time:.2f}/{spec_stats.verify_time:.2f}/{spec_stats.commit_time:.2f}",
+            f"{accepted / max(drafted, 1):.1%}", f"{accepted / max(rounds, 1):.2f}",
+            "/".join(f"{t:.2f}" for t in times),
             "yes" if identical else "NO",
         ])
         print(f"{name}: done ({'identical' if identical else 'OUTPUT DIFFERS'})", flush=True)
@@ -210,7 +234,8 @@ def main() -> int:
     print(table(rows, ["case", "prompt", "tokens", "mlx-lm tok/s", "plain tok/s", "spec tok/s",
                        "speedup vs plain", "speedup vs mlx-lm", "accepted", "acc/round",
                        "draft/verify/commit s", "identical"]))
-    print("\ntok/s: generated tokens / end-to-end seconds (prefill included) of one generation;"
+    print("\ntok/s: generated tokens / end-to-end seconds (prefill included) of one generation"
+          " (of all the case's prompts, one after the other);"
           "\nplain = segcache greedy without drafts on the same runtime code; mlx-lm = mlx_lm.stream_generate;"
           "\nspeedup = paired per-round time ratio, median [min-max]; identical = speculative and plain"
           " outputs equal mlx-lm's greedy tokens")

@@ -54,9 +54,10 @@ class Steered:
     round's acceptance is known in advance.
     """
 
-    def __init__(self, inner, truth, schedule):
-        self.inner, self.truth, self.schedule = inner, list(truth), schedule
+    def __init__(self, inner, truth, schedule, unsure=lambda r: None):
+        self.inner, self.truth, self.schedule, self.unsure = inner, list(truth), schedule, unsure
         self.rounds = []  # draft index that was corrupted per round (None = none)
+        self.unsure_at = []  # draft index given a low probability per round (None = none)
         self._base, self._i = None, 0
         self.active = True
 
@@ -70,13 +71,17 @@ class Steered:
             base = cache[0].committed_offset
             if base != self._base:  # a new round's draft fork
                 self._base, self._i = base, 0
+                self.unsure_at.append(self.unsure(len(self.rounds)))
                 self.rounds.append(self.schedule(len(self.rounds)))
             wrong = self._i == self.rounds[-1]
+            # Unsure: still the same argmax, but a probability of about 1/25
+            # over the 64-token test vocabulary instead of about 1.
+            peak = 1.0 if self._i == self.unsure_at[-1] else 100.0
             self._i += 1
             tok = self.truth[position] if position < len(self.truth) else 0
             if wrong:
                 tok = (tok + 1) % logits.shape[-1]
-            row = mx.where(mx.arange(logits.shape[-1]) == tok, 100.0, 0.0).astype(logits.dtype)
+            row = mx.where(mx.arange(logits.shape[-1]) == tok, peak, 0.0).astype(logits.dtype)
             logits = mx.concatenate([logits[:, :-1], row[None, None]], axis=1)
         return logits
 
@@ -144,10 +149,41 @@ def test_adaptive_width_follows_acceptance():
     # Rejected at the first position for 3 rounds, then always accepted: 4, 2, 1, 1, 2, 4, 4 ...
     draft = Steered(model("llama", 1), prompt + expected, lambda r: 0 if r < 3 else None)
     out = list(stream_generate(model("qwen3_5"), tok(), prompt, draft_model=draft, num_draft_tokens=k,
-                               max_tokens=40))
+                               max_tokens=40, draft_min_prob=0.0))
     assert [r.token for r in out] == expected
     assert out[-1].stats.drafted_per_round[:7] == [4, 2, 1, 1, 2, 4, 4]
     assert out[-1].stats.accepted_per_round[:7] == [0, 0, 0, 1, 2, 4, 4]
+
+
+@pytest.mark.parametrize("target_family,draft_family", [("qwen3_5", "llama"), ("llama", "qwen3_next")])
+def test_draft_stops_after_the_first_unsure_draft(target_family, draft_family):
+    """With the gate, a round drafts up to and including its first draft below
+    draft_min_prob; that draft is still verified (here it is right, so accepted)."""
+    prompt, k = prompt_ids(), 5
+    expected = ref_tokens(target_family, prompt, 40)
+    # Per round: unsure at draft index 0, 2, 4 (the last: no early stop), or nowhere.
+    kinds = [0, 2, 4, None]
+    draft = Steered(model(draft_family, 1), prompt + expected, lambda r: None, unsure=lambda r: kinds[r % 4])
+    rt, drt = Runtime(model(target_family)), Runtime(draft)
+    out = list(stream_generate(model(target_family), tok(), prompt, draft_model=draft, num_draft_tokens=k,
+                               max_tokens=40, runtime=rt, draft_runtime=drt, draft_min_prob=0.2))
+    assert [r.token for r in out] == expected
+    stats = out[-1].stats
+    rounds = list(zip(stats.drafted_per_round, stats.accepted_per_round, draft.unsure_at))
+    full = [(d, a, u) for d, a, u in rounds if d == k or u is not None and d == u + 1]
+    assert len(full) >= 4, rounds  # rounds not cut short by max_tokens
+    for drafted, accepted, unsure in rounds[:-1]:  # the last round may be cut by max_tokens
+        assert drafted == (k if unsure is None else unsure + 1)
+        assert accepted == drafted  # the unsure draft was right, and verified
+    _assert_holds(rt, prompt + expected)
+    draft.active = False
+    _assert_draft_prefix(drt, rt)
+    # Without the gate every round drafts k, unsure or not.
+    draft = Steered(model(draft_family, 1), prompt + expected, lambda r: None, unsure=lambda r: kinds[r % 4])
+    out = list(stream_generate(model(target_family), tok(), prompt, draft_model=draft, num_draft_tokens=k,
+                               max_tokens=40, draft_min_prob=0.0))
+    assert [r.token for r in out] == expected
+    assert set(out[-1].stats.drafted_per_round[:-1]) == {k}
 
 
 @pytest.mark.parametrize("target_family", ["llama", "qwen3_5", "qwen3_next"])
@@ -257,6 +293,9 @@ def test_argument_errors():
         stream_generate(target, tok(), PROMPT, draft_model=target, prompt_lookup=True)
     with pytest.raises(ValueError, match="max_tokens"):
         stream_generate(target, tok(), PROMPT, max_tokens=0)
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="draft_min_prob"):
+            stream_generate(target, tok(), PROMPT, draft_model=target, draft_min_prob=bad)
     with pytest.raises(ValueError, match="empty"):
         stream_generate(target, tok(), [])
     with pytest.raises(ValueError, match="model"):

@@ -1,7 +1,7 @@
 """`segcache generate`: plain or speculative generation from local mlx-lm model directories.
 
     segcache generate --model PATH --prompt TEXT --max-tokens N
-        [--draft-model PATH --num-draft-tokens K | --prompt-lookup] [--temp T --seed S] [--verbose]
+        [--draft-model PATH --num-draft-tokens K [--draft-min-prob P] | --prompt-lookup] [--temp T --seed S] [--verbose]
 """
 
 from __future__ import annotations
@@ -24,7 +24,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     drafter = p.add_mutually_exclusive_group()
     drafter.add_argument("--draft-model", help="draft model directory sharing the target's tokenizer")
     drafter.add_argument("--prompt-lookup", action="store_true", help="draft by n-gram lookup in prompt + output")
-    p.add_argument("--num-draft-tokens", type=int, default=4, help="drafts per round (default 4)")
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="drafts per round, at most (default 4)")
+    p.add_argument("--draft-min-prob", type=float, default=None,
+                   help="with --draft-model: stop a round's drafting after a draft the draft model gives "
+                        "less than this (default: stream_generate's; 0 = always draft --num-draft-tokens)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling mass (0: off)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
@@ -93,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
                 draft_model=draft_model, prompt_lookup=args.prompt_lookup,
                 num_draft_tokens=args.num_draft_tokens, max_tokens=args.max_tokens, sampler=sampler,
                 runtime=runtime,
+                **({} if args.draft_min_prob is None else {"draft_min_prob": args.draft_min_prob}),
             ):
                 if args.verbose:
                     print(response.text, end="", flush=True)

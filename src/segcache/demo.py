@@ -60,7 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-model", help="draft model directory (default: the shipped draft)")
     parser.add_argument("--prompt-cache-dir", help="prefix store directory (default: the user's cache directory)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens to generate per completion")
-    parser.add_argument("--num-draft-tokens", type=int, default=2, help="drafts per round with the draft model")
+    parser.add_argument("--num-draft-tokens", type=int, default=4,
+                        help="most drafts per round with the draft model (a round stops at the first unsure draft)")
+    parser.add_argument("--draft-min-prob", type=float, default=None,
+                        help="the draft probability below which a round drafts no further "
+                             "(default: stream_generate's; 0 = always draft --num-draft-tokens)")
     parser.add_argument("--lookup-tokens", type=int, default=4, help="drafts per round with prompt lookup")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each way (the fastest counts)")
     parser.add_argument("--report", help="also write the results as JSON to this file")
@@ -176,10 +180,12 @@ def run(args) -> int:
         # Each way runs `--repeats` times, interleaved, after a warm-up (kernels
         # compile on first use); the fastest run counts, since load from other
         # processes only ever adds time. Every run must give the same tokens.
+        gate = {} if args.draft_min_prob is None else {"draft_min_prob": args.draft_min_prob}
         ways = {
             "plain greedy (mlx-lm)": lambda n: mlx_lm.stream_generate(target, tokenizer, prompt_ids, max_tokens=n),
             "draft model": lambda n: stream_generate(target, tokenizer, prompt_ids, draft_model=draft,
-                                                     num_draft_tokens=args.num_draft_tokens, max_tokens=n),
+                                                     num_draft_tokens=args.num_draft_tokens, max_tokens=n,
+                                                     **gate),
             "prompt lookup": lambda n: stream_generate(target, tokenizer, prompt_ids, prompt_lookup=True,
                                                        num_draft_tokens=args.lookup_tokens, max_tokens=n),
         }

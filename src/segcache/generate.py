@@ -35,6 +35,12 @@ from .lookup import PromptLookup
 from .runtime import Runtime
 from .sampling import Sampler, match_accept, speculative_accept
 
+# The default `draft_min_prob` (see stream_generate). The shipped draft's
+# greedy token matched the target's 95-100% of the time when it gave it
+# p >= 0.3 and 50-68% below; 0.25 was among the fastest settings on
+# held-out code prompts with 4 drafts per round (docs/benchmarks.md).
+DRAFT_MIN_PROB = 0.25
+
 # A gap (tokens the target committed that the draft has not seen) up to this
 # long rides along in the draft's first forward of a round; longer gaps are
 # fed outside the fork first, so a branch never holds a long prefill.
@@ -163,7 +169,7 @@ class _Speculator:
     """
 
     def __init__(self, target, draft, lookup, prompt, *, width, max_tokens, sampler, prefill_step, stats,
-                 adaptive=True):
+                 adaptive=True, draft_min_prob=0.0):
         self.target: Runtime = target
         self.draft: Optional[Runtime] = draft
         self.lookup: Optional[PromptLookup] = lookup
@@ -182,10 +188,15 @@ class _Speculator:
         self._dbr = None
         self._gap_in_fork = 0
         self._keep = 0
-        # With `adaptive`, the draft width halves after a round that accepted
-        # nothing and doubles after one that accepted everything (1..width):
-        # a miss costs draft forwards and a wider verify, even for free lookups.
+        # With `adaptive` and a draft model, a round stops drafting after the
+        # first draft the draft model itself gives less than `draft_min_prob`
+        # (that draft is still verified: even unsure drafts are often right).
+        # Otherwise (prompt lookup, or draft_min_prob 0) the width halves after
+        # a round that accepted nothing and doubles after one that accepted
+        # everything (1..width): a miss costs a wider verify, even for free drafts.
         self.adaptive = adaptive
+        self.gate = adaptive and draft is not None and draft_min_prob > 0
+        self.draft_min_prob = draft_min_prob
         self._cap = width
 
     # -- cleanup ------------------------------------------------------------------
@@ -217,21 +228,30 @@ class _Speculator:
         self._dbr = draft.fork()
         tokens, qs = [], []
         step = gap + [pending]
-        # The drafts stay lazy: each feeds the next forward as an array, and
-        # the whole chain is evaluated once (one device sync per round, not K).
-        for _ in range(width):  # the last draft is not fed: the next round's gap holds it if accepted
+        # The drafts stay lazy: each feeds the next forward as an array. Without
+        # the gate the whole chain is evaluated with the verify (one device sync
+        # per round); with it, each draft but the last is read to decide
+        # whether to go on (a sync per draft, cheap next to a wasted draft).
+        for i in range(width):  # the last draft is not fed: the next round's gap holds it if accepted
             logprobs = _normalize(draft.forward(step)[0, -1])
             if isinstance(self.sampler, Sampler):
                 q = self.sampler.probs(logprobs)
                 tok = mx.random.categorical(mx.log(q))
                 qs.append(q)
-            elif self.sampler is None:
-                tok = mx.argmax(logprobs, axis=-1)
+                sure = q[tok]
             else:
-                tok = self.sampler(logprobs[None])[0]
+                tok = mx.argmax(logprobs, axis=-1) if self.sampler is None else self.sampler(logprobs[None])[0]
+                sure = mx.exp(logprobs[tok])
             tokens.append(tok)
+            if self.gate and i + 1 < width:
+                mx.eval(tok, sure)
+                if sure.item() < self.draft_min_prob:
+                    break
             step = tok.reshape(1)
-        return mx.stack(tokens), (mx.stack(qs) if qs else None)
+        drafts = mx.stack(tokens)
+        # Start on the drafts not read yet while the verify graph is built.
+        mx.async_eval(drafts)
+        return drafts, (mx.stack(qs) if qs else None)
 
     # -- the loop -----------------------------------------------------------------
 
@@ -264,18 +284,21 @@ class _Speculator:
                         drafts = self.lookup.draft(width)
                     t1 = time.perf_counter()
                     if lazy is not None:
-                        # Verify the unevaluated drafts: the draft chain and the
-                        # verify forward then run as one graph, one sync per round.
+                        # Verify the unevaluated drafts: the draft chain (what
+                        # the gate has not read of it) and the verify forward
+                        # run as one graph, evaluated with the target's choices.
                         self._tbr = target.fork()
                         head = mx.array([pending], dtype=lazy.dtype)
                         logprobs = _normalize(target.forward(mx.concatenate([head, lazy]))[0])
-                        mx.eval(lazy, logprobs)
+                        choices = self._choices(logprobs)
+                        mx.eval(lazy, logprobs, *choices)
                         drafts = lazy.tolist()
                     else:
                         if drafts:
                             self._tbr = target.fork()
                         logprobs = _normalize(target.forward([pending] + drafts)[0])
-                    n, nxt = self._accept(logprobs, drafts, q)
+                        choices = self._choices(logprobs)
+                    n, nxt = self._accept(logprobs, drafts, q, choices)
                     self.pending_fed = True
                     self._keep = 1
                     t2 = time.perf_counter()
@@ -286,7 +309,7 @@ class _Speculator:
                     stats.accepted += n
                     stats.drafted_per_round.append(len(drafts))
                     stats.accepted_per_round.append(n)
-                    if self.adaptive and drafts:
+                    if self.adaptive and not self.gate and drafts:
                         if n == 0:
                             self._cap = max(1, self._cap // 2)
                         elif n == len(drafts):
@@ -362,15 +385,19 @@ class _Speculator:
             return mx.random.categorical(mx.log(sampler.probs(logprobs).astype(mx.float32)))
         return sampler(logprobs[None])[0]
 
-    def _accept(self, logprobs: mx.array, drafts: list, q) -> tuple[int, int]:
-        sampler = self.sampler
-        if isinstance(sampler, Sampler):
-            p = sampler.probs(logprobs)
-            return speculative_accept(p, q, drafts)
-        if sampler is None:
-            targets = mx.argmax(logprobs, axis=-1).tolist()
-        else:
-            targets = sampler(logprobs).tolist()
+    def _choices(self, logprobs: mx.array) -> tuple:
+        """The target's tokens at every verified position, unevaluated (match
+        rule); nothing for a `Sampler`, whose acceptance draws its own."""
+        if isinstance(self.sampler, Sampler):
+            return ()
+        if self.sampler is None:
+            return (mx.argmax(logprobs, axis=-1),)
+        return (self.sampler(logprobs),)
+
+    def _accept(self, logprobs: mx.array, drafts: list, q, choices: tuple) -> tuple[int, int]:
+        if isinstance(self.sampler, Sampler):
+            return speculative_accept(self.sampler.probs(logprobs), q, drafts)
+        targets = choices[0].tolist()
         n = match_accept(drafts, targets)
         return n, targets[n]
 
@@ -418,6 +445,7 @@ def stream_generate(
     draft_runtime: Optional[Runtime] = None,
     prefill_step_size: int = 2048,
     adaptive: bool = True,
+    draft_min_prob: float = DRAFT_MIN_PROB,
 ) -> Iterator[GenerationResponse]:
     """Generate on segcache runtimes, speculatively with a draft model or prompt lookup.
 
@@ -442,9 +470,15 @@ def stream_generate(
         runtime: a target Runtime to continue (its model must be `model`).
         draft_runtime: a draft Runtime to continue (its model must be `draft_model`).
         prefill_step_size: prompt tokens per prefill forward.
-        adaptive: halve the draft width after a round that accepted nothing,
-            double it after one that accepted all (between 1 and
-            num_draft_tokens). Never changes the output, only the speed.
+        adaptive: adapt each round's width to how likely its drafts are to be
+            accepted (between 1 and num_draft_tokens). With a draft model,
+            a round stops drafting after the first draft whose probability
+            under the draft model is below `draft_min_prob`; with prompt
+            lookup (or draft_min_prob=0) the width halves after a round that
+            accepted nothing and doubles after one that accepted all. Never
+            changes the output, only the speed.
+        draft_min_prob: the draft model's own probability below which a
+            round drafts no further (its low-probability draft is still verified).
 
     Yields:
         GenerationResponse per token; the last one has `finish_reason` set.
@@ -461,6 +495,8 @@ def stream_generate(
         raise ValueError("choose one drafter: draft_model or prompt_lookup, not both")
     if (draft_model is not None or prompt_lookup) and num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+    if not 0.0 <= draft_min_prob <= 1.0:
+        raise ValueError(f"draft_min_prob must be a probability in [0, 1], got {draft_min_prob}")
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     ids = _prompt_ids(tokenizer, prompt)
@@ -497,7 +533,7 @@ def stream_generate(
     speculator = _Speculator(
         runtime, draft, lookup, ids,
         width=num_draft_tokens, max_tokens=max_tokens, sampler=sampler,
-        prefill_step=prefill_step_size, stats=stats, adaptive=adaptive,
+        prefill_step=prefill_step_size, stats=stats, adaptive=adaptive, draft_min_prob=draft_min_prob,
     )
     return _responses(speculator, tokenizer, max_tokens, stats)
 
