@@ -10,12 +10,14 @@ Set SEGCACHE_BLAS=off to keep the wheel's BLAS, or SEGCACHE_BLAS=/path/lib.so
 to choose a library.
 
 OpenBLAS's idle worker threads spin (sched_yield) for 2^28 cycles after each
-call by default. Decoding makes small calls back to back, so on a 2-core
-machine a spinning worker takes the core that Python needs to build the next
-graph: mlx-lm's own greedy decoding ran 15-20% faster here with the spin cut
-to 2^4 cycles, and large GEMMs kept both threads (22 ms for 2048x1024x1024,
-43 ms single-threaded). So unless OPENBLAS_THREAD_TIMEOUT is already set,
-it is set to 4 before the library loads.
+call by default. Forwards of a few tokens make threaded GEMM calls back to
+back, so on a 2-core machine the worker kept a core busy doing nothing: it
+burned 4.3 ms of CPU per 3-token forward of the demo target (as long as the
+forward itself) against 1.1 ms with the spin cut to 2^4 cycles; large GEMMs
+still use both threads (22 ms for 2048x1024x1024, 43 ms single-threaded).
+Wall-clock decode speed moved within this machine's run-to-run noise. So
+unless OPENBLAS_THREAD_TIMEOUT is already set, it is set to 4 before the
+library loads.
 """
 
 from __future__ import annotations
