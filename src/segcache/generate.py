@@ -238,13 +238,15 @@ class _Speculator:
                 q = self.sampler.probs(logprobs)
                 tok = mx.random.categorical(mx.log(q))
                 qs.append(q)
-                sure = q[tok]
+            elif self.sampler is None:
+                tok = mx.argmax(logprobs, axis=-1)
             else:
-                tok = mx.argmax(logprobs, axis=-1) if self.sampler is None else self.sampler(logprobs[None])[0]
-                sure = mx.exp(logprobs[tok])
+                tok = self.sampler(logprobs[None])[0]
             tokens.append(tok)
             if self.gate and i + 1 < width:
-                mx.eval(tok, sure)
+                # How sure the draft is of its token: under the distribution
+                # it was drawn from (a Sampler's), else the model's own.
+                sure = qs[-1][tok] if qs else mx.exp(logprobs[tok])
                 if sure.item() < self.draft_min_prob:
                     break
             step = tok.reshape(1)
