@@ -49,7 +49,8 @@ def test_cli_generate_matches_mlx_lm(dirs, capsys):
     model, tokenizer = mlx_lm.load(dirs["target"])
     expected = mlx_lm.generate(model, tokenizer, PROMPT, max_tokens=15)
     base = ["generate", "--model", dirs["target"], "--prompt", PROMPT, "--max-tokens", "15"]
-    for extra in ([], ["--draft-model", dirs["draft"], "--num-draft-tokens", "3"], ["--prompt-lookup"]):
+    for extra in ([], ["--draft-model", dirs["draft"], "--num-draft-tokens", "3"], ["--prompt-lookup"],
+                  ["--draft-model", dirs["draft"], "--num-draft-tokens", "5", "--draft-min-prob", "0.5"]):
         code, out = run(base + extra, capsys)
         assert code == 0, out.err
         assert out.out == expected + "\n"
@@ -71,6 +72,9 @@ def test_cli_errors(dirs, capsys, tmp_path):
     assert code == 1 and "cannot load the model" in out.err
     code, out = run(["generate", "--model", dirs["target"], "--prompt", "x", "--max-tokens", "0"], capsys)
     assert code == 2 and "--max-tokens" in out.err
+    code, out = run(["generate", "--model", dirs["target"], "--prompt", "x", "--draft-model", dirs["draft"],
+                     "--draft-min-prob", "1.5"], capsys)
+    assert code == 2 and "draft_min_prob" in out.err
     with pytest.raises(SystemExit):  # argparse: the two drafters exclude each other
         parse(["generate", "--model", "m", "--prompt", "x", "--draft-model", "d", "--prompt-lookup"])
 
