@@ -60,10 +60,12 @@ class GenerationStats:
         rounds: target forwards after the prefill (one per round).
         drafted / accepted: draft tokens proposed / accepted by the target.
         draft_time / verify_time / commit_time: seconds drafting (building the
-            draft model's graph, or n-gram lookup), in the verify forwards and
-            acceptance (for a draft model this includes evaluating the draft
-            chain, which runs in the same graph), and committing branches. With the "replay" recurrent strategy part of a
-            commit's work is lazy and lands in the next forward.
+            draft model's graph and evaluating the drafts the gate reads, or
+            n-gram lookup), in the verify forwards and acceptance (for a draft
+            model this includes evaluating the drafts not read yet, which run
+            in the same graph), and committing branches. With the "replay"
+            recurrent strategy part of a commit's work is lazy and lands in
+            the next forward.
         drafted_per_round / accepted_per_round: per verify round.
     """
 
