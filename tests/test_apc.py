@@ -335,3 +335,17 @@ def test_corrupt_records_on_disk_are_misses(tmp_path):
         assert_close(got, want)
         st = store.stats()
         assert st["corrupt_dropped"] == 1 and st["hit_tokens"] == 32  # the two pages still serve
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma3_text"])
+def test_prefill_checkpoints_let_a_prompt_sharing_only_that_much_resume(tmp_path, family):
+    """A checkpoint asked for inside the prompt (a chat message boundary) is resumable alone."""
+    model = tiny(family)
+    system, first, second = ids(21, seed=1), ids(9, seed=2), ids(7, seed=3)
+    with store_at(tmp_path) as store:
+        Runtime(model, store=store).prefill(system + first, checkpoints=[len(system), 0, 99])
+        rt = Runtime(model, store=store)
+        before = hits(store)
+        got = rt.prefill(system + second)
+        assert hits(store) - before == len(system)
+    assert_close(got, cold(model, system + second))

@@ -307,7 +307,9 @@ class Runtime:
 
     # -- prefix store -------------------------------------------------------------
 
-    def prefill(self, tokens: Sequence[int] | mx.array, *, step_size: int = 2048) -> mx.array:
+    def prefill(
+        self, tokens: Sequence[int] | mx.array, *, step_size: int = 2048, checkpoints: Iterable[int] = ()
+    ) -> mx.array:
         """Run a prompt, resuming from the longest prefix the store holds, and publish it.
 
         Without a store this is a chunked `forward`. With one: restore the
@@ -319,6 +321,10 @@ class Runtime:
         Args:
             tokens: the whole prompt. Tokens the runtime already holds must be its
                 strict prefix (typically: none, or a previous turn of a chat).
+            step_size: prompt tokens per forward.
+            checkpoints: more positions inside the prompt to checkpoint on the way
+                (e.g. chat message boundaries), so later prompts that share only
+                that much resume there; positions outside 1..len-1 are ignored.
 
         Returns:
             The logits of the prompt's last position, [1, vocab].
@@ -328,7 +334,7 @@ class Runtime:
                 a strict prefix of `tokens`; nothing changed.
             ValueError: `tokens` is empty or not token ids.
         """
-        return apc.prefill(self, _token_ids(tokens), step_size=step_size)
+        return apc.prefill(self, _token_ids(tokens), step_size=step_size, checkpoints=checkpoints)
 
     def publish(self) -> int:
         """Publish the committed tokens and state to the store (e.g. after generating).

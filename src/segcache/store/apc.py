@@ -509,7 +509,7 @@ def check_prefill(rt, ids: list[int]) -> int:
     return len(held)
 
 
-def prefill(rt, ids: list[int], *, step_size: int = 2048, policy: str = "auto") -> mx.array:
+def prefill(rt, ids: list[int], *, step_size: int = 2048, policy: str = "auto", checkpoints=()) -> mx.array:
     """`Runtime.prefill`: resume from the store, compute the rest, publish. See there."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}")
@@ -536,6 +536,8 @@ def prefill(rt, ids: list[int], *, step_size: int = 2048, policy: str = "auto") 
     stops = {L}
     if plan is not None and plan.branch is not None:
         stops.add(plan.branch)
+    if b is not None:
+        stops.update(p for p in checkpoints if isinstance(p, int) and start < p < L)
     if b is not None and policy == "grid" and b.stateful:
         stops.update(range((start // b.page_tokens + 1) * b.page_tokens, L, b.page_tokens))
     snaps: list[Snapshot] = []
