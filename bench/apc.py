@@ -30,7 +30,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 from segcache import Runtime, open_store
-from segcache.store import apc
+from segcache.store.prefix_cache import PrefixCache
 from segcache.testing import models
 
 TARGET = Path(segcache.__file__).parent / "models" / "target"
@@ -40,6 +40,17 @@ RANDOM_HYBRID = dict(
     linear_key_head_dim=64, linear_value_head_dim=64, full_attention_interval=4, vocab_size=2048,
 )
 BIG = 1 << 34
+
+
+class GridCache(PrefixCache):
+    """The baseline policy: checkpoints only on the page grid (no prompt ends, no branch points)."""
+
+    def stops(self, plan, start, length, checkpoints):
+        P = self.layout.page_tokens
+        return list(range((start // P + 1) * P, length, P)) if self.layout.stateful else []
+
+    def chosen(self, snaps):
+        return [s for s in snaps if s.length % self.layout.page_tokens == 0]
 
 
 def load_model():
@@ -181,7 +192,8 @@ def main():
                 for user, reply in turns_:
                     history = history + user
                     rt = Runtime(model, store=s)
-                    apc.prefill(rt, history, policy=policy)
+                    cache = rt.prefix_cache() if policy == "auto" else GridCache(rt)
+                    cache.prefill(rt, history, step_size=2048)
                     rt.forward(reply)  # what the model would have generated
                     if policy == "auto":
                         rt.publish()

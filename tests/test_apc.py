@@ -10,7 +10,7 @@ import pytest
 from conftest import tiny
 from helpers import assert_snapshot_equal, snapshot
 from segcache import BranchError, Runtime, StoreError, open_store
-from segcache.store.apc import StoreWarning
+from segcache.errors import StoreWarning
 from segcache.testing import models
 
 P = 16  # page tokens: small, so 40-token prompts span pages and tails

@@ -27,3 +27,7 @@ class StoreFormatError(StoreError):
 
 class ModelError(SegcacheError):
     """A model directory could not be loaded or does not fit the request."""
+
+
+class StoreWarning(RuntimeWarning):
+    """The prefix store failed; the operation went on as a miss (or did not publish)."""

@@ -18,7 +18,7 @@ from . import adapters
 from .errors import BranchError, InvariantError, UnsupportedModelError
 from .layers import KVLayer, RecurrentLayer, WindowLayer
 from .layers.recurrent import STRATEGIES
-from .store import apc
+from .errors import StoreError
 
 RECURRENT_STRATEGIES = ("auto",) + STRATEGIES
 
@@ -167,7 +167,7 @@ class Runtime:
         # _branches[i].base_offset == every layer's mark i offset; innermost last.
         self._branches: list[Branch] = []
         self.store = store
-        self._apc = None  # store.apc.Binding once prefill/publish ran; shared with clones
+        self._prefix = None  # store.prefix_cache.PrefixCache for `store`, made on first use; shared with clones
 
     # -- what the cache holds -------------------------------------------------
 
@@ -334,7 +334,12 @@ class Runtime:
                 a strict prefix of `tokens`; nothing changed.
             ValueError: `tokens` is empty or not token ids.
         """
-        return apc.prefill(self, _token_ids(tokens), step_size=step_size, checkpoints=checkpoints)
+        ids = _token_ids(tokens)
+        if self.store is None:
+            from .store.prefix_cache import check_prefill, feed
+
+            return feed(self, ids, check_prefill(self, ids), [len(ids)], step_size)
+        return self.prefix_cache().prefill(self, ids, step_size=step_size, checkpoints=checkpoints)
 
     def publish(self) -> int:
         """Publish the committed tokens and state to the store (e.g. after generating).
@@ -349,7 +354,47 @@ class Runtime:
         Raises:
             StoreError: no store, or tokens fed without `forward` (ids unknown).
         """
-        return apc.publish_runtime(self)
+        if self.store is None:
+            raise StoreError("publish() on a Runtime without a store: pass store=open_store(...) to Runtime()")
+        return self.prefix_cache().publish_runtime(self)
+
+    def prefix_cache(self):
+        """The `PrefixCache` of this runtime's store (shared with clones; rebuilt if the store changed)."""
+        if self.store is None:
+            raise StoreError("this Runtime has no store: pass store=open_store(...) to Runtime()")
+        if self._prefix is None or self._prefix.store is not self.store:
+            from .store.prefix_cache import PrefixCache
+
+            self._prefix = PrefixCache(self)
+        return self._prefix
+
+    @property
+    def committed_tokens(self) -> list:
+        """Token ids outside every open branch (None where fed without `forward`)."""
+        return self.tokens[: self.committed_offset]
+
+    def restore(self, ids: list[int], states: list) -> None:
+        """Replace the whole committed state by a stored prefix of `ids`; all or nothing.
+
+        Args:
+            ids: the token ids the states were computed from.
+            states: per layer, the arguments of its `load` (`layer.state_from(...)`).
+
+        Raises:
+            BranchError: a branch is open; nothing changed.
+        """
+        if self._branches:
+            raise BranchError("restore() with an open branch: commit or roll it back first")
+        saved = [layer.savepoint() for layer in self.cache]
+        try:
+            for layer, state in zip(self.cache, states):
+                layer.load(*state)
+        except BaseException:
+            for layer, point in zip(self.cache, saved):
+                layer.restore(point)
+            raise
+        self._tokens = list(ids)
+        self._pending, self._pending_len = [], 0
 
     # -- sharing ----------------------------------------------------------------
 
@@ -366,7 +411,7 @@ class Runtime:
         other._tokens = self._tokens[: self.committed_offset]
         other._pending, other._pending_len = [], 0
         other._branches = []
-        other.store, other._apc = self.store, self._apc
+        other.store, other._prefix = self.store, self._prefix
         return other
 
     # -- invariants -------------------------------------------------------------

@@ -17,6 +17,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from ..errors import BranchError, InvariantError
+from .protocol import PAGES
 
 
 class KVLayer(KVCache):
@@ -61,9 +62,14 @@ class KVLayer(KVCache):
         other.offset = self.committed_offset
         return other
 
-    # -- prefix store export / import ------------------------------------------
+    # -- persistence protocol (layers.protocol) ------------------------------------
 
-    def export_pages(self, start: int, end: int) -> tuple[mx.array, mx.array]:
+    resumes_from = PAGES
+
+    def layout(self) -> list:
+        return ["kv"]
+
+    def export_rows(self, start: int, end: int) -> dict[str, mx.array]:
         """Copies of the committed keys and values of positions [start, end).
 
         The copies own their data, so a store that keeps them neither pins
@@ -73,14 +79,25 @@ class KVLayer(KVCache):
             ValueError: the range is empty or reaches past the committed tokens.
         """
         if not 0 <= start < end <= self.committed_offset:
-            raise ValueError(f"export_pages({start}, {end}): need 0 <= start < end <= {self.committed_offset}")
-        return _copy(self.keys[..., start:end, :]), _copy(self.values[..., start:end, :])
+            raise ValueError(f"export_rows({start}, {end}): need 0 <= start < end <= {self.committed_offset}")
+        return {"k": _copy(self.keys[..., start:end, :]), "v": _copy(self.values[..., start:end, :])}
+
+    def spec(self, probe, tokens: int) -> dict:
+        return {name: (dtype, (*shape[:2], tokens, *shape[3:])) for name, (dtype, shape) in probe.items()}
+
+    def state_from(self, arrays, meta, tokens: int) -> tuple:
+        keys, values = arrays.get("k"), arrays.get("v")
+        if keys is None or values is None:
+            raise ValueError("K/V state lacks its keys or values")
+        if keys.ndim != 4 or keys.shape[2] != tokens or keys.shape[:3] != values.shape[:3]:
+            raise ValueError(f"K/V of shapes {keys.shape} / {values.shape} for {tokens} tokens")
+        return keys, values
 
     def load(self, keys: mx.array, values: mx.array) -> None:
         """Replace the cache by `keys`/`values` ([B, H, T, D]) holding T tokens.
 
-        The layer takes the arrays as its buffer (the next append reallocates,
-        as mlx-lm's `KVCache.state` setter does), so pass arrays nobody else holds.
+        The layer takes the arrays as its buffer; the next append reallocates
+        (the buffer is full), so they are never written in place.
 
         Raises:
             BranchError: a branch is open (loading would drop it).
@@ -88,8 +105,7 @@ class KVLayer(KVCache):
         """
         if self.marks:
             raise BranchError("load() with an open branch: commit or roll it back first")
-        if keys.ndim != 4 or keys.shape[:3] != values.shape[:3]:
-            raise ValueError(f"load(): keys {keys.shape} and values {values.shape} must be [B, H, T, D] alike")
+        self.state_from({"k": keys, "v": values}, {}, keys.shape[2] if keys.ndim == 4 else -1)
         self.keys, self.values, self.offset = keys, values, keys.shape[2]
 
     def check(self) -> None:

@@ -26,6 +26,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from ..errors import BranchError, InvariantError
+from .protocol import CHECKPOINT
 from .snapshots import SnapshotBranches
 
 STRATEGIES = ("replay", "states")
@@ -143,35 +144,46 @@ class RecurrentLayer(SnapshotBranches, ArraysCache):
             other.cache, other.offset = list(self.cache), self.offset
         return other
 
-    # -- prefix store export / import ------------------------------------------
+    # -- persistence protocol (layers.protocol) ------------------------------------
 
-    def snapshot(self) -> tuple[mx.array | None, mx.array | None, int]:
-        """The committed (conv tail, state, offset).
+    resumes_from = CHECKPOINT
+
+    def layout(self) -> list:
+        return ["recurrent", self.conv_tail]
+
+    def export_state(self) -> tuple[dict, dict]:
+        """The committed conv tail and state.
 
         The arrays are new objects over immutable data: forwards replace the
         slots, never write into them, so sharing the data is safe and free.
         """
-        if self.marks:
-            m = self.marks[0]
-            conv, state, offset = m.conv, m.state, m.offset
-        else:
-            (conv, state), offset = self.cache, self.offset
-        view = (lambda a: None if a is None else a[...])
-        return view(conv), view(state), offset
+        conv, state = (self.marks[0].conv, self.marks[0].state) if self.marks else self.cache
+        if conv is None:
+            return {}, {}
+        return {"conv": conv[...], "state": state[...]}, {}
+
+    def spec(self, probe, tokens: int) -> dict:
+        return dict(probe)  # a summary: the same shapes after any number of tokens
+
+    def state_from(self, arrays, meta, tokens: int) -> tuple:
+        conv, state = arrays.get("conv"), arrays.get("state")
+        if tokens < 0 or (conv is None) != (tokens == 0) or (state is None) != (tokens == 0):
+            raise ValueError(f"conv tail and state must be given iff tokens > 0 ({tokens} tokens)")
+        if conv is not None and (conv.ndim != 3 or conv.shape[1] != self.conv_tail):
+            raise ValueError(f"conv tail of shape {conv.shape}; this layer keeps {self.conv_tail} rows")
+        return conv, state, tokens
 
     def load(self, conv: mx.array | None, state: mx.array | None, offset: int) -> None:
-        """Replace the tail and state by a `snapshot()` taken after `offset` tokens.
+        """Replace the tail and state by an exported pair taken after `offset` tokens.
 
         Raises:
             BranchError: a branch is open.
-            ValueError: the snapshot is inconsistent (what `check()` would reject).
+            ValueError: the pair is inconsistent (what `check()` would reject).
         """
         if self.marks:
             raise BranchError("load() with an open branch: commit or roll it back first")
-        if (conv is None) != (offset == 0) or (state is None) != (offset == 0) or offset < 0:
-            raise ValueError(f"load(): conv tail and state must be given iff offset > 0 (offset {offset})")
-        if conv is not None and (conv.ndim != 3 or conv.shape[1] != self.conv_tail):
-            raise ValueError(f"load(): conv tail of shape {conv.shape}, this layer keeps {self.conv_tail} rows")
+        arrays = {} if conv is None else {"conv": conv, "state": state}
+        conv, state, offset = self.state_from(arrays, {}, offset)
         self.cache = [conv, state]
         self.offset = int(offset)
         self.lengths = self.left_padding = None

@@ -17,6 +17,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
 from ..errors import BranchError, InvariantError
+from .protocol import CHECKPOINT
 from .snapshots import SnapshotBranches
 
 
@@ -74,24 +75,48 @@ class WindowLayer(SnapshotBranches, RotatingKVCache):
         other.keys, other.values = _view(keys), _view(values)
         return other
 
-    # -- prefix store export / import ------------------------------------------
+    # -- persistence protocol (layers.protocol) ------------------------------------
 
-    def snapshot(self) -> tuple[mx.array | None, mx.array | None, int, int]:
-        """The committed ring as (keys, values, offset, idx); arrays are copies.
+    resumes_from = CHECKPOINT
 
-        The ring is kept in its exact layout (slots, rotation index), which is
-        what a later step needs to attend exactly as mlx-lm would.
+    def layout(self) -> list:
+        return ["window", self.max_size, self.keep]
+
+    def export_state(self) -> tuple[dict, dict]:
+        """The committed ring in its exact layout (slots and rotation index), as copies.
+
+        A later step attends exactly as mlx-lm would only from that layout.
+        The copies own their data: they never pin or alias the live ring.
         """
         if self.marks:
             m = self.marks[0]
-            keys, values, offset, idx = m.keys, m.values, m.offset, m.idx
+            keys, values, idx = m.keys, m.values, m.idx
         else:
-            keys, values, offset, idx = self.keys, self.values, self.offset, self._idx
-        copy = (lambda a: None if a is None else a * 1)  # own buffer: never pins or aliases the live ring
-        return copy(keys), copy(values), offset, idx
+            keys, values, idx = self.keys, self.values, self._idx
+        if keys is None:
+            return {}, {"idx": 0}
+        return {"k": keys * 1, "v": values * 1}, {"idx": int(idx)}
+
+    def spec(self, probe, tokens: int) -> dict:
+        # After an S-token step the ring holds up to max_size + S - 1 slots (S <= tokens).
+        ring = range(1, self.max_size + tokens)
+        return {name: (dtype, (*shape[:2], ring, *shape[3:])) for name, (dtype, shape) in probe.items()}
+
+    def state_from(self, arrays, meta, tokens: int) -> tuple:
+        keys, values, idx = arrays.get("k"), arrays.get("v"), meta.get("idx")
+        if tokens == 0 and keys is None and values is None:
+            return None, None, 0, 0
+        ok = (
+            keys is not None and values is not None and keys.ndim == 4 and keys.shape[:3] == values.shape[:3]
+            and isinstance(idx, int) and not isinstance(idx, bool) and 0 <= idx <= keys.shape[2]
+            and tokens >= min(idx, keys.shape[2]) and tokens > 0
+        )
+        if not ok:
+            raise ValueError(f"inconsistent ring snapshot for {tokens} tokens (index {idx!r})")
+        return keys[...], values[...], tokens, idx  # own array objects: the ring is written in place
 
     def load(self, keys: mx.array | None, values: mx.array | None, offset: int, idx: int) -> None:
-        """Replace the ring by a `snapshot()`; the layer takes the arrays as its buffer.
+        """Replace the ring by an exported one taken after `offset` tokens.
 
         Raises:
             BranchError: a branch is open.
@@ -99,12 +124,8 @@ class WindowLayer(SnapshotBranches, RotatingKVCache):
         """
         if self.marks:
             raise BranchError("load() with an open branch: commit or roll it back first")
-        ok = (keys is None and values is None and offset == 0 == idx) or (
-            keys is not None and values is not None and keys.ndim == 4
-            and keys.shape[:3] == values.shape[:3] and 0 <= idx <= keys.shape[2] and offset >= 0
-        )
-        if not ok:
-            raise ValueError(f"load(): inconsistent ring snapshot (offset {offset}, idx {idx})")
+        arrays = {} if keys is None else {"k": keys, "v": values}
+        keys, values, offset, idx = self.state_from(arrays, {"idx": idx}, offset)
         self.keys, self.values, self.offset, self._idx = keys, values, int(offset), int(idx)
 
     def check(self) -> None:

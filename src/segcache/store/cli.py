@@ -12,7 +12,7 @@ import sys
 import time
 
 from ..errors import StoreError
-KINDS = {"page": "KV pages", "ckpt": "checkpoints", "node": "index nodes"}  # written by store.apc
+KINDS = {"page": "KV pages", "ckpt": "checkpoints", "node": "index nodes"}  # written by store.prefix_cache
 from .store import open_store
 
 _HUGE = 1 << 50  # CLI handles never evict on their own: only `gc` removes records

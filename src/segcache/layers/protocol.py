@@ -1,0 +1,73 @@
+"""What every segment kind answers so the prefix cache can save and load it without knowing it.
+
+A `Spec` names the arrays of a record and their dtype and shape; a shape entry is
+an int, or a `range` where the size depends on history (a ring's length). The
+prefix cache probes each layer once (a fresh runtime fed one token) and asks the
+layer how that probe scales to `tokens` tokens, so every array read back is
+checked against the runtime's own layout before it is decoded or loaded.
+
+Two ways to resume:
+
+* "pages": the state after r tokens is the concatenation of per-token rows
+  (full-attention K/V), so any prefix of stored pages restores it;
+* "checkpoint": the state is a summary (a window ring, a conv tail and an SSM
+  state) that exists only where it was taken.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Protocol
+
+import mlx.core as mx
+
+Spec = Mapping[str, tuple[str, tuple]]  # array name -> (dtype name, shape of int | range)
+
+PAGES, CHECKPOINT = "pages", "checkpoint"
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    """"float32", "bfloat16", ...: the name the store's codec uses."""
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def spec_of(arrays: Mapping[str, mx.array]) -> dict[str, tuple[str, tuple]]:
+    """The exact spec of some arrays."""
+    return {name: (dtype_name(a.dtype), tuple(a.shape)) for name, a in arrays.items()}
+
+
+def conforms(dtype: str, shape: tuple, want: tuple[str, tuple]) -> bool:
+    """True if (dtype, shape) fits a spec entry."""
+    want_dtype, want_shape = want
+    if dtype != want_dtype or len(shape) != len(want_shape):
+        return False
+    return all(d == w if isinstance(w, int) else d in w for d, w in zip(shape, want_shape))
+
+
+class Persistent(Protocol):
+    """The persistence half of a segment kind (the other half is mlx-lm's cache protocol)."""
+
+    resumes_from: str  # PAGES or CHECKPOINT
+
+    def layout(self) -> list:
+        """Kind and parameters that change the bytes (part of the store identity)."""
+
+    def spec(self, probe: Spec, tokens: int) -> dict[str, tuple[str, tuple]]:
+        """The spec of this layer's arrays for `tokens` tokens, given those exported after one."""
+
+    def state_from(self, arrays: Mapping[str, mx.array], meta: Mapping[str, Any], tokens: int) -> tuple:
+        """Validate stored arrays for `tokens` tokens; returns the arguments of `load`. Changes nothing.
+
+        Raises:
+            ValueError: they do not fit this layer.
+        """
+
+    def load(self, *state) -> None:
+        """Replace the layer's committed state (no branch may be open)."""
+
+    # PAGES kinds
+    def export_rows(self, start: int, end: int) -> dict[str, mx.array]:
+        """Own copies of the committed rows [start, end), token axis 2."""
+
+    # CHECKPOINT kinds
+    def export_state(self) -> tuple[dict[str, mx.array], dict]:
+        """The committed state as immutable arrays and plain meta."""
