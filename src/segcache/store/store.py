@@ -129,7 +129,19 @@ class PrefixStore:
             mx.eval(list(record.arrays.values()))
             self._ram.put(key, record)
 
-    def get(self, key: bytes, *, count: bool = True) -> Record | None:
+    def get_many(self, keys, *, expects=None) -> list:
+        """TEMPORARY shim until the store branch lands: one get per key."""
+        expects = expects or [None] * len(keys)
+        return [self.get(k, count=False, expect=e) for k, e in zip(keys, expects)]
+
+    def update(self, key: bytes, fn):
+        """TEMPORARY shim until the store branch lands (not atomic across processes)."""
+        rec = fn(self.get(key, count=False))
+        if rec is not None:
+            self.put(key, rec)
+        return rec
+
+    def get(self, key: bytes, *, count: bool = True, expect=None) -> Record | None:
         """Return the record at key, or None. RAM first; a disk hit is promoted to RAM.
 
         Args:
