@@ -44,185 +44,23 @@ generation never fails because of the store.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 import warnings
-import weakref
 from dataclasses import dataclass, field
 from typing import Iterable
 
 import mlx.core as mx
-import numpy as np
 
 from ..errors import BranchError, StoreError, StoreWarning
-from ..layers.protocol import CHECKPOINT, PAGES, conforms, spec_of
-from .identity import model_identity
-from .keys import chain_key, root_key
+from ..layers.protocol import CHECKPOINT, PAGES, conforms
+from .keys import chain_key
+from .layout import layout_of
+from .prompt_index import CKPT, PAGE, Node, PromptKeys, common_prefix
 from .record import Record
-
-APC_VERSION = 2  # record schema below; part of the identity, so a change is a miss
-PAGE, CKPT, NODE = b"pg", b"ck", b"nd"
-MAX_CONTS = 32  # continuations kept per node (newest first); older ones only lose branch-point hints
-MAX_CKPTS = 64  # checkpoint tails kept per node (newest first)
-DEFAULT_SPT = 1e-3  # seconds per token assumed before any prefill was timed
 
 
 class _Miss(Exception):
     """A record is absent or does not fit the runtime: resume from less."""
-
-
-# -- the layout of one runtime -------------------------------------------------------
-
-
-@dataclass
-class Layout:
-    """What the cache knows of a model's runtime layout under one store setting.
-
-    Attributes:
-        identity: 32 bytes: model identity + layer layouts + record schema.
-        page_tokens: tokens per page.
-        resumes: per layer, PAGES or CHECKPOINT.
-        probe: per layer, the spec of what it exported after one token.
-        logits: the spec entry of one position's logits.
-        spt: seconds per prompt token, measured by the last prefill that computed some.
-    """
-
-    identity: bytes
-    page_tokens: int
-    resumes: tuple[str, ...]
-    probe: tuple[dict, ...]
-    logits: tuple[str, tuple]
-    spt: float = DEFAULT_SPT
-
-    @property
-    def stateful(self) -> bool:
-        """True if some layer resumes only from a checkpoint."""
-        return CHECKPOINT in self.resumes
-
-    @property
-    def paged(self) -> bool:
-        """True if some layer keeps per-token rows in pages."""
-        return PAGES in self.resumes
-
-    def layers(self, kind: str) -> list[int]:
-        return [i for i, r in enumerate(self.resumes) if r == kind]
-
-
-# model -> {(page_tokens, salt, layer layouts): Layout}. The identity samples the
-# weights (~10-20 ms, as much as a warm prefill) and the probe runs one forward, so
-# every Runtime on one model object shares them. Call `forget(model)` after
-# changing a model's weights in place.
-_LAYOUTS: dict[int, tuple[weakref.ref, dict]] = {}  # id(model) -> (weak ref to it, layouts); modules are unhashable
-
-
-def forget(model) -> None:
-    """Drop what the cache computed about `model` (after loading other weights into it)."""
-    _LAYOUTS.pop(id(model), None)
-
-
-def _per_model(model) -> dict:
-    entry = _LAYOUTS.get(id(model))
-    if entry is None or entry[0]() is not model:
-        entry = _LAYOUTS[id(model)] = (weakref.ref(model, lambda _, k=id(model): _LAYOUTS.pop(k, None)), {})
-    return entry[1]
-
-
-def _probe(rt) -> tuple[tuple[dict, ...], tuple[str, tuple]]:
-    """Specs of every layer's exports after one token, on a fresh runtime of the same kind."""
-    fresh = type(rt)(rt.model, recurrent_strategy=rt.recurrent_strategy)
-    logits = fresh.forward([0])[:, -1, :]
-    specs = []
-    for layer in fresh.cache:
-        if layer.resumes_from == PAGES:
-            specs.append(spec_of(layer.export_rows(0, 1)))
-        else:
-            specs.append(spec_of(layer.export_state()[0]))
-    return tuple(specs), next(iter(spec_of({"x": logits}).values()))
-
-
-def layout_of(rt) -> Layout:
-    """The runtime's layout under its store's settings (computed once per model object)."""
-    store = rt.store
-    layers = [layer.layout() for layer in rt.cache]
-    key = (store.page_tokens, store.salt, json.dumps(layers))
-    per_model = _per_model(rt.model)
-    if key not in per_model:
-        base = model_identity(rt.model, page_tokens=store.page_tokens, salt=store.salt)
-        desc = json.dumps({"apc": APC_VERSION, "layers": layers}, sort_keys=True).encode()
-        identity = hashlib.blake2b(base + desc, digest_size=32, person=b"segcache.apc.2").digest()
-        probe, logits = _probe(rt)
-        resumes = tuple(layer.resumes_from for layer in rt.cache)
-        per_model[key] = Layout(identity, store.page_tokens, resumes, probe, logits)
-    return per_model[key]
-
-
-# -- nodes ---------------------------------------------------------------------------
-
-
-@dataclass
-class Node:
-    """Continuations past one page boundary and the checkpoint tails under it (newest first).
-
-    Invariant: no continuation is a prefix of another; every sequence has <= P tokens.
-    """
-
-    conts: list[list[int]] = field(default_factory=list)
-    ckpts: list[list[int]] = field(default_factory=list)
-
-    def record(self, cost: float, parent: bytes | None) -> Record:
-        seqs = [t for s in self.conts + self.ckpts for t in s]
-        arrays = {"seqs": mx.array(np.asarray(seqs, dtype=np.uint32))}
-        meta = {"conts": [len(s) for s in self.conts], "ckpts": [len(s) for s in self.ckpts]}
-        return Record("node", 0, arrays, meta, cost, parent=parent)
-
-    @staticmethod
-    def parse(rec: Record | None, page_tokens: int) -> "Node":
-        """The node a record holds; an empty node for None or a record that does not conform."""
-        if rec is None:
-            return Node()
-        try:
-            lens_c, lens_k = list(rec.meta["conts"]), list(rec.meta["ckpts"])
-            seqs = np.asarray(rec.arrays["seqs"]).tolist()
-            lens = lens_c + lens_k
-            ok = rec.kind == "node" and sum(lens) == len(seqs) and all(
-                isinstance(n, int) and 0 <= n <= page_tokens for n in lens
-            )
-        except (KeyError, TypeError, ValueError):
-            ok = False
-        if not ok:
-            return Node()  # repaired by the next publish, which rewrites it whole
-        out, pos = [], 0
-        for n in lens:
-            out.append(seqs[pos : pos + n])
-            pos += n
-        return Node(out[: len(lens_c)], out[len(lens_c) :])
-
-    def add(self, cont: list[int], tails: list[list[int]]) -> bool:
-        """Merge a published prompt's continuation and checkpoint tails; True if anything changed."""
-        changed = False
-        if cont and not any(c[: len(cont)] == cont for c in self.conts):
-            # ours extends every continuation that is a prefix of it: those go
-            self.conts = [cont] + [c for c in self.conts if cont[: len(c)] != c]
-            del self.conts[MAX_CONTS:]
-            changed = True
-        for s in tails:
-            if s not in self.ckpts:
-                self.ckpts.insert(0, s)
-                changed = True
-        del self.ckpts[MAX_CKPTS:]
-        return changed
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-# -- one prompt's keys ---------------------------------------------------------------
 
 
 @dataclass
@@ -240,64 +78,6 @@ class Plan:
     rows: list[tuple[Record, int]] = field(default_factory=list)
     ckpt: Record | None = None
     branch: int | None = None
-
-
-class _Prompt:
-    """Keys and specs of one prompt under one layout, and its node reads (one prefill or publish)."""
-
-    def __init__(self, store, lay: Layout, ids: list[int], layers: list):
-        self.store, self.lay, self.ids = store, lay, ids
-        self.layers = layers  # the runtime's layers; only their persistence protocol is used
-        self.P = lay.page_tokens
-        self.chain = [root_key(lay.identity)]
-        for j in range(1, len(ids) // self.P + 1):
-            self.chain.append(chain_key(self.chain[-1], ids[(j - 1) * self.P : j * self.P], lay.identity))
-        self._nodes: dict[int, Node] = {}
-
-    def page_key(self, j: int) -> bytes:
-        return PAGE + self.chain[j]
-
-    def ckpt_key(self, r: int) -> bytes:
-        j = r // self.P
-        return CKPT + chain_key(self.chain[j], self.ids[j * self.P : r], self.lay.identity)
-
-    def node_key(self, j: int) -> bytes:
-        return NODE + self.chain[j]
-
-    def parent(self, j: int) -> bytes | None:
-        """The record a record under boundary j extends: page j (None at the root or without pages)."""
-        return self.page_key(j) if j and self.lay.paged else None
-
-    def node(self, j: int) -> Node:
-        if j not in self._nodes:
-            rec = self.store.get(self.node_key(j), count=False, expect=self.node_spec())
-            self._nodes[j] = Node.parse(rec, self.P)
-        return self._nodes[j]
-
-    def rem(self, j: int, end: int) -> list[int]:
-        """The prompt's tokens in page j+1, cut at `end`."""
-        return self.ids[j * self.P : min(end, (j + 1) * self.P)]
-
-    # -- what each record may hold (checked on the header before decoding) --
-
-    def node_spec(self) -> dict:
-        return {"seqs": ("uint32", (range(0, (MAX_CONTS + MAX_CKPTS) * self.P + 1),))}
-
-    def rows_spec(self, tokens: int) -> dict:
-        lay, out = self.lay, {}
-        for i in lay.layers(PAGES):
-            for name, entry in self.layers[i].spec(lay.probe[i], tokens).items():
-                out[f"{i}.{name}"] = entry
-        return out
-
-    def ckpt_spec(self, r: int) -> dict:
-        lay = self.lay
-        out = self.rows_spec(r % self.P) if r % self.P else {}
-        for i in lay.layers(CHECKPOINT):
-            for name, entry in self.layers[i].spec(lay.probe[i], r).items():
-                out[f"{i}.{name}"] = entry
-        out["logits"] = lay.logits
-        return out
 
 
 class _Unfit(_Miss):
@@ -351,8 +131,8 @@ class PrefixCache:
         self.store = rt.store
         self.layout = layout_of(rt)
 
-    def _prompt(self, rt, ids: list[int]) -> _Prompt:
-        return _Prompt(self.store, self.layout, ids, rt.cache)
+    def _prompt(self, rt, ids: list[int]) -> PromptKeys:
+        return PromptKeys(self.store, self.layout, ids, rt.cache)
 
     # -- lookup and load --
 
@@ -398,7 +178,7 @@ class PrefixCache:
             rem = ix.rem(j_max, L)
             d, src = 0, None
             for c in ix.node(j_max).conts:
-                n = _common(c, rem)
+                n = common_prefix(c, rem)
                 if n > d:
                     d, src = n, c
             tail = None
@@ -422,14 +202,14 @@ class PrefixCache:
             # Where this prompt leaves a published one inside the page after the last shared one.
             rem = ix.rem(j_max, L)
             for c in ix.node(j_max).conts:
-                n = _common(c, rem)
+                n = common_prefix(c, rem)
                 if n < len(c) and n < len(rem) and (n or j_max):
                     pos = j_max * P + n
                     if max(plan.resume, held) < pos < L and (plan.branch is None or pos > plan.branch):
                         plan.branch = pos
         return plan
 
-    def _ckpt(self, ix: _Prompt, r: int, need_logits: bool) -> Record:
+    def _ckpt(self, ix: PromptKeys, r: int, need_logits: bool) -> Record:
         spec = ix.ckpt_spec(r)
         rec = self._fetch(ix.ckpt_key(r), spec, [n for n in spec if n != "logits" or need_logits], f"checkpoint at {r}")
         if rec.kind != "ckpt" or rec.tokens != r or rec.meta.get("length") != r:
@@ -448,7 +228,7 @@ class PrefixCache:
             _warn(self.store, "a record check", exc)
             raise
 
-    def _rows(self, ix: _Prompt, r: int, tail: Record | None) -> list[tuple[Record, int]]:
+    def _rows(self, ix: PromptKeys, r: int, tail: Record | None) -> list[tuple[Record, int]]:
         """Pages 1..r//P whole, then r % P tokens from `tail` (or from page r//P + 1)."""
         if not self.layout.paged:
             return []
@@ -555,7 +335,7 @@ class PrefixCache:
                 written += self._merge_node(ix, j, cont, new_tails)
         return written
 
-    def _merge_node(self, ix: _Prompt, j: int, cont: list[int], tails: list[list[int]]) -> int:
+    def _merge_node(self, ix: PromptKeys, j: int, cont: list[int], tails: list[list[int]]) -> int:
         """Read-modify-write node j in one store transaction (other processes extend it too)."""
         cost = self.layout.page_tokens * self.layout.spt
 
@@ -567,7 +347,7 @@ class PrefixCache:
         self.store.update(ix.node_key(j), merge)
         return 1
 
-    def _has_logits(self, ix: _Prompt, r: int) -> bool:
+    def _has_logits(self, ix: PromptKeys, r: int) -> bool:
         rec = self.store.get(ix.ckpt_key(r), count=False, expect=ix.ckpt_spec(r))
         return rec is not None and "logits" in rec.arrays
 
