@@ -28,6 +28,7 @@ def test_demo_twice_second_run_hits_disk_and_outputs_match(tmp_path):
         done = _demo("--prompt-cache-dir", str(tmp_path / "store"), "--max-tokens", "48", "--report", str(report))
         assert done.returncode == 0, done.stdout + done.stderr
         assert "BLAS:" in done.stdout and "all three outputs identical: yes" in done.stdout
+        assert "segcache/models/target" in done.stdout and str(MODELS_DIR.resolve()) not in done.stdout
         reports.append(json.loads(report.read_text()))
     first, second = reports
     for r in reports:
@@ -49,3 +50,15 @@ def test_runtime_walkthrough():
 def test_demo_without_models_says_what_to_do(tmp_path):
     done = _demo("--model", str(tmp_path / "none"), "--draft-model", str(tmp_path / "none"))
     assert done.returncode == 2 and "--model" in done.stderr
+
+
+def test_paths_are_shown_as_a_user_reads_them(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from segcache.demo import shown
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert shown(MODELS_DIR / "target") == "segcache/models/target"
+    assert shown(tmp_path / ".cache" / "segcache" / "demo") == "~/.cache/segcache/demo"
+    assert shown(tmp_path) == "~"
+    assert shown(Path("/opt/elsewhere/models")) == "/opt/elsewhere/models"

@@ -73,6 +73,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="with --runtime: seed of the random model")
 
 
+def shown(path: Path) -> str:
+    """A path as a user reads it: the shipped models package-relative, home as ~."""
+    path = Path(path).resolve()
+    for base, name in ((MODELS_DIR.resolve(), "segcache/models"), (Path.home().resolve(), "~")):
+        if path == base or base in path.parents:
+            rest = path.relative_to(base).as_posix()
+            return name if rest == "." else f"{name}/{rest}"
+    return str(path)
+
+
 def default_cache_dir() -> Path:
     """Where the demo keeps its prefix store unless told otherwise."""
     if sys.platform == "darwin":
@@ -152,7 +162,7 @@ def run(args) -> int:
     target_dir = Path(args.model) if args.model else MODELS_DIR / "target"
     draft_dir = Path(args.draft_model) if args.draft_model else MODELS_DIR / "draft"
     if not (target_dir / "config.json").exists() or not (draft_dir / "config.json").exists():
-        print(f"segcache demo: no models at {target_dir} / {draft_dir}; pass --model and --draft-model",
+        print(f"segcache demo: no models at {shown(target_dir)} / {shown(draft_dir)}; pass --model and --draft-model",
               file=sys.stderr)
         return 2
     _header()
@@ -168,11 +178,11 @@ def run(args) -> int:
     draft, _ = mlx_lm.load(str(draft_dir))
     for role, path, model in (("target", target_dir, target), ("draft", draft_dir, draft)):
         params = sum(v.size for _, v in _flat(model.parameters()))
-        print(f"    {role:<7}{model.model_type:<11}{params / 1e6:5.2f}M parameters  {path}")
+        print(f"    {role:<7}{model.model_type:<11}{params / 1e6:5.2f}M parameters  {shown(path)}")
     prompt_ids = tokenizer.encode(PROMPT)
 
     cache_dir = Path(args.prompt_cache_dir) if args.prompt_cache_dir else default_cache_dir()
-    print(f"\n[2] prefix store: {cache_dir}")
+    print(f"\n[2] prefix store: {shown(cache_dir)}")
     store = open_store(cache_dir)
     report: dict = {"cache_dir": str(cache_dir)}
     try:
