@@ -86,18 +86,31 @@ class KVLayer(KVCache):
         return {name: (dtype, (*shape[:2], tokens, *shape[3:])) for name, (dtype, shape) in probe.items()}
 
     def state_from(self, arrays, meta, tokens: int) -> tuple:
-        keys, values = arrays.get("k"), arrays.get("v")
-        if keys is None or values is None:
+        """Keys and values from their row chunks, with room for the next step's rows.
+
+        The buffer gets `step` free slots past `tokens`, so the first forward after
+        a resume writes in place instead of copying the whole context again.
+        """
+        chunks_k, chunks_v = arrays.get("k"), arrays.get("v")
+        if not chunks_k or not chunks_v or len(chunks_k) != len(chunks_v):
             raise ValueError("K/V state lacks its keys or values")
-        if keys.ndim != 4 or keys.shape[2] != tokens or keys.shape[:3] != values.shape[:3]:
-            raise ValueError(f"K/V of shapes {keys.shape} / {values.shape} for {tokens} tokens")
-        return keys, values
+        first = chunks_k[0]
+        for k, v in zip(chunks_k, chunks_v):
+            if k.ndim != 4 or k.shape[:2] != first.shape[:2] or k.shape[3] != first.shape[3] or v.shape[:3] != k.shape[:3]:
+                raise ValueError(f"K/V chunks of shapes {k.shape} / {v.shape} do not line up")
+        if sum(k.shape[2] for k in chunks_k) != tokens:
+            raise ValueError(f"K/V chunks hold {sum(k.shape[2] for k in chunks_k)} tokens, not {tokens}")
+        B, H, _, _ = first.shape
+        keys = mx.concatenate([*chunks_k, mx.zeros((B, H, self.step, first.shape[3]), first.dtype)], axis=2)
+        v0 = chunks_v[0]
+        values = mx.concatenate([*chunks_v, mx.zeros((B, H, self.step, v0.shape[3]), v0.dtype)], axis=2)
+        return keys, values, tokens
 
-    def load(self, keys: mx.array, values: mx.array) -> None:
-        """Replace the cache by `keys`/`values` ([B, H, T, D]) holding T tokens.
+    def load(self, keys: mx.array, values: mx.array, offset: int | None = None) -> None:
+        """Replace the cache by the first `offset` tokens (all if None) of `keys`/`values` ([B, H, T, D]).
 
-        The layer takes the arrays as its buffer; the next append reallocates
-        (the buffer is full), so they are never written in place.
+        The layer takes the arrays as its buffer and writes the next tokens past
+        `offset` in place, so pass arrays nobody else holds.
 
         Raises:
             BranchError: a branch is open (loading would drop it).
@@ -105,8 +118,10 @@ class KVLayer(KVCache):
         """
         if self.marks:
             raise BranchError("load() with an open branch: commit or roll it back first")
-        self.state_from({"k": keys, "v": values}, {}, keys.shape[2] if keys.ndim == 4 else -1)
-        self.keys, self.values, self.offset = keys, values, keys.shape[2]
+        offset = keys.shape[2] if offset is None and keys.ndim == 4 else offset
+        if keys.ndim != 4 or keys.shape[:3] != values.shape[:3] or not 0 < offset <= keys.shape[2]:
+            raise ValueError(f"load(): keys {keys.shape} and values {values.shape} for {offset} tokens")
+        self.keys, self.values, self.offset = keys, values, offset
 
     def check(self) -> None:
         where = f"KVLayer(offset={self.offset}, marks={self.marks})"

@@ -54,8 +54,11 @@ class Persistent(Protocol):
     def spec(self, probe: Spec, tokens: int) -> dict[str, tuple[str, tuple]]:
         """The spec of this layer's arrays for `tokens` tokens, given those exported after one."""
 
-    def state_from(self, arrays: Mapping[str, mx.array], meta: Mapping[str, Any], tokens: int) -> tuple:
+    def state_from(self, arrays: Mapping[str, Any], meta: Mapping[str, Any], tokens: int) -> tuple:
         """Validate stored arrays for `tokens` tokens; returns the arguments of `load`. Changes nothing.
+
+        PAGES kinds get each name's row chunks in position order (a list of
+        arrays, token axis 2); CHECKPOINT kinds get one array per name.
 
         Raises:
             ValueError: they do not fit this layer.

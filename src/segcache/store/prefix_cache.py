@@ -270,10 +270,8 @@ class PrefixCache:
         for i, layer in enumerate(rt.cache):
             prefix = f"{i}."
             if layer.resumes_from == PAGES:
-                arrays = {}
-                for name in self.layout.probe[i]:
-                    parts = [rec.arrays[prefix + name][..., :n, :] for rec, n in plan.rows]
-                    arrays[name] = mx.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
+                # row chunks in order; token axis 2 (layers.protocol)
+                arrays = {name: [rec.arrays[prefix + name][..., :n, :] for rec, n in plan.rows] for name in self.layout.probe[i]}
                 meta = {}
             else:
                 arrays = {n[len(prefix) :]: a for n, a in plan.ckpt.arrays.items() if n.startswith(prefix)}
