@@ -162,7 +162,7 @@ def test_token_arrays_are_recorded_without_a_sync_and_in_order():
     rt.forward(mx.array(PROMPT[:5]))
     rt.forward([PROMPT[5]])
     rt.forward(mx.array([PROMPT[6:9]], dtype=mx.int32))  # shape [1, S]
-    assert rt._pending_len == 9  # not read yet
+    assert rt._ledger.unread == 9  # not read yet
     model(mx.array([[PROMPT[9]]]), cache=rt.cache)  # fed around the runtime
     rt.forward(mx.argmax(rt.forward([PROMPT[10]])[0, -1:], axis=-1))  # a lazy next token
     rt.check()

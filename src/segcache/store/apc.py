@@ -375,8 +375,8 @@ def _kv_sources(ix: _Index, r: int, tail: Record | None) -> list[tuple[Record, i
     return out
 
 
-def load(rt, plan: Plan, b: Binding) -> None:
-    """Replace the runtime's state by the plan's prefix; all or nothing.
+def load(rt, plan: Plan, b: Binding, ids: list[int]) -> None:
+    """Replace the runtime's state by the plan's prefix (`Runtime.restore`); all or nothing.
 
     Raises:
         _Miss: the records do not fit the runtime (nothing was changed).
@@ -404,8 +404,7 @@ def load(rt, plan: Plan, b: Binding) -> None:
                 raise _Miss(f"layer {i}: conv tail of shape {conv.shape}")
             states.append((conv, state, r))
     mx.eval([a for s in states for a in s if isinstance(a, mx.array)])
-    for layer, s in zip(rt.cache, states):
-        layer.load(*s)
+    rt.restore(list(ids[:r]), states)
 
 
 # -- publishing ----------------------------------------------------------------------
@@ -525,8 +524,7 @@ def prefill(rt, ids: list[int], *, step_size: int = 2048, policy: str = "auto", 
             if policy == "grid":
                 plan.branch = None
             if plan.resume > held:
-                load(rt, plan, b)
-                rt._tokens = list(ids[: plan.resume])
+                load(rt, plan, b, ids)
                 resumed = plan.resume
         except Exception as exc:  # any store failure is a miss, never a failed prefill
             if not isinstance(exc, _Miss):
@@ -579,8 +577,7 @@ def publish_runtime(rt) -> int:
     """`Runtime.publish`: store the committed tokens and state. See there."""
     if rt.store is None:
         raise StoreError("publish() on a Runtime without a store: pass store=open_store(...) to Runtime()")
-    rt._sync_tokens()
-    ids = rt.tokens[: rt.committed_offset]
+    ids = rt.committed_tokens
     if None in ids:
         raise StoreError(
             "publish(): the runtime holds tokens fed without Runtime.forward, whose ids are unknown; "
