@@ -115,6 +115,11 @@ class TokenLedger:
             out.extend([None] * (n - len(out)))
         return out
 
+    def peek(self, n: int) -> list[int | None]:
+        """What `ids(n)` returns, leaving this ledger as it is (for tests: observing
+        the runtime must not change which paths its next steps take)."""
+        return self.copy(self.recorded).ids(n)
+
     def check(self, offset: int) -> None:
         """Verify the invariants against the cache's `offset`.
 
