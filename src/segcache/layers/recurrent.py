@@ -88,7 +88,10 @@ class RecurrentLayer(SnapshotBranches, ArraysCache):
     Args:
         conv_tail: k-1, the rows of conv input the layer keeps.
         strategy: "replay" (keep inputs, replay the accepted prefix on commit) or
-            "states" (keep the state after every branch token).
+            "states" (keep the state after every branch token, within the budget).
+        states_budget_bytes: with "states", the most bytes of per-token states
+            this layer's open branches keep (unbounded by default here;
+            `Runtime` passes its `branch_state_bytes` share).
     """
 
     def __init__(self, conv_tail: int, strategy: str = "replay", *, states_budget_bytes: int = 1 << 62):
