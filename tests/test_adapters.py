@@ -22,15 +22,16 @@ def _gdn(family):
     return model, module, base
 
 
-@pytest.mark.parametrize("strategy", ["replay", "states"])
+@pytest.mark.parametrize("strategy,budget", [("replay", None), ("states", None), ("states", 0)])
 @pytest.mark.parametrize("with_mask", [False, True])
-def test_branch_forward_is_bit_identical_to_mlx_lm_module(hybrid, strategy, with_mask):
+def test_branch_forward_is_bit_identical_to_mlx_lm_module(hybrid, strategy, budget, with_mask):
     model, module, base = _gdn(hybrid)
     Runtime(model)  # adapts the module
     assert type(module) is not base and isinstance(module, base)
     mx.random.seed(3)
     native = ArraysCache(size=2)
-    ours = RecurrentLayer(module.conv_kernel_size - 1, strategy)
+    kw = {} if budget is None else {"states_budget_bytes": budget}  # 0: "states" past its budget
+    ours = RecurrentLayer(module.conv_kernel_size - 1, strategy, **kw)
     for S in (5, 1, 3):  # from empty, then from a carried state
         x = mx.random.normal((1, S, module.hidden_size))
         mask = (mx.arange(S) % 2 == 0)[None] if with_mask else None
@@ -38,6 +39,8 @@ def test_branch_forward_is_bit_identical_to_mlx_lm_module(hybrid, strategy, with
         ours.fork()
         got = module(x, mask, ours)
         assert ours.capturing and len(ours.marks[-1].records) == 1
+        kept = ours.marks[-1].records[0].states
+        assert (kept is not None) == (strategy == "states" and budget is None)
         ours.commit(S)
         assert mx.array_equal(got, want).item(), "outputs differ"
         assert mx.array_equal(ours[0], native[0]).item(), "conv tails differ"

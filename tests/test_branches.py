@@ -8,6 +8,7 @@ import pytest
 from conftest import tiny
 from helpers import assert_snapshot_equal, assert_states_equal, snapshot
 from segcache import BranchError, Runtime
+from segcache.layers import RecurrentLayer
 from segcache.testing.statemachine import assert_logits_close
 
 PREFIX = [5, 17, 3, 42, 8, 8, 1, 30, 22, 9, 14]
@@ -173,3 +174,95 @@ def test_with_block_rolls_back_on_exit_and_on_exception():
         br.commit(1)
     assert rt.tokens == PREFIX + [1]
     rt.check()
+
+
+# -- bounded branch memory ("states" keeps at most its budget, then replays) -------
+
+LONG = [(5 * i + 2) % 64 for i in range(23)]
+CHUNKS = [1, 1, 3, 1, 2, 5, 1, 1, 4, 1, 3]  # sum 23: draft steps and verify blocks
+
+
+def _state_bytes(rt):
+    """Bytes of one recurrent state of the first recurrent layer (B*Hv*Dv*Dk floats)."""
+    layer = next(c for c in rt.cache if isinstance(c, RecurrentLayer))
+    return layer.cache[1].nbytes
+
+
+def _feed_long(rt, peaks):
+    pos = 0
+    for size in CHUNKS:
+        rt.forward(LONG[pos : pos + size])
+        pos += size
+        rt.check()  # accepts the mixed records (states, then none)
+        peaks.append(max(c.kept_bytes for c in rt.cache if isinstance(c, RecurrentLayer)))
+
+
+def test_a_long_branch_keeps_at_most_its_budget_and_commits_exactly(hybrid):
+    model = tiny(hybrid)
+    probe = _runtime(hybrid, "states")
+    per_state = _state_bytes(probe)
+    recurrent = sum(isinstance(c, RecurrentLayer) for c in probe.cache)
+    budget = 5 * per_state  # per layer: 5 kept states, the branch holds 23 tokens
+    for n in range(len(LONG) + 1):
+        runs, peaks = {}, {}
+        for name, strategy, total in [
+            ("bounded", "states", budget * recurrent),
+            ("unbounded", "states", 1 << 40),
+            ("replay", "replay", 1 << 40),
+        ]:
+            rt = Runtime(model, recurrent_strategy=strategy, branch_state_bytes=total)
+            rt.forward(PREFIX)
+            peaks[name] = []
+            with rt.fork() as br:
+                _feed_long(rt, peaks[name])
+                br.commit(n)
+            rt.check()
+            runs[name] = rt
+        assert max(peaks["bounded"]) <= budget
+        assert max(peaks["unbounded"]) == len(LONG) * per_state  # the control keeps every state
+        assert max(peaks["replay"]) == 0
+        assert_states_equal(runs["bounded"], runs["unbounded"])
+        assert_states_equal(runs["bounded"], runs["replay"])
+        nxt = {name: rt.forward([2]) for name, rt in runs.items()}
+        assert mx.array_equal(nxt["bounded"], nxt["unbounded"]).item(), f"n={n}"
+        assert mx.array_equal(nxt["bounded"], nxt["replay"]).item(), f"n={n}"
+        assert runs["bounded"].tokens == PREFIX + LONG[:n] + [2]
+
+
+def test_budget_spans_nested_branches_and_frees_on_rollback():
+    model = tiny("qwen3_5")
+    per_state = _state_bytes(_runtime("qwen3_5", "states"))
+    rt = Runtime(model, recurrent_strategy="states", branch_state_bytes=2 * 4 * per_state)  # 4 per layer
+    ref = Runtime(model, recurrent_strategy="replay")
+    for r in (rt, ref):
+        r.forward(PREFIX)
+    layers = [c for c in rt.cache if isinstance(c, RecurrentLayer)]
+    with rt.fork() as outer, ref.fork() as ref_outer:
+        for r in (rt, ref):
+            r.forward([1, 2, 3])
+        assert all(c.kept_states == 3 for c in layers)
+        with rt.fork() as inner:
+            rt.forward([4, 5])  # does not fit (3 + 2 > 4): this branch replays from here
+            rt.forward([6])  # and keeps nothing more, though one would fit
+            assert all(c.kept_states == 3 and c.marks[-1].replaying for c in layers)
+            rt.check()
+            inner.rollback()
+        assert all(c.kept_states == 3 and not c.marks[-1].replaying for c in layers)
+        with rt.fork() as inner:
+            rt.forward([4])  # a new branch keeps states again while they fit
+            assert all(c.kept_states == 4 for c in layers)
+            rt.forward([5, 6])
+            inner.commit(2)  # the outer branch now holds records without states
+        ref.forward([4, 5])
+        assert all(c.marks[-1].replaying for c in layers)
+        rt.check()
+        outer.commit(4)
+        ref_outer.commit(4)
+    assert_states_equal(rt, ref)
+    assert mx.array_equal(rt.forward([9]), ref.forward([9])).item()
+
+
+def test_branch_state_bytes_is_checked():
+    for bad in (-1, 1.5, None, True):
+        with pytest.raises(ValueError, match="branch_state_bytes"):
+            Runtime(tiny("qwen3_5"), branch_state_bytes=bad)

@@ -125,6 +125,33 @@ def test_unsupported_cache_types_are_named(cache, name):
         Runtime(_FakeModel([KVCache(), cache]))
 
 
+class _LastLayerChunked:
+    """A hybrid model whose last layer uses a cache segcache refuses (as llama4's chunked attention)."""
+
+    def __init__(self, model):
+        self.model, self.layers = model, model.layers
+
+    def make_cache(self):
+        caches = self.model.make_cache()
+        caches[-1] = ChunkedKVCache(8)
+        return caches
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+
+def test_a_refused_model_is_not_modified():
+    from segcache.testing import models
+
+    model = models.build("qwen3_next")  # fresh: never adapted by another test
+    classes = [(name, type(m)) for name, m in model.named_modules()]
+    with pytest.raises(UnsupportedModelError, match=f"layer {len(model.layers) - 1} .*ChunkedKVCache"):
+        Runtime(_LastLayerChunked(model))
+    assert [(name, type(m)) for name, m in model.named_modules()] == classes
+    Runtime(model).check()  # and the same model is accepted whole
+    assert [type(m) for _, m in model.named_modules()] != [c for _, c in classes]
+
+
 def test_unknown_recurrent_module_is_refused():
     from mlx_lm.models import mamba
 
@@ -162,7 +189,7 @@ def test_token_arrays_are_recorded_without_a_sync_and_in_order():
     rt.forward(mx.array(PROMPT[:5]))
     rt.forward([PROMPT[5]])
     rt.forward(mx.array([PROMPT[6:9]], dtype=mx.int32))  # shape [1, S]
-    assert rt._pending_len == 9  # not read yet
+    assert rt._ledger.unread == 9  # not read yet
     model(mx.array([[PROMPT[9]]]), cache=rt.cache)  # fed around the runtime
     rt.forward(mx.argmax(rt.forward([PROMPT[10]])[0, -1:], axis=-1))  # a lazy next token
     rt.check()

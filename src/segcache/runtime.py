@@ -12,15 +12,20 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import KVCache
 
 from . import adapters
 from .errors import BranchError, InvariantError, UnsupportedModelError
-from .layers import KVLayer, RecurrentLayer, WindowLayer
+from .layers import registry
 from .layers.recurrent import STRATEGIES
 from .errors import StoreError
+from .tokens import TokenLedger
 
 RECURRENT_STRATEGIES = ("auto",) + STRATEGIES
+# Per runtime, over all recurrent layers: at Qwen3-Next sizes (36 GDN layers,
+# ~2 MiB of state per token per layer) about 3 kept states per layer, enough
+# for a short draft; a longer branch replays instead of running out of memory.
+BRANCH_STATE_BYTES = 256 << 20
 
 
 def default_recurrent_strategy() -> str:
@@ -81,7 +86,12 @@ class Branch:
         return f"Branch(base={self.base_offset}, {state})"
 
 
-def _build_layers(model, strategy: str) -> list:
+def _build_layers(model, strategy: str, branch_state_bytes: int) -> list:
+    """One layer cache per decoder layer; the model is changed only if every layer is supported.
+
+    First every layer is matched to a segment kind (raising before anything
+    changed), then the recurrent modules are adapted, all or none.
+    """
     native = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
     layers = list(model.layers)
     if len(native) != len(layers):
@@ -89,25 +99,27 @@ def _build_layers(model, strategy: str) -> list:
             f"{type(model).__name__} makes {len(native)} caches for {len(layers)} layers; "
             "segcache needs one cache per decoder layer"
         )
-    out = []
+    plan = []  # (kind, native cache, what the kind matched)
     for i, (cache, layer) in enumerate(zip(native, layers)):
-        kind = type(cache)
-        if kind is KVCache:
-            out.append(KVLayer())
-        elif kind is RotatingKVCache:
-            out.append(WindowLayer(cache.max_size, cache.keep))
-        elif kind is ArraysCache and len(cache.cache) == 2 and (found := adapters.find_recurrent_module(layer)):
-            module, base = found
-            adapters.adapt(module, base)
-            out.append(RecurrentLayer(module.conv_kernel_size - 1, strategy))
-        else:
+        found = registry.match(cache, layer)
+        if found is None:
             inner = adapters.describe_layer(layer)
             raise UnsupportedModelError(
-                f"layer {i} ({type(layer).__name__}{inner}) uses {kind.__name__}, which segcache "
-                "cannot roll back; supported: KVCache, RotatingKVCache, and ArraysCache for the "
-                f"Gated DeltaNet of {', '.join(c.__module__.rsplit('.', 1)[-1] for c in adapters.FAMILIES)}"
+                f"layer {i} ({type(layer).__name__}{inner}) uses {type(cache).__name__}, which segcache "
+                f"cannot roll back; supported: {registry.supported()}"
             )
-    return out
+        plan.append((found[0], cache, found[1]))
+    recurrent = [m for kind, _, matched in plan if (m := kind.module(matched)) is not None]
+    options = registry.Options(strategy, branch_state_bytes // len(recurrent) if recurrent else 0)
+    classes = [type(module) for module, _ in recurrent]
+    try:
+        for module, base in recurrent:
+            adapters.adapt(module, base)
+    except BaseException:
+        for (module, _), cls in zip(recurrent, classes):
+            module.__class__ = cls
+        raise
+    return [kind.build(cache, matched, options) for kind, cache, matched in plan]
 
 
 def _token_array(tokens: mx.array) -> mx.array:
@@ -139,6 +151,12 @@ class Runtime:
             clones share it.
         recurrent_strategy: "auto", "replay" or "states" (see
             `default_recurrent_strategy`).
+        branch_state_bytes: with "states", the most bytes of per-token
+            recurrent states the open branches may keep, split evenly over the
+            recurrent layers (default 256 MiB). A branch whose next forward
+            would pass its layer's share keeps no more states from then on and
+            commits by replaying its inputs from the last kept state: exact
+            either way, only slower. 0 means replay only.
 
     Attributes:
         model: the model.
@@ -148,22 +166,20 @@ class Runtime:
         UnsupportedModelError: a layer's cache cannot be rolled back.
     """
 
-    def __init__(self, model, *, store=None, recurrent_strategy: str = "auto"):
+    def __init__(
+        self, model, *, store=None, recurrent_strategy: str = "auto", branch_state_bytes: int = BRANCH_STATE_BYTES
+    ):
         if recurrent_strategy not in RECURRENT_STRATEGIES:
             raise ValueError(f"recurrent_strategy must be one of {RECURRENT_STRATEGIES}")
+        if not isinstance(branch_state_bytes, int) or isinstance(branch_state_bytes, bool) or branch_state_bytes < 0:
+            raise ValueError(f"branch_state_bytes must be an int >= 0, got {branch_state_bytes!r}")
         if recurrent_strategy == "auto":
             recurrent_strategy = default_recurrent_strategy()
         self.model = model
         self.recurrent_strategy = recurrent_strategy
-        self.cache = _build_layers(model, recurrent_strategy)
-        # _tokens[i]: the id at position i, None where the model was called on
-        # rt.cache directly. Ids given as mx.arrays wait unread in _pending
-        # (reading them would sync the device every step), in order after
-        # _tokens. len(_tokens) + _pending_len <= offset; after _sync_tokens()
-        # _pending is empty and len(_tokens) == offset.
-        self._tokens: list[int | None] = []
-        self._pending: list[mx.array | list[int]] = []
-        self._pending_len = 0
+        self.cache = _build_layers(model, recurrent_strategy, branch_state_bytes)
+        # ids of the cached positions; every path below goes through it (tokens.py)
+        self._ledger = TokenLedger()
         # _branches[i].base_offset == every layer's mark i offset; innermost last.
         self._branches: list[Branch] = []
         self.store = store
@@ -183,26 +199,18 @@ class Runtime:
 
     @property
     def tokens(self) -> list:
-        """Token ids in the cache, in order (None where fed without `forward`)."""
-        self._sync_tokens()
-        return list(self._tokens)
+        """Token ids in the cache, open branches included (None where fed without `forward`)."""
+        return self._ledger.ids(self.offset)
+
+    @property
+    def committed_tokens(self) -> list:
+        """Token ids of the committed positions (None where fed without `forward`)."""
+        return self._ledger.ids(self.committed_offset)
 
     @property
     def committed_offset(self) -> int:
         """Tokens outside every open branch."""
         return self._branches[0].base_offset if self._branches else self.offset
-
-    def _sync_tokens(self) -> None:
-        if self._pending:
-            for chunk in self._pending:
-                self._tokens.extend(chunk.tolist() if isinstance(chunk, mx.array) else chunk)
-            self._pending.clear()
-            self._pending_len = 0
-        gap = self.offset - len(self._tokens)
-        if gap > 0:
-            self._tokens.extend([None] * gap)
-        elif gap < 0:
-            del self._tokens[self.offset :]
 
     # -- forward ----------------------------------------------------------------
 
@@ -224,8 +232,7 @@ class Runtime:
             chunk = _token_array(tokens)  # left unread: no device sync per step
         else:
             chunk = _token_ids(tokens)
-        if len(self._tokens) + self._pending_len != self.offset:
-            self._sync_tokens()  # the model was called on rt.cache directly
+        self._ledger.sync(self.offset)  # positions fed through rt.cache directly: None
         saved = [layer.savepoint() for layer in self.cache]
         x = chunk[None] if isinstance(chunk, mx.array) else mx.array(chunk, dtype=mx.uint32)[None]
         try:
@@ -234,18 +241,13 @@ class Runtime:
             for layer, point in zip(self.cache, saved):
                 layer.restore(point)
             raise
-        if isinstance(chunk, mx.array) or self._pending:
-            self._pending.append(chunk)  # after unread ids, lists wait too (order)
-            self._pending_len += len(chunk)
-        else:
-            self._tokens.extend(chunk)
+        self._ledger.append(chunk)
         return logits
 
     # -- branches ---------------------------------------------------------------
 
     def fork(self) -> Branch:
         """Open a branch on top of the current state; O(1) in the context length."""
-        self._sync_tokens()
         branch = Branch(self, self.offset)
         for layer in self.cache:
             layer.fork()
@@ -288,17 +290,16 @@ class Runtime:
             n = length
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= length:
             raise BranchError(f"commit(n={n!r}): n must be an int in 0..{length}, the tokens this branch holds")
-        self._sync_tokens()
         for layer in self.cache:
             layer.commit(n)
-        del self._tokens[inner.base_offset + n :]
+        self._ledger.truncate(inner.base_offset + n)
         self._close(inner)
 
     def _rollback(self, branch: Branch | None) -> None:
         inner = self._innermost(branch, "rollback")
         for layer in self.cache:
             layer.rollback()
-        del self._tokens[inner.base_offset :]
+        self._ledger.truncate(inner.base_offset)
         self._close(inner)
 
     def _close(self, branch: Branch) -> None:
@@ -332,14 +333,64 @@ class Runtime:
         Raises:
             BranchError: a branch is open, or the runtime holds tokens that are not
                 a strict prefix of `tokens`; nothing changed.
-            ValueError: `tokens` is empty or not token ids.
+            ValueError: `tokens` is empty or not token ids, or `step_size` is not a
+                positive int; nothing changed.
         """
         ids = _token_ids(tokens)
+        if not isinstance(step_size, int) or isinstance(step_size, bool) or step_size <= 0:
+            raise ValueError(f"prefill(step_size={step_size!r}): step_size must be a positive int")
         if self.store is None:
             from .store.prefix_cache import check_prefill, feed
 
             return feed(self, ids, check_prefill(self, ids), [len(ids)], step_size)
         return self.prefix_cache().prefill(self, ids, step_size=step_size, checkpoints=checkpoints)
+
+    def restore(self, ids: list[int], states: list) -> None:
+        """Replace the whole committed state by a stored prefix of `ids`; all or nothing.
+
+        Each layer gets `layer.load(*states[i])` (KVLayer: keys, values;
+        WindowLayer: keys, values, offset, idx; RecurrentLayer: conv, state,
+        offset). Afterwards the runtime holds exactly `ids`.
+
+        Args:
+            ids: the token ids the states were computed from (may be empty).
+            states: one argument tuple per layer, in layer order.
+
+        Raises:
+            BranchError: a branch is open; nothing changed.
+            ValueError: `ids` are not token ids, `states` do not match the layers,
+                or a layer would hold another number of tokens than `ids`;
+                nothing changed.
+            Exception: whatever a layer's `load` raised; every layer was put back.
+        """
+        if self._branches:
+            raise BranchError(
+                f"restore() with {self.depth} open branch(es): commit or roll them back first"
+            )
+        ids = list(ids)
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise ValueError(f"restore(): ids must be non-negative ints; got {ids!r:.80}")
+        if len(states) != len(self.cache) or not all(isinstance(s, tuple) for s in states):
+            raise ValueError(
+                f"restore(): {len(states)} state tuples for {len(self.cache)} layers; pass one tuple per layer"
+            )
+        # load() rebinds a layer's attributes and never writes into its arrays,
+        # so the attributes (lists copied) are enough to put a layer back.
+        saved = [{k: list(v) if isinstance(v, list) else v for k, v in vars(layer).items()} for layer in self.cache]
+        try:
+            for i, (layer, state) in enumerate(zip(self.cache, states)):
+                layer.load(*state)
+                if layer.offset != len(ids):
+                    raise ValueError(
+                        f"restore(): layer {i} holds {layer.offset} tokens after load, "
+                        f"but {len(ids)} ids were given"
+                    )
+        except BaseException:
+            for layer, attrs in zip(self.cache, saved):
+                vars(layer).clear()
+                vars(layer).update(attrs)
+            raise
+        self._ledger.reset(ids)
 
     def publish(self) -> int:
         """Publish the committed tokens and state to the store (e.g. after generating).
@@ -368,34 +419,6 @@ class Runtime:
             self._prefix = PrefixCache(self)
         return self._prefix
 
-    @property
-    def committed_tokens(self) -> list:
-        """Token ids outside every open branch (None where fed without `forward`)."""
-        return self.tokens[: self.committed_offset]
-
-    def restore(self, ids: list[int], states: list) -> None:
-        """Replace the whole committed state by a stored prefix of `ids`; all or nothing.
-
-        Args:
-            ids: the token ids the states were computed from.
-            states: per layer, the arguments of its `load` (`layer.state_from(...)`).
-
-        Raises:
-            BranchError: a branch is open; nothing changed.
-        """
-        if self._branches:
-            raise BranchError("restore() with an open branch: commit or roll it back first")
-        saved = [layer.savepoint() for layer in self.cache]
-        try:
-            for layer, state in zip(self.cache, states):
-                layer.load(*state)
-        except BaseException:
-            for layer, point in zip(self.cache, saved):
-                layer.restore(point)
-            raise
-        self._tokens = list(ids)
-        self._pending, self._pending_len = [], 0
-
     # -- sharing ----------------------------------------------------------------
 
     def clone(self) -> "Runtime":
@@ -403,13 +426,11 @@ class Runtime:
 
         Open branches are not cloned. Neither runtime ever sees the other's writes.
         """
-        self._sync_tokens()
         other = object.__new__(type(self))
         other.model = self.model
         other.recurrent_strategy = self.recurrent_strategy
         other.cache = [layer.clone() for layer in self.cache]
-        other._tokens = self._tokens[: self.committed_offset]
-        other._pending, other._pending_len = [], 0
+        other._ledger = self._ledger.copy(self.committed_offset)
         other._branches = []
         other.store, other._prefix = self.store, self._prefix
         return other
@@ -435,12 +456,7 @@ class Runtime:
                 raise InvariantError(f"layer {i} has branches at {bases}, the runtime at {expected}")
         if any(not b.open for b in self._branches):
             raise InvariantError("a closed branch is still on the stack")
-        if len(self._tokens) + self._pending_len > self.offset:
-            raise InvariantError(
-                f"{len(self._tokens) + self._pending_len} token ids recorded for {self.offset} cached tokens"
-            )
-        if self._pending_len != sum(len(chunk) for chunk in self._pending):
-            raise InvariantError("the count of unread token ids is off")
+        self._ledger.check(self.offset)
 
     def __repr__(self) -> str:
         kinds = {}

@@ -86,6 +86,9 @@ def branch_forward(module, project, inputs: mx.array, mask, cache: RecurrentLaye
     recorded = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "mask": mask}
 
     if cache.strategy == "states":
+        # Past the layer's budget the same per-token loop runs (same outputs)
+        # but keeps no states: commit then replays from the last kept one.
+        keep = cache.keeps_states(S, state.nbytes)
         outs, states = [], []
         for t in range(S):
             step_mask = None if mask is None else mask[:, t : t + 1]
@@ -94,8 +97,10 @@ def branch_forward(module, project, inputs: mx.array, mask, cache: RecurrentLaye
                 g[:, t : t + 1], beta[:, t : t + 1], state, step_mask,
             )
             outs.append(y)
-            states.append(state)
+            if keep:
+                states.append(state)
         out = outs[0] if S == 1 else mx.concatenate(outs, axis=1)
+        states = states if keep else None
     else:
         out, state = recurrence(q, k, v, g, beta, state, mask)
         states = None

@@ -10,11 +10,18 @@ pre-branch tail and state by reference. `commit(n)` then rebuilds:
 
     conv inputs:  [ tail before branch (k-1) | rows of step 1 .. T ]
                                    tail after n = rows n .. n+k-2
-    state after n = replay of steps 1..n from the pre-branch state
-                    ("replay"), or the state kept at step n ("states")
+    state after n = the state kept at the last step m <= n that kept one
+                    (none with "replay": m = 0, the pre-branch state),
+                    then a replay of steps m+1..n from it
 
-Both give the bits a forward of exactly those n tokens gives: the same
+All give the bits a forward of exactly those n tokens gives: the same
 per-token recurrence runs on the same inputs.
+
+With "states", kept states cost B*Hv*Dv*Dk floats per token, so the layer
+keeps at most `states_budget_bytes` of them over its open branches. A branch
+whose next forward would pass the budget keeps no more states from then on
+(its inputs are recorded as always), and its commit replays from the last
+kept state: bounded memory, same bits.
 """
 
 from __future__ import annotations
@@ -40,7 +47,8 @@ class Steps:
         conv_rows: the conv inputs this call appended, [B, S, C].
         inputs: recurrence inputs, each [B, S, ...], sliced by time on commit.
         replay: (inputs, state) -> state after those inputs, the same kernel the forward ran.
-        states: with the "states" strategy, the state after each of the S steps.
+        states: the state after each of the S steps, or None where they were not
+            kept ("replay", or past the "states" budget).
     """
 
     conv_rows: mx.array
@@ -66,6 +74,9 @@ class _RecurrentMark:
     conv: mx.array | None  # slot 0 before the branch; immutable, shared by reference
     state: mx.array | None  # slot 1 before the branch; immutable, shared by reference
     records: list[Steps] = field(default_factory=list)  # private to the branch, in call order
+    kept: int = 0  # states kept in records: sum(len(s.states) for s in records if s.states)
+    # some record keeps no states (a forward passed the budget): keep no more in this branch
+    replaying: bool = False
 
     @property
     def appended(self) -> int:
@@ -78,15 +89,22 @@ class RecurrentLayer(SnapshotBranches, ArraysCache):
     Args:
         conv_tail: k-1, the rows of conv input the layer keeps.
         strategy: "replay" (keep inputs, replay the accepted prefix on commit) or
-            "states" (keep the state after every branch token).
+            "states" (keep the state after every branch token, within the budget).
+        states_budget_bytes: with "states", the most bytes of per-token states
+            this layer's open branches keep (unbounded by default here;
+            `Runtime` passes its `branch_state_bytes` share).
     """
 
-    def __init__(self, conv_tail: int, strategy: str = "replay"):
+    def __init__(self, conv_tail: int, strategy: str = "replay", *, states_budget_bytes: int = 1 << 62):
         super().__init__(size=2)
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        if states_budget_bytes < 0:
+            raise ValueError(f"states_budget_bytes must be >= 0, got {states_budget_bytes}")
         self.conv_tail = conv_tail
         self.strategy = strategy
+        # With "states": bytes of kept per-token states <= states_budget_bytes.
+        self.states_budget_bytes = states_budget_bytes
         # ArraysCache has no offset; models call advance(S) after each forward.
         self.offset = 0
         # marks[i]: state before open branch i and the steps i fed the recurrence.
@@ -101,8 +119,38 @@ class RecurrentLayer(SnapshotBranches, ArraysCache):
         super().advance(N)
         self.offset += N
 
+    def keeps_states(self, steps: int, state_bytes: int) -> bool:
+        """Whether a forward of `steps` tokens inside the branch keeps its per-token states.
+
+        True with "states" while the open branches' kept states plus these stay
+        within the budget; once a forward does not fit, its branch replays.
+        """
+        if self.strategy != "states" or self.marks[-1].replaying:
+            return False
+        return (self.kept_states + steps) * state_bytes <= self.states_budget_bytes
+
+    @property
+    def kept_states(self) -> int:
+        """Per-token states the open branches keep (their bytes are within the budget)."""
+        return sum(m.kept for m in self.marks)
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of the per-token states the open branches keep."""
+        return sum(a.nbytes for m in self.marks for s in m.records if s.states for a in s.states)
+
     def record(self, steps: Steps) -> None:
-        self.marks[-1].records.append(steps)
+        self._extend(self.marks[-1], [steps])
+
+    def _extend(self, mark: _RecurrentMark, records: list[Steps]) -> None:
+        mark.records.extend(records)
+        mark.kept += sum(len(s.states) for s in records if s.states)
+        mark.replaying = mark.replaying or any(s.states is None for s in records)
+
+    def _truncate(self, mark: _RecurrentMark, count: int) -> None:
+        del mark.records[count:]
+        mark.kept = sum(len(s.states) for s in mark.records if s.states)
+        mark.replaying = any(s.states is None for s in mark.records)
 
     def _snapshot(self) -> _RecurrentMark:
         return _RecurrentMark(self.offset, self.cache[0], self.cache[1])
@@ -123,20 +171,20 @@ class RecurrentLayer(SnapshotBranches, ArraysCache):
             before = mx.zeros((first.shape[0], self.conv_tail, first.shape[2]), first.dtype)
         conv_inputs = mx.concatenate([before, *rows], axis=1)
         conv = mx.contiguous(conv_inputs[:, n : n + self.conv_tail, :])
-        if self.strategy == "states":
-            state = kept[-1].states[-1]
-        else:
-            state = mark.state
-            for steps in kept:
-                state = steps.replay(steps.inputs, state)
+        start, state = 0, mark.state
+        for i, steps in enumerate(kept):
+            if steps.states:
+                start, state = i + 1, steps.states[-1]
+        for steps in kept[start:]:
+            state = steps.replay(steps.inputs, state)
         self.cache = [conv, state]
         self.offset = mark.offset + n
         if self.marks:
-            self.marks[-1].records.extend(kept)
+            self._extend(self.marks[-1], kept)
 
     def clone(self) -> "RecurrentLayer":
         """An independent layer holding the committed state (arrays shared, never written)."""
-        other = RecurrentLayer(self.conv_tail, self.strategy)
+        other = RecurrentLayer(self.conv_tail, self.strategy, states_budget_bytes=self.states_budget_bytes)
         if self.marks:
             base = self.marks[0]
             other.cache, other.offset = [base.conv, base.state], base.offset
@@ -199,8 +247,16 @@ class RecurrentLayer(SnapshotBranches, ArraysCache):
             raise InvariantError(f"{where}: conv tail has {conv.shape[1]} rows, expected {self.conv_tail}")
         self._check_marks(where)
         for mark in self.marks:
-            if self.strategy == "states" and any(len(s.states) != s.length for s in mark.records):
-                raise InvariantError(f"{where}: a step record lacks its per-token states")
+            if any(s.states is not None and len(s.states) != s.length for s in mark.records):
+                raise InvariantError(f"{where}: a step record keeps states for only some of its tokens")
+            if self.strategy == "replay" and any(s.states is not None for s in mark.records):
+                raise InvariantError(f"{where}: a replay branch kept per-token states")
+            if mark.kept != sum(len(s.states) for s in mark.records if s.states):
+                raise InvariantError(f"{where}: the count of kept states is off")
+            if mark.replaying != any(s.states is None for s in mark.records):
+                raise InvariantError(f"{where}: the replaying flag disagrees with the records")
+        if self.kept_bytes > self.states_budget_bytes:
+            raise InvariantError(f"{where}: {self.kept_bytes} B of kept states, budget {self.states_budget_bytes} B")
 
 
 def _first_steps(steps: list[Steps], n: int) -> list[Steps]:

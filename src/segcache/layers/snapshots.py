@@ -37,9 +37,17 @@ class SnapshotBranches:
         mark = self.marks.pop()
         if n == mark.appended:
             if self.marks:
-                self.marks[-1].records.extend(mark.records)
+                self._extend(self.marks[-1], mark.records)
             return
         self._commit_prefix(mark, n)
+
+    def _extend(self, mark, records: list) -> None:
+        """Append `records` to `mark` (a layer that counts what records hold overrides this)."""
+        mark.records.extend(records)
+
+    def _truncate(self, mark, count: int) -> None:
+        """Keep the first `count` records of `mark`."""
+        del mark.records[count:]
 
     def savepoint(self):
         """Cheap: array references (dropped before anything is evaluated on success)."""
@@ -50,7 +58,7 @@ class SnapshotBranches:
         mark, count = point
         self._restore(mark)
         if self.marks:
-            del self.marks[-1].records[count:]
+            self._truncate(self.marks[-1], count)
 
     def _check_marks(self, where: str) -> None:
         ends = [m.offset for m in self.marks[1:]] + [self.offset]

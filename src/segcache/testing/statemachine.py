@@ -1,10 +1,17 @@
 """A hypothesis state machine for Runtime: random fork/forward/commit/rollback/clone.
 
+Tokens reach the runtime as lists, as lazy mx.arrays (recorded unread), and
+by direct model calls on `rt.cache` (as mlx-lm's generate_step does: their
+ids are unknown, so `rt.tokens` must read None there); some forwards raise
+half-way (a decoder layer fails after the earlier ones ran) and must leave
+the runtime exactly as it was.
+
 The reference is plain mlx-lm: a `make_prompt_cache` cache fed exactly the
 tokens the runtime should hold (rebuilt from scratch when a commit or rollback
 shortens them). Every forward's logits are compared with it (allclose, and
-the same greedy token where the top two are not a near tie), and `rt.check()`
-runs after every step.
+the same greedy token where the top two are not a near tie); after every step
+`rt.check()` runs and `rt.tokens` must equal the reference ids, None where
+fed directly.
 
 Use `machine_for(model)` to get a TestCase-ready machine for a model.
 """
@@ -71,19 +78,64 @@ class RuntimeMachine(RuleBasedStateMachine):
         super().__init__()
         self.rt = Runtime(self.model, recurrent_strategy=self.strategy)
         self.ref = _Reference(self.model)
-        self.expected: list[int] = []  # what rt must hold
+        self.expected: list[int | None] = []  # what rt.tokens must be: None where fed directly
+        self.direct: dict[int, int] = {}  # position -> id it was fed directly (the last time)
         self.bases: list[int] = []  # where each open branch began
         self.branches = []  # Branch objects, parallel to bases
-        self.clones: list[tuple[Runtime, list[int]]] = []
+        self.clones: list[tuple[Runtime, list[int]]] = []  # (clone, ids it was fed)
+        self.clone_tokens: list[list[int | None]] = []  # what each clone's tokens must be
+
+    def _fed(self, expected: list[int | None]) -> list[int]:
+        """The ids actually fed at each position of `expected`."""
+        return [self.direct[i] if t is None else t for i, t in enumerate(expected)]
 
     @precondition(lambda self: len(self.expected) < self.max_tokens)
-    @rule(data=st.data())
-    def forward(self, data):
+    @rule(data=st.data(), how=st.sampled_from(["list", "array", "array2d"]))
+    def forward(self, data, how):
         ids = data.draw(token_chunks(self.vocab))
-        logits = self.rt.forward(ids)
-        want = self.ref.logits_after(self.expected, ids)
-        assert_logits_close(logits, want, f"forward {ids} after {len(self.expected)} tokens")
+        if how == "list":
+            feed = ids
+        else:  # lazy (an unevaluated op), as a decode loop's next token is
+            feed = mx.array(ids, dtype=mx.int32) + 0
+            feed = feed[None] if how == "array2d" else feed
+        logits = self.rt.forward(feed)
+        want = self.ref.logits_after(self._fed(self.expected), ids)
+        assert_logits_close(logits, want, f"forward {ids} ({how}) after {len(self.expected)} tokens")
         self.expected += ids
+
+    # A runtime with a store refuses to publish positions fed directly
+    # (StoreError), which tests/test_tokens.py checks; a store machine opts in.
+    @precondition(lambda self: len(self.expected) < self.max_tokens and self.rt.store is None)
+    @rule(data=st.data())
+    def direct_call(self, data):
+        """The model called on rt.cache, around the runtime: ids unknown (None)."""
+        ids = data.draw(token_chunks(self.vocab))
+        logits = self.model(mx.array([ids]), cache=self.rt.cache)
+        want = self.ref.logits_after(self._fed(self.expected), ids)
+        assert_logits_close(logits, want, f"direct call {ids} after {len(self.expected)} tokens")
+        for i, t in enumerate(ids, start=len(self.expected)):
+            self.direct[i] = t
+        self.expected += [None] * len(ids)
+
+    @precondition(lambda self: len(self.expected) < self.max_tokens)
+    @rule(data=st.data(), as_array=st.booleans())
+    def forward_raises(self, data, as_array):
+        """A forward whose model call fails after some layers ran changes nothing."""
+        ids = data.draw(token_chunks(self.vocab))
+        layers = self.model.layers
+        layer = layers[data.draw(st.integers(0, len(layers) - 1))]
+        base = type(layer)
+        before = (self.rt.offset, self.rt.tokens, self.rt.depth)
+        layer.__class__ = type(f"Failing{base.__name__}", (base,), {"__call__": _fail})
+        try:
+            self.rt.forward(mx.array(ids) + 0 if as_array else ids)
+        except _Failure:
+            pass
+        else:
+            raise AssertionError("a failing model call did not raise")
+        finally:
+            layer.__class__ = base
+        assert (self.rt.offset, self.rt.tokens, self.rt.depth) == before
 
     @rule()
     def fork(self):
@@ -138,7 +190,10 @@ class RuntimeMachine(RuleBasedStateMachine):
     @rule()
     def clone(self):
         committed = self.expected[: self.bases[0]] if self.bases else list(self.expected)
-        self.clones.append((self.rt.clone(), committed))
+        clone = self.rt.clone()
+        assert clone.tokens == committed
+        self.clones.append((clone, self._fed(committed)))
+        self.clone_tokens.append(committed)
 
     @precondition(lambda self: self.clones)
     @rule(data=st.data())
@@ -153,15 +208,33 @@ class RuntimeMachine(RuleBasedStateMachine):
         fresh = _Reference(self.model)
         assert_logits_close(logits, fresh.logits_after(held, ids), "clone forward")
         self.clones[index] = (clone, held + ids)
+        self.clone_tokens[index] = self.clone_tokens[index] + ids
         clone.check()
+        assert clone.tokens == self.clone_tokens[index]
+
+    @rule()
+    def read_tokens(self):
+        """Reading the ids (which reads the unread arrays once) gives the reference ids."""
+        assert self.rt.tokens == self.expected
+        assert self.rt.committed_tokens == (self.expected[: self.bases[0]] if self.bases else self.expected)
 
     @invariant()
     def consistent(self):
         self.rt.check()
         assert self.rt.offset == len(self.expected)
-        assert self.rt.tokens == self.expected
+        # Peek, not rt.tokens: reading would leave no unread ids for the next
+        # step (a rollback, a commit) to get wrong.
+        assert self.rt._ledger.peek(self.rt.offset) == self.expected
         assert self.rt.depth == len(self.bases)
         assert [b.base_offset for b in self.branches] == self.bases
+
+
+class _Failure(Exception):
+    """Raised by a decoder layer made to fail (forward_raises)."""
+
+
+def _fail(self, *args, **kwargs):
+    raise _Failure("a decoder layer failed half-way through the model call")
 
 
 def machine_for(model, *, strategy: str = "auto", vocab: int = 64) -> type[RuntimeMachine]:
