@@ -21,6 +21,10 @@ class StoreError(SegcacheError):
     """A prefix-store operation failed; the store is unchanged."""
 
 
+class StoreWarning(RuntimeWarning):
+    """The prefix store failed; the operation went on as a miss (or without the store)."""
+
+
 class StoreFormatError(StoreError):
     """The store on disk was written by another format version of segcache."""
 

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from ..errors import BranchError, StoreError
+from ..errors import BranchError, StoreError, StoreWarning  # noqa: F401  (StoreWarning: re-exported)
 from ..layers import KVLayer, RecurrentLayer, WindowLayer
 from .identity import model_identity
 from .keys import chain_key, root_key
@@ -59,10 +59,6 @@ MAX_CONTS = 32  # continuations kept per node (newest first); older ones only lo
 MAX_CKPTS = 64  # checkpoint tails kept per node (newest first)
 DEFAULT_SPT = 1e-3  # seconds per token assumed before any prefill was timed
 POLICIES = ("auto", "grid")  # "grid": checkpoints only on the page grid (bench baseline)
-
-
-class StoreWarning(RuntimeWarning):
-    """The prefix store failed; the prefill went on as a miss (or did not publish)."""
 
 
 class _Miss(Exception):

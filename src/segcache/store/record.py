@@ -18,6 +18,9 @@ class Record:
         arrays: Name -> array. Arrays are immutable, so the store keeps them as given.
         meta: Plain msgpack-able values (str, int, float, bool, None, bytes, lists, dicts).
         cost: Estimated seconds of compute the record saves; drives eviction.
+        parent: Key of the record this one extends (a page's previous page), or None.
+            The disk tier evicts only records no stored record names as parent, so
+            eviction never strands the records below one.
     """
 
     kind: str
@@ -25,6 +28,7 @@ class Record:
     arrays: dict[str, mx.array] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     cost: float = 0.0
+    parent: bytes | None = None
 
     @property
     def nbytes(self) -> int:
