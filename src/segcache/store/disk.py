@@ -118,7 +118,7 @@ def check_lmdb_file(data: str) -> None:
     if size < (last + 1) * psize:
         raise _no_store(
             os.path.dirname(data),
-            f"data.mdb is {size} bytes but its meta pages need {(last + 1) * psize} (a partial copy or restore?); "
+            f"data.mdb is {size} bytes but its meta pages need {(last + 1) * psize}: it was cut short (a partial copy or restore?); "
             f"delete the directory (it is only a cache) or restore it whole",
         )
 
