@@ -528,6 +528,10 @@ class DiskTier:
 
     # -- reads --------------------------------------------------------------
 
+    def renew(self, key: bytes) -> None:
+        """A new record was put under key: a corruption found in it later warns again."""
+        self._warned.discard(key)
+
     def _report(self, key: bytes, err: Exception) -> None:
         if key not in self._warned:
             self._warned.add(key)

@@ -198,6 +198,7 @@ class PrefixStore:
             self._check_open()
             _validate(key, record)
             mx.eval(list(record.arrays.values()))
+            self._disk.renew(key)
             self._ram.put(key, record)
 
     def get(self, key: bytes, *, count: bool = True, expect: Expect | None = None) -> Record | None:
@@ -245,7 +246,10 @@ class PrefixStore:
                     out[i] = rec
             if todo:
                 with _store_errors(self.path, "reading"):
-                    got = self._disk.get_many([keys[i] for i in todo], [exp[i] for i in todo])
+                    if len(todo) == 1:
+                        got = [self._disk.get(keys[todo[0]], exp[todo[0]])]
+                    else:
+                        got = self._disk.get_many([keys[i] for i in todo], [exp[i] for i in todo])
                 for i, rec in zip(todo, got):
                     if rec is not None:
                         self._disk_reads += 1
