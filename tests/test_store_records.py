@@ -109,8 +109,8 @@ def test_expect_is_checked_before_anything_is_decompressed_or_allocated(tmp_path
     v = codec.encode(r, key=b"k", compress=True)
     assert len(v) < 16 << 10
     calls = []
-    monkeypatch.setattr(codec, "_fill", lambda job: calls.append(job))
-    monkeypatch.setattr(codec, "_alloc", lambda e: calls.append(e))
+    monkeypatch.setattr(codec, "_inflate", lambda job: calls.append(job))
+    monkeypatch.setattr(codec, "_to_mlx", lambda data, e: calls.append(e))
     with pytest.raises(CorruptRecordError, match="layout needs"):
         codec.decode(v, key=b"k", expect={"z": ("float32", (16,))})
     assert calls == []

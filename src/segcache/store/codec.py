@@ -302,50 +302,54 @@ def _segments(h: dict, mv: memoryview, off: int) -> list[tuple[memoryview, list]
     return out
 
 
-def _alloc(entry) -> tuple[mx.array, np.ndarray]:
-    """A fresh MLX array for entry and a writable flat uint8 numpy view of its memory."""
+def _to_mlx(data, entry) -> mx.array:
+    """The one copy: a raw segment (a view into the value, e.g. the LMDB map) into a fresh MLX array."""
     _, dname, shape, *_ = entry
-    mx_dtype = _CARRIER.get(dname, DTYPES[dname][0])
-    a = mx.zeros(shape, dtype=mx_dtype)
-    mx.eval(a)
-    dest = np.asarray(a).reshape(-1).view(np.uint8)
-    if not dest.flags.writeable or dest.ctypes.data != np.asarray(a).ctypes.data:
-        raise StoreError("this MLX build does not expose writable array memory")  # never seen; guards the zero-copy path
-    return a, dest
+    mx_dtype, np_dtype = DTYPES[dname]
+    a = mx.array(np.frombuffer(data, dtype=np.uint8).view(np_dtype).reshape(shape))
+    return a.view(mx_dtype) if dname in _CARRIER else a
 
 
-def _fill(job) -> None:
-    """Check one segment's CRC and write it, decoded, into dest (the one copy out of the value)."""
-    seg, entry, dest = job
+def _inflate(job) -> np.ndarray | CorruptRecordError:
+    """Check a compressed segment's CRC, decompress it (at most its bounded raw size) and unshuffle."""
+    seg, entry = job
     _, dname, _, codec, raw, _, crc = entry
-    if zlib.crc32(seg) != crc:  # zlib drops the GIL: segments are checked in parallel
-        raise _bad(f"payload checksum mismatch in array {entry[0]!r}")
-    if codec == CODEC_NONE:
-        np.copyto(dest, np.frombuffer(seg, dtype=np.uint8))
-        return
+    if zlib.crc32(seg) != crc:
+        return _bad(f"payload checksum mismatch in array {entry[0]!r}")
     if zstandard.frame_content_size(seg) != raw:  # bound the allocation before decompressing
-        raise _bad(f"zstd frame of array {entry[0]!r} does not declare {raw} bytes")
+        return _bad(f"zstd frame of array {entry[0]!r} does not declare {raw} bytes")
     try:
         out = _dctx().decompress(seg, max_output_size=raw)
     except zstandard.ZstdError as e:
-        raise _bad(f"zstd: {e}") from None
+        return _bad(f"zstd: {e}")
     if len(out) != raw:
-        raise _bad(f"array {entry[0]!r} decompressed to {len(out)} bytes, expected {raw}")
+        return _bad(f"array {entry[0]!r} decompressed to {len(out)} bytes, expected {raw}")
     data = np.frombuffer(out, dtype=np.uint8)
     itemsize = DTYPES[dname][1].itemsize
-    if codec == CODEC_ZSTD_SHUFFLE and itemsize > 1:
-        planes, cols = data.reshape(itemsize, -1), dest.reshape(-1, itemsize)
-        for k in range(itemsize):  # column writes: the inverse of `shuffle`, straight into MLX memory
-            cols[:, k] = planes[k]
-    else:
-        np.copyto(dest, data)
+    return unshuffle(data, itemsize) if codec == CODEC_ZSTD_SHUFFLE and itemsize > 1 else data
+
+
+def _crc(seg) -> int:
+    return zlib.crc32(seg)
+
+
+class _Now:
+    """A finished result with the interface of a Future (the small-work path runs inline)."""
+
+    def __init__(self, fn, arg):
+        self._v = fn(arg)
+
+    def result(self):
+        return self._v
 
 
 def decode_many(items: list[tuple[Any, bytes, Expect | None]]) -> list[Record | CorruptRecordError]:
-    """Validate and decode several values at once; arrays are filled on a thread pool.
+    """Validate and decode several values at once.
 
-    Every header is checked (key, layout, sizes) before any array is allocated. The
-    returned arrays never alias the values, so these may be LMDB buffers that die
+    Every header is checked (key, layout, sizes) before any array is allocated. Raw
+    segments are copied once, straight from the value into MLX, on this thread while
+    a pool checks their CRC-32s (zlib drops the GIL) and inflates compressed ones.
+    The returned arrays never alias the values, so these may be LMDB buffers that die
     when their transaction ends.
 
     Args:
@@ -355,33 +359,48 @@ def decode_many(items: list[tuple[Any, bytes, Expect | None]]) -> list[Record | 
         Per item, the Record or the CorruptRecordError that rejected it.
     """
     out: list[Any] = []
-    jobs, owners = [], []
-    for i, (buf, key, expect) in enumerate(items):
+    parsed = []
+    for buf, key, expect in items:
         try:
             h, off = read_header(buf, key=key, expect=expect)
         except CorruptRecordError as e:
             out.append(e)
             continue
-        arrays = {}
-        for seg, e in _segments(h, memoryview(buf).cast("B"), off):
-            a, dest = _alloc(e)
-            arrays[e[0]] = a.view(DTYPES[e[1]][0]) if e[1] in _CARRIER else a
-            jobs.append((seg, e, dest))
-            owners.append(i)
-        out.append(Record(kind=h["kind"], tokens=h["tokens"], arrays=arrays, meta=h["meta"], cost=h["cost"], parent=h["parent"]))
-    errors = _map(_fill_or_error, jobs, sum(j[1][4] for j in jobs))
-    for i, err in zip(owners, errors):
-        if err is not None:
-            out[i] = err
+        parsed.append((len(out), h, _segments(h, memoryview(buf).cast("B"), off)))
+        out.append(None)
+    total = sum(e[5] for _, _, segs in parsed for _, e in segs)
+    global _pool
+    parallel = total >= _PARALLEL_BYTES and (os.cpu_count() or 1) >= 2
+    if parallel and _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="segcache-codec")
+    submit = _pool.submit if parallel else _Now
+    checks = []  # (record index, array name, future, what it must equal or None)
+    for i, _, segs in parsed:
+        for seg, e in segs:
+            if e[3] == CODEC_NONE:
+                checks.append((i, e, submit(_crc, seg), e[6]))
+            else:
+                checks.append((i, e, submit(_inflate, (seg, e)), None))
+    arrays: dict[int, dict[str, mx.array]] = {i: {} for i, _, _ in parsed}
+    segs_of = {(i, e[0]): seg for i, _, segs in parsed for seg, e in segs}
+    for i, e, _, want in checks:  # the copies, overlapping the pool's checksums
+        if want is not None:
+            arrays[i][e[0]] = _to_mlx(segs_of[(i, e[0])], e)
+    for i, e, fut, want in checks:
+        r = fut.result()
+        if want is not None:
+            if r != want and not isinstance(out[i], CorruptRecordError):
+                out[i] = _bad(f"payload checksum mismatch in array {e[0]!r}")
+        elif isinstance(r, CorruptRecordError):
+            out[i] = out[i] if isinstance(out[i], CorruptRecordError) else r
+        else:
+            arrays[i][e[0]] = _to_mlx(r, e)
+    for i, h, _ in parsed:
+        if out[i] is None:
+            order = [e[0] for e in h["arrays"]]
+            out[i] = Record(kind=h["kind"], tokens=h["tokens"], arrays={n: arrays[i][n] for n in order},
+                            meta=h["meta"], cost=h["cost"], parent=h["parent"])
     return out
-
-
-def _fill_or_error(job) -> CorruptRecordError | None:
-    try:
-        _fill(job)
-    except CorruptRecordError as e:
-        return e
-    return None
 
 
 def decode(buf, *, key: bytes, expect: Expect | None = None) -> Record:
