@@ -199,7 +199,7 @@ class StoreMachine(RuleBasedStateMachine):
         key = data.draw(st.sampled_from(sorted(self.model)))
         self.store.flush()
         v = self._raw(key)
-        if v is None:
+        if not v:
             return
         self._write_raw(key, v[: data.draw(st.integers(0, len(v) - 1))])
         self.shaky.add(key)
@@ -210,7 +210,7 @@ class StoreMachine(RuleBasedStateMachine):
         key = data.draw(st.sampled_from(sorted(self.model)))
         self.store.flush()
         v = self._raw(key)
-        if v is None:
+        if not v:
             return
         b = bytearray(v)
         b[data.draw(st.integers(0, len(v) - 1))] ^= data.draw(st.sampled_from([0x01, 0x40, 0x80]))
