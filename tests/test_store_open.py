@@ -19,7 +19,8 @@ from segcache.store import Record, open_store
 from segcache.store import cli
 
 PY = [sys.executable, "-c"]
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"), os.environ.get("PYTHONPATH", "")])}
+SRC = os.path.dirname(os.path.dirname(segcache.__file__))  # children import the segcache under test
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
 
 
 def rec(i: int, n: int = 64) -> Record:
@@ -208,18 +209,31 @@ def _die_in_read_txn(path: str, max_readers: int) -> None:
     os._exit(0)  # dies holding its reader slot
 
 
+def _open_and_stat(path: str, max_readers: int, out) -> None:
+    with open_store(path, ram_bytes=0, disk_bytes=1 << 28, max_readers=max_readers) as s:
+        out.put(s.stats()["disk_entries"])
+
+
 def test_reader_slots_of_dead_processes_are_reclaimed(tmp_path):
-    readers = 4
-    make_store(tmp_path, n=3)
+    """While one process keeps the store open (a server), dead readers' slots must come back."""
+    readers = 4  # LMDB sizes the reader table when it creates lock.mdb
+    with open_store(tmp_path, ram_bytes=0, disk_bytes=1 << 28, max_readers=readers) as s:
+        for i in range(3):
+            s.put(b"k%d" % i, rec(i))
     ctx = mp.get_context("spawn")
-    for _ in range(readers + 1):
-        p = ctx.Process(target=_die_in_read_txn, args=(str(tmp_path), readers))
+    with open_store(tmp_path, ram_bytes=0, disk_bytes=1 << 28, max_readers=readers) as s:
+        for _ in range(readers):
+            p = ctx.Process(target=_die_in_read_txn, args=(str(tmp_path), readers))
+            p.start()
+            p.join(timeout=120)
+            assert p.exitcode == 0
+        assert s.stats()["disk_entries"] == 3  # every slot is held by a dead process here
+        assert s.verify()["corrupt"] == 0
+        q = ctx.Queue()
+        p = ctx.Process(target=_open_and_stat, args=(str(tmp_path), readers, q))
         p.start()
         p.join(timeout=120)
-        assert p.exitcode == 0
-    with open_store(tmp_path, ram_bytes=0, disk_bytes=1 << 28, max_readers=readers) as s:
-        assert s.stats()["disk_entries"] == 3
-        assert s.verify()["corrupt"] == 0
+        assert p.exitcode == 0 and q.get(timeout=10) == 3
 
 
 # -- defect 12
