@@ -23,7 +23,7 @@ import struct
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Mapping, TypeVar
+from typing import Callable, TypeVar
 
 import lmdb
 import msgpack
@@ -166,7 +166,10 @@ def prepare_dir(path: str, *, create: bool) -> bool:
             stacklevel=4,
         )
     if has_store:
-        check_lmdb_file(os.path.join(path, "data.mdb"))
+        data = os.path.join(path, "data.mdb")
+        if not create and os.path.getsize(data) == 0:  # LMDB would initialize it: that is creating a store
+            raise _no_store(path, "data.mdb is empty")
+        check_lmdb_file(data)
     _check_space(path)
     return has_store
 
