@@ -289,3 +289,20 @@ def test_lmdb_failures_surface_as_one_line_cli_errors(tmp_path):
     r = subprocess.run([sys.executable, "-m", "segcache.cli", "store", "stats", str(tmp_path / "s")], capture_output=True, text=True, timeout=120, env=ENV)
     assert r.returncode == 1 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     shutil.rmtree(tmp_path / "s")
+
+
+def test_a_read_only_file_system_is_a_store_error(tmp_path):
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip() or 'not permitted'})")
+    try:
+        os.chmod(mnt, 0o700)
+        make_store(mnt / "s", n=2)
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        with pytest.raises(StoreError, match="cannot open the prefix store"):
+            open_store(mnt / "s")
+        assert cli.main(["stats", str(mnt / "s")]) == 1
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
