@@ -205,6 +205,7 @@ def test_nan_or_infinite_costs_keep_the_ram_budget_and_close_loses_nothing(tmp_p
         s.close()
     with open_store(path, ram_bytes=0, disk_bytes=1 << 26) as s:
         assert sorted(e.key for e in s.entries()) == sorted(b"k%d" % i for i in range(len(costs)))
+        assert all(s.get(b"k%d" % i) is not None for i in range(len(costs)))  # written with a clamped cost
         s.check()
 
 

@@ -33,6 +33,7 @@ import numpy as np
 import zstandard
 
 from ..errors import StoreError
+from .policy import safe_cost
 from .record import Record
 
 FORMAT_VERSION = 2  # 2: the header names its key and parent
@@ -187,7 +188,7 @@ def encode(record: Record, *, key: bytes, compress: bool = True) -> bytes:
         "parent": None if record.parent is None else bytes(record.parent),
         "kind": record.kind,
         "tokens": int(record.tokens),
-        "cost": float(record.cost),
+        "cost": safe_cost(record.cost),  # a caller may have changed it since put: never write NaN/inf
         "meta": record.meta,
         "arrays": entries,
     }

@@ -28,6 +28,7 @@ from ..errors import StoreError, StoreWarning
 from . import codec
 from .codec import Expect
 from .disk import MAX_KEY, DiskTier, Entry
+from .policy import safe_cost
 from .ram import RamTier
 from .record import Record
 
@@ -169,7 +170,7 @@ class PrefixStore:
                 warnings.warn(f"segcache store: not suspending {key.hex()[:16]}: {e}", StoreWarning, stacklevel=2)
                 self._disk.dropped += 1
                 continue
-            batch.append((key, value, Entry(key, rec.tokens, len(value), rec.kind, now, float(rec.cost), now, rec.parent)))
+            batch.append((key, value, Entry(key, rec.tokens, len(value), rec.kind, now, safe_cost(rec.cost), now, rec.parent)))
             size += len(value)
             if size >= _BATCH_BYTES:
                 written.update(self._write(batch))
