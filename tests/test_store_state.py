@@ -224,7 +224,7 @@ class StoreMachine(RuleBasedStateMachine):
 
 
 StoreMachine.TestCase.settings = settings(
-    max_examples=5000 if LONG else 60,
+    max_examples=5000 if LONG else 100,
     stateful_step_count=30,
     deadline=None,
     derandomize=not LONG,
