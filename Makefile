@@ -6,13 +6,17 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench blas clean
+.PHONY: demo test test-long bench blas clean
 
 demo: $(STAMP)
 	$(VENV)/bin/segcache demo
 
 test: $(STAMP)
 	$(PY) -m pytest tests
+
+# The store's state machine for 5,000 programs (operations and damage); minutes, not seconds.
+test-long: $(STAMP)
+	SEGCACHE_LONG=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_store_state.py --hypothesis-show-statistics
 
 bench: $(STAMP)
 	$(PY) bench/hotpath.py

@@ -2,11 +2,12 @@
 
 Compares resume (LMDB get + checks + decode to mx.array) with mlx-lm's
 save_prompt_cache/load_prompt_cache of the same bytes, measured in this run.
-Run: .venv/bin/python bench/store_codec.py
+Run: .venv/bin/python bench/store_codec.py [--tokens 4096 [32768 ...]] [--resume-only]
 """
 
 import segcache  # noqa: F401  (binds OpenBLAS before mlx)
 
+import argparse
 import os
 import shutil
 import tempfile
@@ -43,7 +44,63 @@ def kv(dtype, layers=8, tokens=4096, heads=8, dim=64):
     return out
 
 
+def resume_state(tokens: int, layers: int = 24, heads: int = 8, dim: int = 128, page: int = 256) -> None:
+    """get_many of a whole prompt state (pages of every layer's K/V, bf16) vs load_prompt_cache."""
+    mx.random.seed(0)
+    pages = []
+    for _ in range(tokens // page):
+        arrays = {}
+        for i in range(layers):
+            arrays[f"{i}.k"] = mx.random.normal((1, heads, page, dim)).astype(mx.bfloat16)
+            arrays[f"{i}.v"] = mx.random.normal((1, heads, page, dim)).astype(mx.bfloat16)
+        mx.eval(list(arrays.values()))
+        pages.append(arrays)
+    nbytes = sum(a.nbytes for p in pages for a in p.values())
+    d = tempfile.mkdtemp()
+    try:
+        caches = []
+        for i in range(layers):
+            c = KVCache()
+            c.update_and_fetch(mx.concatenate([p[f"{i}.k"] for p in pages], axis=2), mx.concatenate([p[f"{i}.v"] for p in pages], axis=2))
+            caches.append(c)
+        f = os.path.join(d, "p.safetensors")
+        save_prompt_cache(f, caches)
+        del caches
+        tl = best(lambda: mx.eval([x for c in load_prompt_cache(f) for x in c.state]), 3)
+        s = open_store(os.path.join(d, "s"), ram_bytes=0, disk_bytes=max(8 << 30, 3 * nbytes))
+        keys = [b"page-%d" % j for j in range(len(pages))]
+        for k, p in zip(keys, pages):
+            s.put(k, Record("page", page, p))
+        s.flush()
+        del pages
+        expects = [{n: ("bfloat16", (1, heads, page, dim)) for i in range(layers) for n in (f"{i}.k", f"{i}.v")}] * len(keys)
+
+        def resume():
+            recs = s.get_many(keys, expects=expects)
+            mx.eval([a for r in recs for a in r.arrays.values()])
+            s.evict_ram(0)  # clean records: dropped from RAM, so the next round reads disk again
+
+        tg = best(resume, 3)
+        value = s._disk._run(lambda txn: bytes(txn.get(keys[0], db=s._disk.records)))
+        tcrc = best(lambda: zlib.crc32(value), 5) * len(keys)
+        s.close()
+        print(f"  {tokens} tokens x {layers} layers x {heads} heads x {dim} bf16 = {nbytes / 1e6:.0f} MB in {len(keys)} records: "
+              f"load_prompt_cache {nbytes / tl / 1e6:6.0f} MB/s, store get_many {nbytes / tg / 1e6:6.0f} MB/s "
+              f"({tg / tl:.2f}x its time); CRC-32 alone {nbytes / tcrc / 1e6:6.0f} MB/s on one thread")
+    finally:
+        shutil.rmtree(d)
+
+
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, nargs="*", default=[4096])
+    ap.add_argument("--resume-only", action="store_true")
+    args = ap.parse_args()
+    print("== resume a prompt state: one get_many (one read transaction) vs mlx-lm load_prompt_cache")
+    for t in args.tokens:
+        resume_state(t)
+    if args.resume_only:
+        return
     print("== codec (zstd level 1), KV-like arrays, one array of 8 heads x 4096 x 64")
     for name, dt in (("fp32", mx.float32), ("bf16", mx.bfloat16)):
         a = kv(dt, layers=1)["0.k"]
@@ -78,9 +135,9 @@ def main():
                 p = os.path.join(d, f"s{compress}")
                 s = open_store(p, ram_bytes=0, disk_bytes=8 << 30, compress=compress)
                 rec = Record("kv", 4096, arrays)
-                value = codec.encode(rec, compress=compress)
-                te = best(lambda: codec.encode(rec, compress=compress), 3)
-                tdec = best(lambda: codec.decode(value))
+                value = codec.encode(rec, key=b"k", compress=compress)
+                te = best(lambda: codec.encode(rec, key=b"k", compress=compress), 3)
+                tdec = best(lambda: codec.decode(value, key=b"k"))
                 tput = best(lambda: s.put(b"k", rec), 3)  # ram_bytes=0: encode + one LMDB txn
                 tget = best(lambda: mx.eval(list(s._disk.get(b"k").arrays.values())))
                 traw = best(lambda: s._disk._run(lambda txn: bytes(txn.get(b"k", db=s._disk.records))))

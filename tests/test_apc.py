@@ -251,7 +251,9 @@ def test_other_weights_dtype_salt_or_page_size_never_hit(tmp_path):
             assert hits(store) == 0
             assert_close(got.astype(mx.float32), cold(other, prompt).astype(mx.float32))
     for kw in (dict(salt="tenant-b"), dict(page_tokens=8)):
-        with open_store(tmp_path, ram_bytes=1 << 26, disk_bytes=1 << 28, **{"page_tokens": P, **kw}) as store:
+        with pytest.warns(StoreWarning, match="will not hit"):  # the store keeps its page_tokens and salt hash
+            store = open_store(tmp_path, ram_bytes=1 << 26, disk_bytes=1 << 28, **{"page_tokens": P, **kw})
+        with store:
             Runtime(base, store=store).prefill(prompt)
             assert hits(store) == 0
     with store_at(tmp_path) as store:  # the original identity still hits
@@ -331,7 +333,8 @@ def test_corrupt_records_on_disk_are_misses(tmp_path):
                 txn.put(k, bytes(bad), db=db)
     env.close()
     with store_at(tmp_path) as store:
-        got = Runtime(model, store=store).prefill(prompt)
+        with pytest.warns(StoreWarning, match="dropped: corrupt record"):  # a dropped record warns (docs/apc.md)
+            got = Runtime(model, store=store).prefill(prompt)
         assert_close(got, want)
         st = store.stats()
         assert st["corrupt_dropped"] == 1 and st["hit_tokens"] == 32  # the two pages still serve

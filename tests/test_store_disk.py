@@ -261,6 +261,6 @@ def test_cli_helpers(tmp_path, capsys):
     assert cli.ls(str(tmp_path)) == 0 and capsys.readouterr().out.count("kv") == 5
     assert cli.verify(str(tmp_path)) == 0 and "0 corrupt" in capsys.readouterr().out
     assert cli.gc(str(tmp_path), 0) == 0 and "evicted 5" in capsys.readouterr().out
-    assert cli.main(["stats", str(tmp_path / "nope")]) == 2
+    assert cli.main(["stats", str(tmp_path / "nope")]) == 1 and "no store at" in capsys.readouterr().err
     out = subprocess.run([sys.executable, "-m", "segcache.store.cli", "stats", str(tmp_path)], capture_output=True, text=True)
     assert out.returncode == 0 and "entries 0" in out.stdout

@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["store"]:  # the store CLI parses its own arguments, --help included
+        from .store import cli as store_cli
+
+        return store_cli.main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return int(args.handler(args) or 0)

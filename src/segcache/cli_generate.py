@@ -61,7 +61,7 @@ def _prompt(tokenizer, text: str, raw: bool):
 
 def run(args: argparse.Namespace) -> int:
     """Run `segcache generate`; returns the process exit code."""
-    from .errors import SegcacheError
+    from .errors import SegcacheError, StoreError
 
     try:
         import mlx.core as mx
@@ -88,7 +88,14 @@ def run(args: argparse.Namespace) -> int:
             from .runtime import Runtime
             from .store import open_store
 
-            store = open_store(args.prompt_cache_dir)
+            try:
+                store = open_store(args.prompt_cache_dir)
+            except StoreError as exc:  # a damaged or full store is a cache miss, never a failed run
+                import warnings
+
+                from .errors import StoreWarning
+
+                warnings.warn(f"{exc}; generating without the prompt cache", StoreWarning, stacklevel=1)
             runtime = Runtime(model, store=store)
         try:
             for response in stream_generate(

@@ -21,13 +21,13 @@ class StoreError(SegcacheError):
     """A prefix-store operation failed; the store is unchanged."""
 
 
+class StoreWarning(RuntimeWarning):
+    """The prefix store failed; the operation went on as a miss (or without the store)."""
+
+
 class StoreFormatError(StoreError):
     """The store on disk was written by another format version of segcache."""
 
 
 class ModelError(SegcacheError):
     """A model directory could not be loaded or does not fit the request."""
-
-
-class StoreWarning(RuntimeWarning):
-    """The prefix store failed; the operation went on as a miss (or did not publish)."""

@@ -20,27 +20,9 @@ from typing import Any, Mapping, Protocol
 
 import mlx.core as mx
 
-Spec = Mapping[str, tuple[str, tuple]]  # array name -> (dtype name, shape of int | range)
+from ..spec import Spec
 
 PAGES, CHECKPOINT = "pages", "checkpoint"
-
-
-def dtype_name(dtype: mx.Dtype) -> str:
-    """"float32", "bfloat16", ...: the name the store's codec uses."""
-    return str(dtype).rsplit(".", 1)[-1]
-
-
-def spec_of(arrays: Mapping[str, mx.array]) -> dict[str, tuple[str, tuple]]:
-    """The exact spec of some arrays."""
-    return {name: (dtype_name(a.dtype), tuple(a.shape)) for name, a in arrays.items()}
-
-
-def conforms(dtype: str, shape: tuple, want: tuple[str, tuple]) -> bool:
-    """True if (dtype, shape) fits a spec entry."""
-    want_dtype, want_shape = want
-    if dtype != want_dtype or len(shape) != len(want_shape):
-        return False
-    return all(d == w if isinstance(w, int) else d in w for d, w in zip(shape, want_shape))
 
 
 class Persistent(Protocol):

@@ -1,27 +1,27 @@
 """`segcache store stats|ls|verify|gc PATH`: inspect and maintain a store directory.
 
 Each function prints human-readable lines and returns a process exit code.
-Run as ``python -m segcache.store.cli stats PATH`` too.
+None of them creates anything: on a directory that holds no store they print
+"no store at PATH" and exit 1. Any other store failure is one line on stderr
+and exit 1; a bad argument exits 2. Run as ``python -m segcache.store.cli stats PATH`` too.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 from ..errors import StoreError
-KINDS = {"page": "KV pages", "ckpt": "checkpoints", "node": "index nodes"}  # written by store.prefix_cache
 from .store import open_store
+
+KINDS = {"page": "KV pages", "ckpt": "checkpoints", "node": "index nodes"}  # written by store.prefix_cache
 
 _HUGE = 1 << 50  # CLI handles never evict on their own: only `gc` removes records
 
 
 def _open(path: str):
-    if not os.path.isdir(path):
-        raise StoreError(f"no prefix store at {path}: the directory does not exist")
-    return open_store(path, ram_bytes=0, disk_bytes=_HUGE)
+    return open_store(path, ram_bytes=0, disk_bytes=_HUGE, create=False)
 
 
 def _mib(n: int) -> str:
@@ -77,22 +77,37 @@ def gc(path: str, max_bytes: int) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _bytes(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of bytes") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n} is negative; give the bytes the store may keep (0 empties it)")
+    return n
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="segcache store", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("stats", "ls", "verify"):
-        sub.add_parser(name).add_argument("path")
-    g = sub.add_parser("gc")
-    g.add_argument("path")
-    g.add_argument("--max-bytes", type=int, required=True)
-    a = p.parse_args(argv)
+    helps = {"stats": "entries and bytes per kind", "ls": "one line per entry", "verify": "check every record, delete bad ones (exit 1 if any)"}
+    for name, text in helps.items():
+        sub.add_parser(name, help=text, description=text).add_argument("path", help="store directory")
+    g = sub.add_parser("gc", help="evict records (leaves first) until the store holds at most --max-bytes")
+    g.add_argument("path", help="store directory")
+    g.add_argument("--max-bytes", type=_bytes, required=True, help="bytes the store may keep, >= 0")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     try:
         if a.cmd == "gc":
             return gc(a.path, a.max_bytes)
         return {"stats": stats, "ls": ls, "verify": verify}[a.cmd](a.path)
     except StoreError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        print(f"segcache store {a.cmd}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -10,8 +10,11 @@ Layout of one value (all integers little-endian; see docs/format.md)::
 
 ``header_crc`` is CRC-32 over the first 12 preamble bytes and the header; the
 header lists, per array, the CRC-32 of its stored segment, so one flipped bit
-anywhere in the value is caught. Decoding checks sizes and checksums before it
-decompresses anything, and decompresses at most the declared raw size.
+anywhere in the value is caught. The header names the key the value was written
+under, so a valid value under another key (a bad restore, a misplaced write) is
+a corrupt record, never served. Decoding checks the key, sizes, the caller's
+expected layout and the checksums before it decompresses or allocates anything,
+and every declared size is bounded by the value's real length.
 """
 
 from __future__ import annotations
@@ -30,9 +33,11 @@ import numpy as np
 import zstandard
 
 from ..errors import StoreError
+from ..spec import Spec, conforms, describe
+from .policy import safe_cost
 from .record import Record
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the header names its key and parent
 MAGIC = b"SGCR"
 _PREAMBLE = struct.Struct("<4sHHII")  # magic, version, flags, header_len, header_crc
 PREAMBLE_SIZE = _PREAMBLE.size  # 16
@@ -43,6 +48,9 @@ _PROBE_BYTES = 256 << 10  # arrays larger than 4 probes are tried on a prefix fi
 _PARALLEL_BYTES = 4 << 20  # below this, one thread decodes faster than a pool
 _MAX_HEADER = 16 << 20
 _MAX_DIMS = 16
+_MAX_DIM = (1 << 31) - 1  # MLX shapes are int32
+_ZSTD_BLOCK = 128 << 10  # a zstd block holds <= 128 KiB and takes >= 4 bytes (RLE: 3-byte header + 1)
+_STREAM_CHUNK = 1 << 20  # `check_value` decompresses in pieces this large, never the whole array
 
 CODEC_NONE = "none"  # raw bytes of the array, C order
 CODEC_ZSTD = "zstd"  # one zstd frame of the raw bytes
@@ -68,6 +76,8 @@ DTYPES: dict[str, tuple[Any, np.dtype]] = {
 }
 _NAME_OF = {mx_dtype: name for name, (mx_dtype, _) in DTYPES.items()}
 _CARRIER = {"bfloat16": mx.uint16, "float64": mx.uint64}
+
+Expect = Spec  # array name -> (dtype name as in DTYPES, shape of int | range): segcache.spec
 
 
 class CorruptRecordError(StoreError):
@@ -144,11 +154,12 @@ def _compress(job: tuple[np.ndarray, int, bool]) -> tuple[str, bytes | np.ndarra
     return codec, out, zlib.crc32(out)
 
 
-def encode(record: Record, *, compress: bool = True) -> bytes:
-    """Serialize a record to one self-checking value.
+def encode(record: Record, *, key: bytes, compress: bool = True) -> bytes:
+    """Serialize a record to one self-checking value that names the key it is stored under.
 
     Args:
         record: The record; its arrays are evaluated here.
+        key: The store key; `decode` under any other key is a corrupt record.
         compress: Try zstd per array (kept only where it saves >= MIN_SAVING).
 
     Returns:
@@ -174,9 +185,11 @@ def encode(record: Record, *, compress: bool = True) -> bytes:
         segments.append(seg)
     header = {
         "v": FORMAT_VERSION,
+        "key": bytes(key),
+        "parent": None if record.parent is None else bytes(record.parent),
         "kind": record.kind,
         "tokens": int(record.tokens),
-        "cost": float(record.cost),
+        "cost": safe_cost(record.cost),  # a caller may have changed it since put: never write NaN/inf
         "meta": record.meta,
         "arrays": entries,
     }
@@ -193,10 +206,20 @@ def _bad(msg: str) -> CorruptRecordError:
     return CorruptRecordError(f"corrupt record: {msg}; it will be dropped and recomputed")
 
 
-def read_header(buf) -> tuple[dict, int]:
-    """Validate preamble, header checksum and sizes; return (header, payload offset).
+def read_header(buf, *, key: bytes | None = None, expect: Expect | None = None) -> tuple[dict, int]:
+    """Validate preamble, header checksum, sizes, key and layout; return (header, payload offset).
 
-    Nothing is decompressed here. Raises CorruptRecordError on any inconsistency.
+    Nothing is decompressed or allocated here beyond the header itself.
+
+    Args:
+        buf: The value (any buffer).
+        key: The key it was read under; the header must name it. None skips the check
+            (only for tools that list raw values).
+        expect: Array name -> (dtype name, shape). Every array of the header must be
+            listed with exactly that dtype and shape (listed arrays may be absent).
+
+    Raises:
+        CorruptRecordError: Anything about the value is inconsistent.
     """
     mv = memoryview(buf).cast("B")
     if len(mv) < PREAMBLE_SIZE:
@@ -216,19 +239,35 @@ def read_header(buf) -> tuple[dict, int]:
     except Exception as e:  # msgpack raises several unrelated types on garbage
         raise _bad(f"header is not msgpack ({e.__class__.__name__})") from None
     _check_header(h)
+    if key is not None and h["key"] != key:
+        raise _bad(f"value was written under key {h['key'].hex()[:16]}, read under {bytes(key).hex()[:16]}")
     payload = sum(e[5] for e in h["arrays"])
     if PREAMBLE_SIZE + hlen + payload != len(mv):
         raise _bad(f"value is {len(mv)} bytes, header declares {PREAMBLE_SIZE + hlen + payload}")
+    if expect is not None:
+        _check_expect(h, expect)
     return h, PREAMBLE_SIZE + hlen
+
+
+def _check_expect(h: dict, expect: Expect) -> None:
+    for name, dname, shape, *_ in h["arrays"]:
+        want = expect.get(name)
+        if want is None:
+            raise _bad(f"array {name!r} is not part of the caller's layout")
+        if not conforms(dname, shape, want):
+            raise _bad(f"array {name!r} is {dname}{list(shape)}, the layout needs {describe(want)}")
 
 
 def _check_header(h: Any) -> None:
     if not isinstance(h, dict) or h.get("v") != FORMAT_VERSION:
-        raise _bad("header is not a version-1 map")
+        raise _bad(f"header is not a version-{FORMAT_VERSION} map")
+    if not isinstance(h.get("key"), bytes) or not (h.get("parent") is None or isinstance(h["parent"], bytes)):
+        raise _bad("key/parent missing or of the wrong type")
     if not isinstance(h.get("kind"), str) or not isinstance(h.get("tokens"), int) or h["tokens"] < 0:
         raise _bad("kind/tokens missing or of the wrong type")
-    if not isinstance(h.get("cost"), float) or not isinstance(h.get("meta"), dict):
-        raise _bad("cost/meta missing or of the wrong type")
+    cost = h.get("cost")
+    if not isinstance(cost, float) or not math.isfinite(cost) or cost < 0 or not isinstance(h.get("meta"), dict):
+        raise _bad(f"cost {cost!r} (finite seconds >= 0) or meta missing or of the wrong type")
     arrays = h.get("arrays")
     if not isinstance(arrays, list):
         raise _bad("arrays is not a list")
@@ -244,7 +283,7 @@ def _check_header(h: Any) -> None:
             raise _bad(f"unknown dtype {dname!r}")
         if codec not in CODECS:
             raise _bad(f"unknown codec {codec!r}")
-        if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS and all(isinstance(d, int) and d >= 0 for d in shape)):
+        if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS and all(isinstance(d, int) and 0 <= d <= _MAX_DIM for d in shape)):
             raise _bad(f"shape {shape!r} invalid")
         itemsize = DTYPES[dname][1].itemsize
         if not all(isinstance(x, int) and x >= 0 for x in (raw, stored, crc)) or crc > 0xFFFFFFFF:
@@ -253,55 +292,166 @@ def _check_header(h: Any) -> None:
             raise _bad(f"shape {shape} of {dname} is {math.prod(shape) * itemsize} bytes, header says {raw}")
         if codec == CODEC_NONE and stored != raw:
             raise _bad(f"raw segment stored as {stored} bytes, expected {raw}")
-        if codec != CODEC_NONE and (stored == 0 or stored > raw):
-            raise _bad(f"compressed segment of {stored} bytes for {raw} raw bytes")
+        if codec != CODEC_NONE and (stored == 0 or stored > raw or raw > (stored // 4 + 1) * _ZSTD_BLOCK):
+            raise _bad(f"compressed segment of {stored} bytes cannot hold {raw} raw bytes")
 
 
-def _decode_segment(job) -> np.ndarray:
+def _segments(h: dict, mv: memoryview, off: int) -> list[tuple[memoryview, list]]:
+    out = []
+    for e in h["arrays"]:
+        out.append((mv[off : off + e[5]], e))
+        off += e[5]
+    return out
+
+
+def _to_mlx(data, entry) -> mx.array:
+    """The one copy: a raw segment (a view into the value, e.g. the LMDB map) into a fresh MLX array."""
+    _, dname, shape, *_ = entry
+    mx_dtype, np_dtype = DTYPES[dname]
+    a = mx.array(np.frombuffer(data, dtype=np.uint8).view(np_dtype).reshape(shape))
+    return a.view(mx_dtype) if dname in _CARRIER else a
+
+
+def _inflate(job) -> np.ndarray | CorruptRecordError:
+    """Check a compressed segment's CRC, decompress it (at most its bounded raw size) and unshuffle."""
     seg, entry = job
     _, dname, _, codec, raw, _, crc = entry
     if zlib.crc32(seg) != crc:
-        raise _bad(f"payload checksum mismatch in array {entry[0]!r}")
-    if codec == CODEC_NONE:
-        return np.frombuffer(seg, dtype=np.uint8)  # a view; the caller copies it into MLX
+        return _bad(f"payload checksum mismatch in array {entry[0]!r}")
     if zstandard.frame_content_size(seg) != raw:  # bound the allocation before decompressing
-        raise _bad(f"zstd frame of array {entry[0]!r} does not declare {raw} bytes")
+        return _bad(f"zstd frame of array {entry[0]!r} does not declare {raw} bytes")
     try:
         out = _dctx().decompress(seg, max_output_size=raw)
     except zstandard.ZstdError as e:
-        raise _bad(f"zstd: {e}") from None
+        return _bad(f"zstd: {e}")
     if len(out) != raw:
-        raise _bad(f"array {entry[0]!r} decompressed to {len(out)} bytes, expected {raw}")
+        return _bad(f"array {entry[0]!r} decompressed to {len(out)} bytes, expected {raw}")
     data = np.frombuffer(out, dtype=np.uint8)
     itemsize = DTYPES[dname][1].itemsize
     return unshuffle(data, itemsize) if codec == CODEC_ZSTD_SHUFFLE and itemsize > 1 else data
 
 
-def decode(buf) -> Record:
+def _crc(seg) -> int:
+    return zlib.crc32(seg)
+
+
+class _Now:
+    """A finished result with the interface of a Future (the small-work path runs inline)."""
+
+    def __init__(self, fn, arg):
+        self._v = fn(arg)
+
+    def result(self):
+        return self._v
+
+
+def decode_many(items: list[tuple[Any, bytes, Expect | None]]) -> list[Record | CorruptRecordError]:
+    """Validate and decode several values at once.
+
+    Every header is checked (key, layout, sizes) before any array is allocated. Raw
+    segments are copied once, straight from the value into MLX, on this thread while
+    a pool checks their CRC-32s (zlib drops the GIL) and inflates compressed ones.
+    The returned arrays never alias the values, so these may be LMDB buffers that die
+    when their transaction ends.
+
+    Args:
+        items: (value buffer, key it was read under, expected layout or None) per record.
+
+    Returns:
+        Per item, the Record or the CorruptRecordError that rejected it.
+    """
+    out: list[Any] = []
+    parsed = []
+    for buf, key, expect in items:
+        try:
+            h, off = read_header(buf, key=key, expect=expect)
+        except CorruptRecordError as e:
+            out.append(e)
+            continue
+        parsed.append((len(out), h, _segments(h, memoryview(buf).cast("B"), off)))
+        out.append(None)
+    total = sum(e[5] for _, _, segs in parsed for _, e in segs)
+    global _pool
+    parallel = total >= _PARALLEL_BYTES and (os.cpu_count() or 1) >= 2
+    if parallel and _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="segcache-codec")
+    submit = _pool.submit if parallel else _Now
+    checks = []  # (record index, array name, future, what it must equal or None)
+    for i, _, segs in parsed:
+        for seg, e in segs:
+            if e[3] == CODEC_NONE:
+                checks.append((i, e, submit(_crc, seg), e[6]))
+            else:
+                checks.append((i, e, submit(_inflate, (seg, e)), None))
+    arrays: dict[int, dict[str, mx.array]] = {i: {} for i, _, _ in parsed}
+    segs_of = {(i, e[0]): seg for i, _, segs in parsed for seg, e in segs}
+    for i, e, _, want in checks:  # the copies, overlapping the pool's checksums
+        if want is not None:
+            arrays[i][e[0]] = _to_mlx(segs_of[(i, e[0])], e)
+    for i, e, fut, want in checks:
+        r = fut.result()
+        if want is not None:
+            if r != want and not isinstance(out[i], CorruptRecordError):
+                out[i] = _bad(f"payload checksum mismatch in array {e[0]!r}")
+        elif isinstance(r, CorruptRecordError):
+            out[i] = out[i] if isinstance(out[i], CorruptRecordError) else r
+        else:
+            arrays[i][e[0]] = _to_mlx(r, e)
+    for i, h, _ in parsed:
+        if out[i] is None:
+            order = [e[0] for e in h["arrays"]]
+            out[i] = Record(kind=h["kind"], tokens=h["tokens"], arrays={n: arrays[i][n] for n in order},
+                            meta=h["meta"], cost=h["cost"], parent=h["parent"])
+    return out
+
+
+def decode(buf, *, key: bytes, expect: Expect | None = None) -> Record:
     """Validate and decode one value into a Record with fresh `mx.array`s.
 
-    The returned arrays never alias `buf`, so `buf` may be an LMDB buffer that
-    dies when its transaction ends.
+    Args:
+        buf: The value; may be an LMDB buffer (nothing returned aliases it).
+        key: The key it was read under; a value written under another key is corrupt.
+        expect: Optional layout every array must match (see `read_header`).
 
     Raises:
         CorruptRecordError: Anything about the value is inconsistent.
     """
-    h, off = read_header(buf)
-    mv = memoryview(buf).cast("B")
-    jobs = []
-    for e in h["arrays"]:
-        jobs.append((mv[off : off + e[5]], e))
-        off += e[5]
-    datas = _map(_decode_segment, jobs, sum(e[4] for e in h["arrays"]))
-    arrays = {}
-    for e, data in zip(h["arrays"], datas):
-        name, dname, shape = e[0], e[1], e[2]
-        mx_dtype, np_dtype = DTYPES[dname]
-        a = mx.array(data.view(np_dtype).reshape(shape))  # copies out of buf
-        arrays[name] = a.view(mx_dtype) if dname in _CARRIER else a
-    return Record(kind=h["kind"], tokens=h["tokens"], arrays=arrays, meta=h["meta"], cost=h["cost"])
+    r = decode_many([(buf, key, expect)])[0]
+    if isinstance(r, CorruptRecordError):
+        raise r
+    return r
 
 
-def peek(buf) -> dict:
-    """Validated header only (kind, tokens, cost, meta, arrays); payload not checked."""
-    return read_header(buf)[0]
+def check_value(buf, *, key: bytes | None) -> dict:
+    """Validate a value completely without materializing it; returns its header.
+
+    Checks everything `decode` checks, decompressing zstd segments in bounded
+    pieces, so a value that declares gigabytes costs at most `_STREAM_CHUNK` of
+    memory. `verify` uses this to clean damaged stores.
+    """
+    h, off = read_header(buf, key=key)
+    for seg, e in _segments(h, memoryview(buf).cast("B"), off):
+        if zlib.crc32(seg) != e[6]:
+            raise _bad(f"payload checksum mismatch in array {e[0]!r}")
+        if e[3] == CODEC_NONE:
+            continue
+        if zstandard.frame_content_size(seg) != e[4]:
+            raise _bad(f"zstd frame of array {e[0]!r} does not declare {e[4]} bytes")
+        n = 0
+        try:
+            with _dctx().stream_reader(seg) as reader:
+                while n <= e[4]:
+                    piece = reader.read(_STREAM_CHUNK)  # bounded output, whatever the ratio
+                    if not piece:
+                        break
+                    n += len(piece)
+        except zstandard.ZstdError as err:
+            raise _bad(f"zstd: {err}") from None
+        if n != e[4]:
+            raise _bad(f"array {e[0]!r} decompresses to {n} bytes or more, expected {e[4]}")
+    return h
+
+
+def peek(buf, *, key: bytes | None = None) -> dict:
+    """Validated header only (key, parent, kind, tokens, cost, meta, arrays); payload not checked."""
+    return read_header(buf, key=key)[0]

@@ -1,27 +1,36 @@
 """The disk tier: one LMDB environment holding encoded records and their index.
 
 Layout (see docs/format.md): named databases ``records.v1`` (key -> encoded
-record), ``index.v1`` (key -> msgpack entry) and ``meta`` (format version and
-the byte total). A record and its index entry are written and deleted in the
-same write transaction, so a crash leaves the old state or the new, never a
-record without its entry. Several processes may open one directory: LMDB
-serializes writers with its lock file and gives readers snapshots.
+record), ``index.v1`` (key -> msgpack entry) and ``meta`` (format version,
+the byte total and the store's parameters). A record and its index entry are
+written and deleted in the same write transaction, so a crash leaves the old
+state or the new, never a record without its entry. Several processes may open
+one directory: LMDB serializes writers with its lock file and gives readers
+snapshots. Read-modify-write (`update`) happens inside one write transaction.
+
+Nothing here lets a damaged or foreign file kill the process: the directory is
+checked before LMDB sees it, and data.mdb is checked against LMDB's own meta
+pages (a file cut short would otherwise be mapped and fault with SIGBUS).
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 import os
+import stat
 import struct
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 import lmdb
 import msgpack
 
-from ..errors import InvariantError, StoreError, StoreFormatError
+from ..errors import InvariantError, StoreError, StoreFormatError, StoreWarning
 from . import codec
-from .policy import eviction_key
+from .policy import eviction_key, safe_cost
 from .record import Record
 
 T = TypeVar("T")
@@ -31,11 +40,19 @@ DB_INDEX = b"index.v1"
 DB_META = b"meta"
 META_FORMAT = b"format"  # msgpack {"version": int, "created": float}
 META_BYTES = b"bytes"  # u64: sum of len(value) over records.v1 == sum of index nbytes
+META_PARAMS = b"params"  # msgpack {"page_tokens": int, "salt": hex blake2b of the salt or None}
 MAX_KEY = 511  # LMDB's default maximum key size
 
 _U64 = struct.Struct("<Q")
 _MIN_MAP = 64 << 20
 _LOW_WATER = 0.95  # evict to 95% of the budget so a full store does not scan on every put
+_MIN_FREE = 1 << 20  # LMDB maps its lock file: creating it on a full file system faults (SIGBUS)
+_LMDB_MAGIC = 0xBEEFC0DE
+_LMDB_VERSION = 1
+_META = struct.Struct("<QHHI II QQ I")  # page header, magic, version, address, mapsize, free-db md_pad (page size)
+_META_TAIL = struct.Struct("<QQ")  # mm_last_pg, mm_txnid: after the two 48-byte MDB_db records
+_META_TAIL_AT = 16 + 24 + 2 * 48
+STORE_FILES = ("data.mdb", "lock.mdb")
 
 
 @dataclass(frozen=True)
@@ -47,70 +64,195 @@ class Entry:
     nbytes: int  # len of the encoded value
     kind: str
     last_use: float  # unix seconds, comparable across processes
-    cost: float  # seconds of compute saved
+    cost: float  # seconds of compute saved; finite and >= 0 (clamped on read)
     created: float
+    parent: bytes | None = None  # key of the record this one extends; it is evicted only after this one
 
     def pack(self) -> bytes:
-        return msgpack.packb([self.tokens, self.nbytes, self.kind, self.last_use, self.cost, self.created])
+        return msgpack.packb([self.tokens, self.nbytes, self.kind, self.last_use, self.cost, self.created, self.parent])
 
     @staticmethod
     def unpack(key: bytes, raw: bytes) -> "Entry":
         try:
-            t, n, k, lu, c, cr = msgpack.unpackb(raw, raw=False)
-            e = Entry(bytes(key), int(t), int(n), str(k), float(lu), float(c), float(cr))
+            t, n, k, lu, c, cr, p = msgpack.unpackb(raw, raw=False)
+            if p is not None and not isinstance(p, bytes):
+                raise TypeError("parent")
+            lu = float(lu)
+            e = Entry(bytes(key), int(t), int(n), str(k), lu if math.isfinite(lu) else 0.0, safe_cost(c), float(cr), p)
         except Exception:
             raise codec.CorruptRecordError(f"corrupt index entry for key {bytes(key).hex()[:16]}") from None
         return e
 
 
-def _check_dir(path: str) -> None:
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    os.chmod(path, 0o700)  # the cache may hold prompt contents: private to the user
+def _no_store(path: str, why: str) -> StoreError:
+    return StoreError(f"no store at {path}: {why}")
+
+
+def check_lmdb_file(data: str) -> None:
+    """Raise StoreError unless data.mdb is a whole LMDB file (meta pages valid, long enough).
+
+    LMDB maps the file and would fault (SIGBUS) on a page past its end, so this
+    runs before `lmdb.open`. A 0-byte file is what LMDB itself leaves before its
+    first write and is accepted.
+    """
+    size = os.path.getsize(data)
+    if size == 0:
+        return
+    with open(data, "rb") as f:
+        head = f.read(_META.size)
+        if len(head) < _META.size:
+            raise _no_store(os.path.dirname(data), f"data.mdb is {size} bytes, too short for an LMDB file (cut short?)")
+        psize = _META.unpack(head)[8]
+        if psize < 512 or psize > (1 << 16) or psize & (psize - 1):
+            raise _no_store(os.path.dirname(data), f"data.mdb is not an LMDB file (page size {psize})")
+        last = 0
+        for pg in (0, 1):
+            f.seek(pg * psize)
+            page = f.read(_META_TAIL_AT + _META_TAIL.size)
+            if len(page) < _META_TAIL_AT + _META_TAIL.size:
+                raise _no_store(os.path.dirname(data), f"data.mdb is {size} bytes, shorter than its two meta pages (cut short?)")
+            _, _, _, _, magic, version, _, _, _ = _META.unpack_from(page)
+            if magic != _LMDB_MAGIC or version != _LMDB_VERSION:
+                raise _no_store(os.path.dirname(data), f"data.mdb meta page {pg} is damaged (magic {magic:#x}, version {version})")
+            last = max(last, _META_TAIL.unpack_from(page, _META_TAIL_AT)[0])
+    if size < (last + 1) * psize:
+        raise _no_store(
+            os.path.dirname(data),
+            f"data.mdb is {size} bytes but its meta pages need {(last + 1) * psize}: it was cut short (a partial copy or restore?); "
+            f"delete the directory (it is only a cache) or restore it whole",
+        )
+
+
+def prepare_dir(path: str, *, create: bool) -> bool:
+    """Check (or create) the store directory before LMDB touches it; returns whether it holds a store.
+
+    Never changes the mode of a directory it did not create. Refuses a path that is not a
+    directory, a directory owned by another user, and a non-empty directory without a store.
+    Warns (StoreWarning) when others may read an existing store directory.
+    """
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise StoreError(f"cannot use {path} as a prefix store: it exists and is not a directory")
+    if not os.path.exists(path):
+        if not create:
+            raise _no_store(path, "the directory does not exist")
+        try:
+            os.makedirs(path, mode=0o700)
+            os.chmod(path, 0o700)  # ours: the cache may hold prompt contents, private to the user
+        except OSError as e:
+            raise StoreError(f"cannot create the prefix store directory {path}: {e}") from None
+        _check_space(path)
+        return False
+    st = os.stat(path)
+    if st.st_uid != os.geteuid():
+        raise StoreError(f"cannot use {path} as a prefix store: it is owned by uid {st.st_uid}, not by this user ({os.geteuid()}); use a directory of your own")
+    try:
+        names = set(os.listdir(path))
+    except OSError as e:
+        raise StoreError(f"cannot read the prefix store directory {path}: {e}") from None
+    has_store = "data.mdb" in names
+    if not has_store:
+        if not create:
+            raise _no_store(path, "the directory holds no data.mdb")
+        if names - {"lock.mdb"}:
+            raise StoreError(
+                f"{path} is not empty and holds no segcache store ({len(names)} entries, e.g. {sorted(names)[0]!r}); "
+                f"refusing to mix a store into it. Choose an empty or new directory."
+            )
+    if st.st_mode & 0o077:
+        warnings.warn(
+            f"segcache store: {path} is accessible to other users (mode {stat.S_IMODE(st.st_mode):o}) and the store may "
+            f"hold prompt contents; left as it is: run chmod 700 {path} if that is not intended",
+            StoreWarning,
+            stacklevel=4,
+        )
+    if has_store:
+        data = os.path.join(path, "data.mdb")
+        if not create and os.path.getsize(data) == 0:  # LMDB would initialize it: that is creating a store
+            raise _no_store(path, "data.mdb is empty")
+        check_lmdb_file(data)
+    _check_space(path)
+    return has_store
+
+
+def _check_space(path: str) -> None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return
+    if st.f_bavail * st.f_frsize < _MIN_FREE:
+        raise _no_store(path, f"the file system is full ({st.f_bavail * st.f_frsize} bytes free; LMDB needs {_MIN_FREE}); free space or choose another directory")
 
 
 class DiskTier:
     """LMDB-backed record storage bounded by ``disk_bytes`` of encoded values."""
 
-    def __init__(self, path: str | os.PathLike, *, disk_bytes: int, compress: bool = True):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        disk_bytes: int,
+        compress: bool = True,
+        create: bool = True,
+        max_readers: int = 126,
+    ):
         self.path = os.fspath(path)
-        self.disk_bytes = int(disk_bytes)  # budget on META_BYTES, enforced at every write
+        self.disk_bytes = int(disk_bytes)  # budget on META_BYTES, enforced at every write and at open
         self.compress = compress
         # LMDB needs room beyond the values: pages, overflow rounding, free pages that
-        # readers still see. The map never grows past this cap.
+        # readers still see. The map never grows past this cap (or the file's size).
         self.map_cap = max(2 * self.disk_bytes + _MIN_MAP, _MIN_MAP)
         self.evictions = 0  # records removed to respect the budget, since open
         self.corrupt_dropped = 0  # bad records found and deleted, since open
         self.dropped = 0  # writes given up (too large, or the map could not hold them)
         self._touched: dict[bytes, float] = {}  # last-use updates not yet written
-        _check_dir(self.path)
+        self._warned: set[bytes] = set()  # keys already reported as corrupt (one warning per record)
+        self._closed = True
+        had_store = prepare_dir(self.path, create=create)
         data = os.path.join(self.path, "data.mdb")
-        size = os.path.getsize(data) if os.path.exists(data) else 0
-        self.env = lmdb.open(
-            self.path,
-            map_size=min(self.map_cap, max(_MIN_MAP, 2 * size)),
-            subdir=True,
-            mode=0o600,
-            lock=True,
-            max_dbs=8,
-            max_readers=126,
-            readahead=False,  # records are read whole and at random
-            meminit=False,
-        )
+        size = os.path.getsize(data) if had_store else 0
         try:
-            for f in ("data.mdb", "lock.mdb"):
-                p = os.path.join(self.path, f)
-                if os.path.exists(p):
-                    os.chmod(p, 0o600)
-            self._open_dbs()
+            self.env = lmdb.open(
+                self.path,
+                map_size=max(min(self.map_cap, max(_MIN_MAP, 2 * size)), size + (16 << 20)),
+                subdir=True,
+                mode=0o600,
+                create=create,
+                lock=True,
+                max_dbs=8,
+                max_readers=max_readers,
+                readahead=False,  # records are read whole and at random
+                meminit=False,
+            )
+        except lmdb.Error as e:
+            raise StoreError(_lmdb_message(self.path, "open", e)) from None
+        try:
+            self.env.reader_check()  # slots of processes that died inside a read transaction
+            if not had_store:
+                for f in STORE_FILES:
+                    p = os.path.join(self.path, f)
+                    if os.path.exists(p):
+                        os.chmod(p, 0o600)
+            self._open_dbs(create=create)
+            self._closed = False
+            if self.used_bytes() > self.disk_bytes:  # reopened with a smaller budget: fit it now
+                self.gc(int(self.disk_bytes * _LOW_WATER))
+        except lmdb.Error as e:
+            self.env.close()
+            self._closed = True
+            raise StoreError(_lmdb_message(self.path, "open", e)) from None
         except BaseException:
             self.env.close()
+            self._closed = True
             raise
-        self._closed = False
 
     # -- transactions -------------------------------------------------------
 
     def _run(self, fn: Callable[[lmdb.Transaction], T], *, write: bool = False, buffers: bool = False) -> T:
-        """Run fn in one transaction; adopt a map another process grew, grow ours when full."""
+        """Run fn in one transaction; adopt a map another process grew, grow ours when full.
+
+        fn may run more than once (after a resize); each run sees the then-current data.
+        """
+        readers_checked = False
         for _ in range(40):
             try:
                 with self.env.begin(write=write, buffers=buffers) as txn:
@@ -120,6 +262,11 @@ class DiskTier:
             except lmdb.MapFullError:
                 if not write or not self._grow():
                     raise
+            except lmdb.ReadersFullError:
+                if readers_checked:
+                    raise StoreError(f"every LMDB reader slot of {self.path} is in use by live processes; close some, or retry") from None
+                self.env.reader_check()  # free the slots of dead processes, then retry once
+                readers_checked = True
         raise StoreError(f"LMDB at {self.path} kept changing size; retry, or close other writers")
 
     def _grow(self) -> bool:
@@ -130,17 +277,19 @@ class DiskTier:
         self.env.set_mapsize(new)
         return True
 
-    def _open_dbs(self) -> None:
+    def _open_dbs(self, *, create: bool) -> None:
         with self.env.begin(write=True) as txn:
             self.meta = self.env.open_db(DB_META, txn=txn)
             raw = txn.get(META_FORMAT, db=self.meta)
             if raw is None:
-                named = [k for k, _ in txn.cursor() if k != DB_META]
+                named = [bytes(k) for k, _ in txn.cursor() if k != DB_META]
                 if named:
                     raise StoreFormatError(
                         f"{self.path} holds an LMDB environment that is not a segcache store "
                         f"(databases {named[:4]}); choose an empty directory"
                     )
+                if not create:
+                    raise _no_store(self.path, "data.mdb holds no segcache store")
                 txn.put(META_FORMAT, msgpack.packb({"version": codec.FORMAT_VERSION, "created": time.time()}), db=self.meta)
                 txn.put(META_BYTES, _U64.pack(0), db=self.meta)
             else:
@@ -157,22 +306,42 @@ class DiskTier:
             self.records = self.env.open_db(DB_RECORDS, txn=txn)
             self.index = self.env.open_db(DB_INDEX, txn=txn)
 
+    def params(self, mine: dict) -> dict | None:
+        """Record ``mine`` as the store's parameters if it has none; return the stored ones (None: just set)."""
+
+        def fn(txn):
+            raw = txn.get(META_PARAMS, db=self.meta)
+            if raw is None:
+                txn.put(META_PARAMS, msgpack.packb(mine), db=self.meta)
+                return None
+            try:
+                got = msgpack.unpackb(raw, raw=False)
+                return got if isinstance(got, dict) else {}
+            except Exception:
+                return {}
+
+        return self._run(fn, write=True)
+
     def _used(self, txn) -> int:
         raw = txn.get(META_BYTES, db=self.meta)
         return _U64.unpack(raw)[0] if raw is not None and len(raw) == 8 else 0
 
     # -- writes -------------------------------------------------------------
 
-    def put_many(self, items: list[tuple[bytes, bytes, Entry]]) -> int:
+    def put_many(self, items: list[tuple[bytes, bytes, Entry]]) -> list[bytes]:
         """Store encoded records in one transaction, evicting to the budget; never raises on space.
 
         Returns:
-            How many of the items are stored.
+            The keys now on disk (a record larger than the budget, or one the map
+            cannot hold, is left out and counted in `dropped`).
+
+        Raises:
+            lmdb.Error: The write failed for another reason (e.g. the disk is full); nothing was written.
         """
         keep = [it for it in items if len(it[1]) <= self.disk_bytes * _LOW_WATER]
         self.dropped += len(items) - len(keep)
         if not keep:
-            return 0
+            return []
         try:
             evicted = self._run(lambda txn: self._put_txn(txn, keep), write=True)
         except lmdb.MapFullError:
@@ -184,25 +353,81 @@ class DiskTier:
                 evicted = self._run(lambda txn: self._put_txn(txn, keep), write=True)
             except lmdb.MapFullError:
                 self.dropped += 1
-                return 0
+                return []
         self.evictions += evicted
-        return len(keep)
+        return [k for k, _, _ in keep]
 
     def _put_txn(self, txn, items) -> int:
         self._flush_touched(txn)
         used = self._used(txn)
         for key, value, entry in items:
-            old = txn.get(key, db=self.index)
-            if old is not None:
-                used -= self._entry_or_none(key, old, default=len(txn.get(key, db=self.records) or b""))
-            txn.put(key, value, db=self.records)
-            txn.put(key, entry.pack(), db=self.index)
-            used += len(value)
+            used += self._put_one(txn, key, value, entry)
         evicted = 0
         if used > self.disk_bytes:
-            used, evicted = self._evict_txn(txn, used, int(self.disk_bytes * _LOW_WATER))
+            used, evicted = self._evict_txn(txn, used, int(self.disk_bytes * _LOW_WATER), keep={k for k, _, _ in items})
         txn.put(META_BYTES, _U64.pack(max(used, 0)), db=self.meta)
         return evicted
+
+    def _put_one(self, txn, key: bytes, value: bytes, entry: Entry) -> int:
+        """Write one record and its entry; returns the change of the byte total."""
+        delta = len(value)
+        old = txn.get(key, db=self.index)
+        if old is not None:
+            delta -= self._entry_or_none(key, old, default=len(txn.get(key, db=self.records) or b""))
+        txn.put(key, value, db=self.records)
+        txn.put(key, entry.pack(), db=self.index)
+        self._warned.discard(key)
+        return delta
+
+    def update(self, key: bytes, fn: Callable[[Record | None], Record | None], encode: Callable[[Record], bytes]) -> tuple[Record | None, bool]:
+        """Read, change and write key inside ONE write transaction (atomic across processes).
+
+        Args:
+            key: The record key.
+            fn: current record (decoded from disk, None if absent or corrupt) -> new record,
+                or None to leave it as it is. May run more than once (after a map resize).
+            encode: Record -> value bytes.
+
+        Returns:
+            (the record now stored under key, whether fn's result was written).
+
+        Raises:
+            StoreError: The new value exceeds the disk budget (nothing was written).
+            lmdb.Error: The write failed (nothing was written).
+        """
+
+        def txn_fn(txn):
+            self._flush_touched(txn)
+            v = txn.get(key, db=self.records)
+            current, bad = None, False
+            if v is not None:
+                r = codec.decode_many([(v, key, None)])[0]
+                if isinstance(r, codec.CorruptRecordError):
+                    bad = r
+                else:
+                    current = r
+            new = fn(current)
+            if new is None:
+                return current, False, bad
+            value = encode(new)
+            if len(value) > self.disk_bytes * _LOW_WATER:
+                raise StoreError(f"record of {len(value)} bytes for {key.hex()[:16]} exceeds the disk budget {self.disk_bytes}; nothing was written")
+            now = time.time()
+            used = self._used(txn) + self._put_one(txn, key, value, Entry(key, new.tokens, len(value), new.kind, now, safe_cost(new.cost), now, new.parent))
+            evicted = 0
+            if used > self.disk_bytes:
+                used, evicted = self._evict_txn(txn, used, int(self.disk_bytes * _LOW_WATER), keep={key})
+            txn.put(META_BYTES, _U64.pack(max(used, 0)), db=self.meta)
+            return new, evicted, bad
+
+        rec, evicted, bad = self._run(txn_fn, write=True)
+        written = evicted is not False
+        if bad:
+            self._report(key, bad)
+            self.corrupt_dropped += written  # overwritten; if left, the next read drops it
+        if written:
+            self.evictions += evicted
+        return rec, written
 
     @staticmethod
     def _entry_or_none(key, raw, default: int) -> int:
@@ -211,27 +436,46 @@ class DiskTier:
         except codec.CorruptRecordError:
             return default
 
-    def _evict_txn(self, txn, used: int, target: int) -> tuple[int, int]:
-        """Delete oldest-least-useful records until used <= target; returns (used, count).
+    def _evict_txn(self, txn, used: int, target: int, keep: set[bytes] = frozenset()) -> tuple[int, int]:
+        """Delete records until used <= target, leaves first; returns (used, count).
 
-        The caller writes ``used`` back to META_BYTES in the same transaction.
+        Only records that no stored record names as parent are candidates, so eviction
+        never strands the records below one; among leaves the least useful per byte and
+        the oldest go first (policy.eviction_key), and a parent becomes a candidate once
+        its last child is gone. ``keep`` (the keys being written) goes last. The caller
+        writes ``used`` back to META_BYTES in the same transaction.
         """
-        cands = []
+        info: dict[bytes, tuple[tuple, int, bytes | None]] = {}
         for k, raw in txn.cursor(db=self.index):
+            k = bytes(k)
             try:
                 e = Entry.unpack(k, raw)
-                cands.append((eviction_key(e.cost, e.nbytes, e.last_use), bytes(k), e.nbytes))
+                rank = eviction_key(e.cost, e.nbytes, e.last_use)
+                info[k] = ((k in keep,) + rank, e.nbytes, e.parent if e.parent != k else None)
             except codec.CorruptRecordError:
-                cands.append(((-(10**9), 0.0), bytes(k), len(txn.get(k, db=self.records) or b"")))
-        cands.sort()
+                info[k] = ((False, -(10**9), 0.0), len(txn.get(k, db=self.records) or b""), None)
+        children: dict[bytes, int] = {}
+        for _, _, p in info.values():
+            if p is not None and p in info:
+                children[p] = children.get(p, 0) + 1
+        heap = [(rank, k) for k, (rank, _, _) in info.items() if not children.get(k)]
+        heapq.heapify(heap)
         n = 0
-        for _, k, nb in cands:
-            if used <= target:
-                break
+        while used > target and info:
+            if heap:
+                _, k = heapq.heappop(heap)
+            else:  # only a parent cycle is left (a damaged store): break it at its cheapest record
+                k = min(info, key=lambda x: info[x][0])
+            _, nb, p = info.pop(k)
             txn.delete(k, db=self.records)
             txn.delete(k, db=self.index)
+            self._touched.pop(k, None)
             used -= nb
             n += 1
+            if p is not None and p in info:
+                children[p] -= 1
+                if children[p] == 0:
+                    heapq.heappush(heap, (info[p][0], p))
         return used, n
 
     def _evict_to(self, txn, target: int) -> int:
@@ -249,7 +493,7 @@ class DiskTier:
             except codec.CorruptRecordError:
                 continue
             if t > e.last_use:
-                txn.put(k, Entry(k, e.tokens, e.nbytes, e.kind, t, e.cost, e.created).pack(), db=self.index)
+                txn.put(k, Entry(k, e.tokens, e.nbytes, e.kind, t, e.cost, e.created, e.parent).pack(), db=self.index)
         self._touched.clear()
 
     def delete(self, key: bytes, only_if: bytes | None = None) -> bool:
@@ -273,7 +517,9 @@ class DiskTier:
         return self._run(fn, write=True)
 
     def gc(self, max_bytes: int) -> int:
-        """Evict oldest-least-useful records until the store holds <= max_bytes; returns the count."""
+        """Evict records, leaves first, until the store holds <= max_bytes; returns the count."""
+        if max_bytes < 0:
+            raise StoreError(f"gc needs max_bytes >= 0, got {max_bytes}; nothing was evicted")
         n = self._run(lambda txn: self._evict_to(txn, int(max_bytes)), write=True)
         self.evictions += n
         return n
@@ -285,26 +531,53 @@ class DiskTier:
 
     # -- reads --------------------------------------------------------------
 
-    def get(self, key: bytes) -> Record | None:
-        """Decode the record at key; a corrupt one is deleted, counted, and reported as a miss."""
+    def renew(self, key: bytes) -> None:
+        """A new record was put under key: a corruption found in it later warns again."""
+        self._warned.discard(key)
+
+    def _report(self, key: bytes, err: Exception) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(f"segcache store: record {key.hex()[:16]} in {self.path} dropped: {err}", StoreWarning, stacklevel=5)
+
+    def get_many(self, keys: list[bytes], expects: list[codec.Expect | None] | None = None) -> list[Record | None]:
+        """Decode the records at keys in ONE read transaction; corrupt ones are deleted, counted, warned, and missing.
+
+        Args:
+            keys: Record keys.
+            expects: Per key, the layout its arrays must match (see `codec.read_header`), or None.
+        """
+        if not keys:
+            return []
+        exp = expects if expects is not None else [None] * len(keys)
 
         def fn(txn):
-            v = txn.get(key, db=self.records)
-            if v is None:
-                return None, None
-            try:
-                return codec.decode(v), None  # decode copies out of the map before the txn ends
-            except codec.CorruptRecordError:
-                return None, bytes(v)
+            items, where = [], []
+            for i, k in enumerate(keys):
+                v = txn.get(k, db=self.records)
+                if v is not None:
+                    items.append((v, k, exp[i]))
+                    where.append(i)
+            decoded = codec.decode_many(items)  # copies out of the map before the transaction ends
+            bad = [(keys[i], bytes(items[j][0]), r) for j, (i, r) in enumerate(zip(where, decoded)) if isinstance(r, Exception)]
+            return where, decoded, bad
 
-        rec, bad = self._run(fn, buffers=True)
-        if bad is not None:
-            if self.delete(key, only_if=bad):
+        where, decoded, bad = self._run(fn, buffers=True)
+        out: list[Record | None] = [None] * len(keys)
+        now = time.time()
+        for i, r in zip(where, decoded):
+            if not isinstance(r, Exception):
+                out[i] = r
+                self._touched[keys[i]] = now
+        for k, v, err in bad:
+            if self.delete(k, only_if=v):
                 self.corrupt_dropped += 1
-            return None
-        if rec is not None:
-            self._touched[key] = time.time()
-        return rec
+            self._report(k, err)
+        return out
+
+    def get(self, key: bytes, expect: codec.Expect | None = None) -> Record | None:
+        """Decode the record at key; a corrupt one is deleted, counted, warned, and reported as a miss."""
+        return self.get_many([key], None if expect is None else [expect])[0]
 
     def contains(self, key: bytes) -> bool:
         return self._run(lambda txn: txn.get(key, db=self.index) is not None)
@@ -330,9 +603,9 @@ class DiskTier:
         return self._run(fn)
 
     def verify(self, chunk: int = 32) -> dict:
-        """Decode every record; delete bad ones, orphans and stale totals. Returns a report."""
+        """Check every record completely (bounded memory); delete bad ones, orphans and stale totals."""
         keys = self._run(lambda txn: [bytes(k) for k in txn.cursor(db=self.records).iternext(values=False)])
-        bad: list[tuple[bytes, bytes]] = []
+        bad: list[tuple[bytes, bytes, Exception]] = []
         for i in range(0, len(keys), chunk):  # short read transactions
 
             def fn(txn, part=keys[i : i + chunk]):
@@ -342,16 +615,20 @@ class DiskTier:
                     if v is None:
                         continue
                     try:
-                        rec = codec.decode(v)
+                        h = codec.check_value(v, key=k)
                         e = Entry.unpack(k, txn.get(k, db=self.index) or b"")
-                        if (e.tokens, e.kind, e.nbytes) != (rec.tokens, rec.kind, len(v)):
+                        if (e.tokens, e.kind, e.nbytes, e.parent) != (h["tokens"], h["kind"], len(v), h["parent"]):
                             raise codec.CorruptRecordError("index entry disagrees with the record")
-                    except codec.CorruptRecordError:
-                        out.append((k, bytes(v)))
+                    except (codec.CorruptRecordError, MemoryError, OverflowError) as err:
+                        out.append((k, bytes(v), err))
                 return out
 
             bad += self._run(fn, buffers=True)
-        dropped = sum(self.delete(k, only_if=v) for k, v in bad)
+        dropped = 0
+        for k, v, err in bad:
+            if self.delete(k, only_if=v):
+                dropped += 1
+                self._report(k, err)
         self.corrupt_dropped += dropped
 
         def fix(txn):  # index entries without records, and the byte total
@@ -393,7 +670,15 @@ class DiskTier:
             return
         try:
             self.flush()
-        except lmdb.Error:
+        except (lmdb.Error, StoreError):
             pass  # last-use hints only
         self.env.close()
         self._closed = True
+
+
+def _lmdb_message(path: str, what: str, e: lmdb.Error) -> str:
+    text = str(e)
+    if "already open" in text:
+        return f"the prefix store at {path} is already open in this process; share that PrefixStore handle (or close it first)"
+    return f"cannot {what} the prefix store at {path}: {type(e).__name__}: {text}. If the store is damaged, delete the directory (it is only a cache)"
+

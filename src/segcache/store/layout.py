@@ -11,7 +11,8 @@ import json
 import weakref
 from dataclasses import dataclass
 
-from ..layers.protocol import CHECKPOINT, PAGES, spec_of
+from ..layers.protocol import CHECKPOINT, PAGES
+from ..spec import spec_of
 from .identity import model_identity
 
 APC_VERSION = 2  # record schema of the prefix cache; part of the identity, so a change is a miss

@@ -52,7 +52,8 @@ from typing import Iterable
 import mlx.core as mx
 
 from ..errors import BranchError, StoreError, StoreWarning
-from ..layers.protocol import CHECKPOINT, PAGES, conforms
+from ..layers.protocol import CHECKPOINT, PAGES
+from ..spec import conforms
 from .keys import chain_key
 from .layout import layout_of
 from .prompt_index import CKPT, PAGE, Node, PromptKeys, common_prefix

@@ -18,8 +18,9 @@ class Record:
         arrays: Name -> array. Arrays are immutable, so the store keeps them as given.
         meta: Plain msgpack-able values (str, int, float, bool, None, bytes, lists, dicts).
         cost: Estimated seconds of compute the record saves; drives eviction.
-        parent: Key of the record this one extends (None: a root); the store never
-            evicts a record before the records that name it.
+        parent: Key of the record this one extends (a page's previous page), or None.
+            The disk tier evicts only records no stored record names as parent, so
+            eviction never strands the records below one.
     """
 
     kind: str

@@ -9,6 +9,8 @@ A RAM miss reads disk and promotes the record to RAM.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import hashlib
 import math
 import os
 import threading
@@ -16,14 +18,18 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import lmdb
 import mlx.core as mx
 import msgpack
 
-from ..errors import StoreError
+from ..errors import StoreError, StoreWarning
 from . import codec
+from ..spec import conforms
+from .codec import Expect
 from .disk import MAX_KEY, DiskTier, Entry
+from .policy import safe_cost
 from .ram import RamTier
 from .record import Record
 
@@ -51,8 +57,10 @@ def _validate(key: bytes, record: Record) -> None:
         raise StoreError(f"Record.kind must be a str of <= 64 chars, got {record.kind!r}")
     if not isinstance(record.tokens, int) or record.tokens < 0:
         raise StoreError(f"Record.tokens must be an int >= 0, got {record.tokens!r}")
-    if not isinstance(record.cost, (int, float)) or not math.isfinite(record.cost) or record.cost < 0:
+    if isinstance(record.cost, bool) or not isinstance(record.cost, (int, float)) or not math.isfinite(record.cost) or record.cost < 0:
         raise StoreError(f"Record.cost must be finite seconds >= 0, got {record.cost!r}")
+    if record.parent is not None and (not isinstance(record.parent, bytes) or not 1 <= len(record.parent) <= MAX_KEY):
+        raise StoreError(f"Record.parent must be a key (bytes of 1..{MAX_KEY}) or None, got {record.parent!r}")
     for name, a in record.arrays.items():
         if not isinstance(name, str) or not isinstance(a, mx.array):
             raise StoreError(f"Record.arrays maps str -> mx.array; entry {name!r} is {type(a).__name__}")
@@ -64,16 +72,55 @@ def _validate(key: bytes, record: Record) -> None:
         raise StoreError(f"Record.meta must be msgpack-able plain values ({e})") from e
 
 
+def _fits(record: Record, expect: Expect | None) -> bool:
+    """Whether every array of record has the dtype and shape that expect lists for it."""
+    if expect is None:
+        return True
+    for name, a in record.arrays.items():
+        want = expect.get(name)
+        if want is None or not conforms(codec._NAME_OF.get(a.dtype, ""), a.shape, want):
+            return False
+    return True
+
+
+def salt_digest(salt: bytes | str | None) -> str | None:
+    """What the store's meta keeps of a salt: a hash, never the salt itself."""
+    if salt is None:
+        return None
+    raw = salt.encode() if isinstance(salt, str) else bytes(salt)
+    return hashlib.blake2b(raw, digest_size=16, person=b"segcache.salt").hexdigest()
+
+
+@contextlib.contextmanager
+def _store_errors(path: str, what: str):
+    """Turn an LMDB or OS failure of a store operation into a StoreError that says what was asked."""
+    try:
+        yield
+    except lmdb.Error as e:
+        raise StoreError(f"prefix store at {path}: {what} failed ({type(e).__name__}: {e}); nothing was changed") from None
+
+
 class PrefixStore:
     """Key -> Record store with a RAM tier over an LMDB tier. Use `open_store` to create one."""
 
-    def __init__(self, path, *, ram_bytes: int, disk_bytes: int, page_tokens: int = 256, salt: bytes | str | None = None, compress: bool = False):
+    def __init__(
+        self,
+        path,
+        *,
+        ram_bytes: int,
+        disk_bytes: int,
+        page_tokens: int = 256,
+        salt: bytes | str | None = None,
+        compress: bool = False,
+        create: bool = True,
+        max_readers: int = 126,
+    ):
         self.path = os.fspath(path)
         self.page_tokens = int(page_tokens)  # for key derivation by callers; the store itself is key-agnostic
         self.salt = salt
         self.compress = compress
         self._lock = threading.RLock()  # one operation at a time per handle
-        self._disk = DiskTier(self.path, disk_bytes=disk_bytes, compress=compress)
+        self._disk = DiskTier(self.path, disk_bytes=disk_bytes, compress=compress, create=create, max_readers=max_readers)
         self._ram = RamTier(ram_bytes, self._suspend)
         # Since this handle opened. A prefill through the prefix cache counts once
         # (hit if it resumed any tokens); a direct get() counts per record.
@@ -83,37 +130,63 @@ class PrefixStore:
         self._ram_reads = 0  # records served from the RAM tier
         self._disk_reads = 0  # records read from disk (and promoted to RAM)
         self._closed = False
+        if create:  # inspection handles (create=False) do not know the writer's parameters
+            try:
+                self._check_params()
+            except BaseException:
+                self._disk.close()
+                raise
         ref = weakref.ref(self)
         self._atexit = lambda: (s := ref()) is not None and s.close()
         atexit.register(self._atexit)  # a clean interpreter exit loses nothing
 
+    def _check_params(self) -> None:
+        mine = {"page_tokens": self.page_tokens, "salt": salt_digest(self.salt)}
+        with _store_errors(self.path, "reading the store's parameters"):
+            stored = self._disk.params(mine)
+        if stored is not None and stored != mine:
+            diff = [f"{k} {stored.get(k)!r} (now {mine[k]!r})" for k in mine if stored.get(k) != mine[k]]
+            warnings.warn(
+                f"segcache store: {self.path} was created with {', '.join(diff).replace('salt', 'a salt hash')}; "
+                f"records keyed with the other parameters will not hit. Use the store's parameters or another directory.",
+                StoreWarning,
+                stacklevel=4,
+            )
+
     # -- suspend to disk ----------------------------------------------------
 
-    def _suspend(self, items: list[tuple[bytes, Record]]) -> None:
-        """Encode and write records in few transactions; failures drop records, never raise."""
+    def _suspend(self, items: list[tuple[bytes, Record]]) -> set[bytes]:
+        """Encode and write records in few transactions; returns the keys now on disk.
+
+        Never raises: a record that cannot be written is counted in `dropped` and
+        warned about (RAM eviction calls this after the records left RAM).
+        """
+        written: set[bytes] = set()
         batch, size = [], 0
         now = time.time()
         for key, rec in items:
             try:
-                value = codec.encode(rec, compress=self.compress)
+                value = codec.encode(rec, key=key, compress=self.compress)
             except StoreError as e:  # validated at put, so this is a bug or a changed array
-                warnings.warn(f"segcache store: not suspending {key.hex()[:16]}: {e}", stacklevel=2)
+                warnings.warn(f"segcache store: not suspending {key.hex()[:16]}: {e}", StoreWarning, stacklevel=2)
                 self._disk.dropped += 1
                 continue
-            batch.append((key, value, Entry(key, rec.tokens, len(value), rec.kind, now, float(rec.cost), now)))
+            batch.append((key, value, Entry(key, rec.tokens, len(value), rec.kind, now, safe_cost(rec.cost), now, rec.parent)))
             size += len(value)
             if size >= _BATCH_BYTES:
-                self._write(batch)
+                written.update(self._write(batch))
                 batch, size = [], 0
         if batch:
-            self._write(batch)
+            written.update(self._write(batch))
+        return written
 
-    def _write(self, batch) -> None:
+    def _write(self, batch) -> list[bytes]:
         try:
-            self._disk.put_many(batch)
-        except lmdb.Error as e:  # e.g. the file system is full: a cache may lose entries
-            warnings.warn(f"segcache store: {len(batch)} records not written to {self.path}: {e}", stacklevel=3)
+            return self._disk.put_many(batch)
+        except (lmdb.Error, StoreError, OSError) as e:  # e.g. the file system is full: a cache may lose entries
+            warnings.warn(f"segcache store: {len(batch)} records not written to {self.path}: {e}", StoreWarning, stacklevel=3)
             self._disk.dropped += len(batch)
+            return []
 
     # -- public API ---------------------------------------------------------
 
@@ -127,45 +200,122 @@ class PrefixStore:
             self._check_open()
             _validate(key, record)
             mx.eval(list(record.arrays.values()))
+            self._disk.renew(key)
             self._ram.put(key, record)
 
-    def get_many(self, keys, *, expects=None) -> list:
-        """TEMPORARY shim until the store branch lands: one get per key."""
-        expects = expects or [None] * len(keys)
-        return [self.get(k, count=False, expect=e) for k, e in zip(keys, expects)]
-
-    def update(self, key: bytes, fn):
-        """TEMPORARY shim until the store branch lands (not atomic across processes)."""
-        rec = fn(self.get(key, count=False))
-        if rec is not None:
-            self.put(key, rec)
-        return rec
-
-    def get(self, key: bytes, *, count: bool = True, expect=None) -> Record | None:
+    def get(self, key: bytes, *, count: bool = True, expect: Expect | None = None) -> Record | None:
         """Return the record at key, or None. RAM first; a disk hit is promoted to RAM.
 
         Args:
             key: The record key.
             count: Count the lookup in `hits`/`misses`/`hit_tokens`. The prefix
                 cache passes False and counts one hit or miss per prefill instead.
+            expect: Array name -> (dtype name as in `codec.DTYPES`, shape). Every
+                array of the record must be listed with exactly that dtype and shape
+                (listed arrays may be absent: the caller checks presence). Checked
+                on the stored header before anything is decompressed or allocated; a
+                mismatch is a corrupt record (dropped, counted, warned) and a miss.
+        """
+        return self.get_many([key], expects=None if expect is None else [expect], count=count)[0]
+
+    def get_many(self, keys: Sequence[bytes], *, expects: Sequence[Expect | None] | None = None, count: bool = False) -> list[Record | None]:
+        """Return the records at keys (None where missing), reading disk in ONE transaction.
+
+        RAM hits come from RAM; the rest are read and checked together (threads fill
+        the arrays), then promoted to RAM. Validation is that of `get`.
+
+        Args:
+            keys: Record keys.
+            expects: Per key, the layout of `get`'s ``expect``, or None.
+            count: Count each lookup in `hits`/`misses` (default off: the prefix cache counts prefills).
         """
         with self._lock:
             self._check_open()
-            rec = self._ram.get(key)
-            if rec is not None:
-                self._ram_reads += 1
-            else:
-                rec = self._disk.get(key)
-                if rec is not None:
-                    self._disk_reads += 1
-                    self._ram.put(key, rec, dirty=False)
-            if not count:
-                return rec
+            keys = list(keys)
+            exp = list(expects) if expects is not None else [None] * len(keys)
+            if len(exp) != len(keys):
+                raise StoreError(f"get_many got {len(keys)} keys and {len(exp)} expects; pass one expect per key")
+            out: list[Record | None] = [None] * len(keys)
+            todo = []
+            for i, k in enumerate(keys):
+                rec = self._ram.get(k)
+                if rec is None:
+                    todo.append(i)
+                elif not _fits(rec, exp[i]):
+                    self._drop_misfit(k, exp[i])
+                else:
+                    self._ram_reads += 1
+                    out[i] = rec
+            if todo:
+                with _store_errors(self.path, "reading"):
+                    if len(todo) == 1:
+                        got = [self._disk.get(keys[todo[0]], exp[todo[0]])]
+                    else:
+                        got = self._disk.get_many([keys[i] for i in todo], [exp[i] for i in todo])
+                for i, rec in zip(todo, got):
+                    if rec is not None:
+                        self._disk_reads += 1
+                        self._ram.put(keys[i], rec, dirty=False)
+                        out[i] = rec
+            if count:
+                for rec in out:
+                    if rec is None:
+                        self._misses += 1
+                    else:
+                        self._hits += 1
+                        self._hit_tokens += rec.tokens
+            return out
+
+    def _drop_misfit(self, key: bytes, expect: Expect) -> None:
+        """A RAM record that does not fit the caller's layout: drop it like a corrupt disk record."""
+        self._ram.pop(key)
+        with _store_errors(self.path, "dropping a record"):
+            self._disk.delete(key)
+        self._disk.corrupt_dropped += 1
+        self._disk._report(key, StoreError(f"its arrays do not match the layout {dict(expect)}"))
+
+    def update(self, key: bytes, fn: Callable[[Record | None], Record | None]) -> Record | None:
+        """Atomically replace the record at key by ``fn(current)``, across processes.
+
+        Inside ONE LMDB write transaction: read the current disk value (authoritative,
+        not the RAM copy; None if absent or corrupt), call fn, write its result. The
+        result is then held in RAM, clean. A dirty RAM copy of key is written first.
+
+        Args:
+            key: The record key.
+            fn: current -> new record, or None to leave the record as it is. It may be
+                called more than once (each time on the then-current value), so it must
+                not have other effects.
+
+        Returns:
+            The record now stored under key (fn's result, or the current one if fn
+            returned None), or None if there is none.
+
+        Raises:
+            StoreError: The key or fn's record is malformed, the record exceeds the disk
+                budget, or the write failed; the store is unchanged.
+        """
+
+        def checked(current: Record | None) -> Record | None:
+            new = fn(current)
+            if new is not None:
+                _validate(key, new)
+                mx.eval(list(new.arrays.values()))
+            return new
+
+        with self._lock:
+            self._check_open()
+            _validate(key, Record("", 0))
+            if self._ram.is_dirty(key):  # ours and not on disk yet: disk must hold it before we read
+                rec = self._ram.get(key)
+                if key in self._suspend([(key, rec)]):
+                    self._ram.mark_clean([key])
+            with _store_errors(self.path, f"update of {key.hex()[:16]}"):
+                rec, _ = self._disk.update(key, checked, lambda r: codec.encode(r, key=key, compress=self.compress))
             if rec is None:
-                self._misses += 1
+                self._ram.pop(key)
             else:
-                self._hits += 1
-                self._hit_tokens += rec.tokens
+                self._ram.put(key, rec, dirty=False)
             return rec
 
     def note_prefill(self, tokens: int, hit_tokens: int) -> None:
@@ -197,17 +347,23 @@ class PrefixStore:
         """Remove key from both tiers; returns whether it was present."""
         with self._lock:
             self._check_open()
-            in_ram = self._ram.pop(key) is not None
-            return self._disk.delete(key) or in_ram
+            with _store_errors(self.path, "delete"):
+                on_disk = self._disk.delete(key)
+            return (self._ram.pop(key) is not None) or on_disk
 
     def flush(self) -> None:
-        """Write every RAM record not yet on disk (they stay in RAM, now clean)."""
+        """Write every RAM record not yet on disk (they stay in RAM, now clean).
+
+        A record that could not be written (warned about, counted in `dropped`)
+        stays dirty: a record is clean only once it is on disk.
+        """
         with self._lock:
             self._check_open()
-            dirty = self._ram.dirty()
-            self._suspend(dirty)
-            self._ram.mark_clean(k for k, _ in dirty)
-            self._disk.flush()
+            self._ram.mark_clean(self._suspend(self._ram.dirty()))
+            try:
+                self._disk.flush()
+            except (lmdb.Error, StoreError) as e:
+                warnings.warn(f"segcache store: last-use times not written to {self.path}: {e}", StoreWarning, stacklevel=2)
 
     def evict_ram(self, target_bytes: int = 0) -> None:
         """Shrink the RAM tier to target_bytes, suspending what leaves (for memory pressure)."""
@@ -227,33 +383,39 @@ class PrefixStore:
         """
         with self._lock:
             self._check_open()
-            ram_only = sum(1 for k in self._ram.keys() if self._ram.is_dirty(k) and not self._disk.contains(k))
-            return {
-                "hits": self._hits,
-                "misses": self._misses,
-                "hit_tokens": self._hit_tokens,
-                "evictions": self._ram.evictions + self._disk.evictions,
-                "ram_evictions": self._ram.evictions,
-                "disk_evictions": self._disk.evictions,
-                "prefills": self._prefills,
-                "prefill_tokens": self._prefill_tokens,
-                "errors": self._errors,
-                "ram_reads": self._ram_reads,
-                "disk_reads": self._disk_reads,
-                "corrupt_dropped": self._disk.corrupt_dropped,
-                "dropped": self._disk.dropped,
-                "ram_bytes": self._ram.used,
-                "ram_entries": len(self._ram),
-                "disk_bytes": self._disk.used_bytes(),
-                "disk_entries": self._disk.count(),
-                "entries": self._disk.count() + ram_only,
-            }
+            with _store_errors(self.path, "stats"):
+                return self._stats()
+
+    def _stats(self) -> dict:
+        ram_only = sum(1 for k in self._ram.keys() if self._ram.is_dirty(k) and not self._disk.contains(k))
+        return {
+            "hits": self._hits,
+            "misses": self._misses,
+            "hit_tokens": self._hit_tokens,
+            "evictions": self._ram.evictions + self._disk.evictions,
+            "ram_evictions": self._ram.evictions,
+            "disk_evictions": self._disk.evictions,
+            "prefills": self._prefills,
+            "prefill_tokens": self._prefill_tokens,
+            "errors": self._errors,
+            "ram_reads": self._ram_reads,
+            "disk_reads": self._disk_reads,
+            "corrupt_dropped": self._disk.corrupt_dropped,
+            "dropped": self._disk.dropped,
+            "ram_bytes": self._ram.used,
+            "ram_entries": len(self._ram),
+            "disk_bytes": self._disk.used_bytes(),
+            "disk_entries": self._disk.count(),
+            "entries": self._disk.count() + ram_only,
+        }
 
     def entries(self) -> list[EntryInfo]:
         """Every stored key with tokens, bytes, kind and last use (disk entries and RAM-only ones)."""
         with self._lock:
             self._check_open()
-            out = [EntryInfo(e.key, e.tokens, e.nbytes, e.kind, e.last_use, "disk") for e in self._disk.entries()]
+            with _store_errors(self.path, "listing entries"):
+                disk = self._disk.entries()
+            out = [EntryInfo(e.key, e.tokens, e.nbytes, e.kind, e.last_use, "disk") for e in disk]
             on_disk = {e.key for e in out}
             now = time.time()
             for k in self._ram.keys():
@@ -263,16 +425,25 @@ class PrefixStore:
             return out
 
     def verify(self) -> dict:
-        """Flush, then decode every disk record; bad ones are deleted and counted. Returns a report."""
+        """Flush, then check every disk record; bad ones are deleted, counted and warned. Returns a report."""
         with self._lock:
             self.flush()
-            return self._disk.verify()
+            with _store_errors(self.path, "verify"):
+                return self._disk.verify()
 
     def gc(self, max_bytes: int) -> int:
-        """Evict oldest-least-useful disk records until the disk tier holds <= max_bytes."""
+        """Evict disk records until the disk tier holds <= max_bytes; returns the count.
+
+        Leaves go first (records no stored record names as parent), least useful per
+        byte and oldest first among them, so no record is left without its parent.
+
+        Raises:
+            StoreError: max_bytes < 0 (nothing is evicted).
+        """
         with self._lock:
             self._check_open()
-            return self._disk.gc(max_bytes)
+            with _store_errors(self.path, "gc"):
+                return self._disk.gc(max_bytes)
 
     def check(self) -> None:
         """Raise InvariantError unless both tiers are consistent and within budget."""
@@ -288,8 +459,10 @@ class PrefixStore:
                 return
             try:
                 dirty = self._ram.dirty()
-                self._suspend(dirty)
-                self._ram.mark_clean(k for k, _ in dirty)
+                written = self._suspend(dirty)
+                self._ram.mark_clean(written)
+                if len(written) < len(dirty):
+                    warnings.warn(f"segcache store: {len(dirty) - len(written)} records lost at close of {self.path}", StoreWarning, stacklevel=2)
             finally:
                 self._closed = True
                 self._disk.close()
@@ -321,11 +494,22 @@ def open_store(
     page_tokens: int = 256,
     salt: bytes | str | None = None,
     compress: bool = False,
+    create: bool = True,
+    max_readers: int = 126,
 ) -> PrefixStore:
     """Open (or create) the prefix store at path.
 
+    The directory is created (mode 0700) if missing, and a store is created in it
+    if it is empty. An existing directory's mode is never changed: if others may
+    access it, a StoreWarning says so. A non-empty directory without a store, a
+    directory of another user, and a damaged data.mdb (cut short, bad meta pages)
+    are refused with a StoreError, as is a file system without free space. A store
+    over ``disk_bytes`` (reopened with a smaller budget) is evicted down to it.
+    ``page_tokens`` and a hash of ``salt`` are kept in the store; reopening with
+    others warns (StoreWarning), since records keyed with them will not hit.
+
     Args:
-        path: Directory of the store (created 0700).
+        path: Directory of the store.
         ram_bytes: Budget of the RAM tier (array bytes).
         disk_bytes: Budget of the disk tier (encoded bytes).
         page_tokens: Tokens per KV page; part of key derivation.
@@ -333,10 +517,19 @@ def open_store(
         compress: Compress records with zstd where it saves >= 5%. Off by default:
             on KV it saves 8-30% of the bytes but makes resume 1.7-3x slower than
             raw records (bench/apc.py, docs/apc.md); turn it on when disk is scarce.
+        create: Create the directory and the store if missing. False (inspection and
+            maintenance) raises StoreError("no store at ...") instead, creates nothing,
+            and skips the page_tokens/salt check.
+        max_readers: LMDB reader slots (concurrent read transactions across processes).
 
     Raises:
+        StoreError: No usable store at path (see above), it is already open in this
+            process, or LMDB failed; nothing was created or changed.
         StoreFormatError: The directory holds a store of another format version.
     """
-    if ram_bytes < 0 or disk_bytes <= 0 or page_tokens <= 0:
-        raise StoreError(f"need ram_bytes >= 0, disk_bytes > 0, page_tokens > 0; got {ram_bytes}, {disk_bytes}, {page_tokens}")
-    return PrefixStore(path, ram_bytes=ram_bytes, disk_bytes=disk_bytes, page_tokens=page_tokens, salt=salt, compress=compress)
+    if ram_bytes < 0 or disk_bytes <= 0 or page_tokens <= 0 or max_readers <= 0:
+        raise StoreError(f"need ram_bytes >= 0, disk_bytes > 0, page_tokens > 0, max_readers > 0; got {ram_bytes}, {disk_bytes}, {page_tokens}, {max_readers}")
+    return PrefixStore(
+        path, ram_bytes=ram_bytes, disk_bytes=disk_bytes, page_tokens=page_tokens, salt=salt, compress=compress,
+        create=create, max_readers=max_readers,
+    )
