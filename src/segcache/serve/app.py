@@ -48,6 +48,7 @@ class Settings:
         api_key: required as a Bearer token on every route but /health (None: open).
         allowed_origins: CORS origins (empty: no CORS headers at all).
         max_body_bytes: larger request bodies get a 413.
+        ram_bytes, disk_bytes: the prefix store's budgets (reported by /stats).
     """
 
     served_name: str
@@ -60,13 +61,16 @@ class Settings:
     api_key: Optional[str] = None
     allowed_origins: list = field(default_factory=list)
     max_body_bytes: int = 8 << 20
+    ram_bytes: int = 0  # the store's budgets, for /stats
+    disk_bytes: int = 0
 
 
 class Server:
     """The routes and what they share: settings, the prompter, the scheduler, the worker."""
 
-    def __init__(self, settings: Settings, prompter: Prompter, scheduler: Scheduler, worker: Worker):
+    def __init__(self, settings: Settings, prompter: Prompter, scheduler: Scheduler, worker: Worker, store=None):
         self.settings = settings
+        self.store = store
         self.prompter = prompter
         self.scheduler = scheduler
         self.worker = worker
@@ -140,6 +144,18 @@ class Server:
         data = [{"id": self.settings.served_name, "object": "model", "created": self.created,
                  "owned_by": "segcache"}]
         return JSONResponse({"object": "list", "data": data})
+
+    async def stats(self, request: Request) -> Response:
+        """The queue and the prefix store: counters, sizes and budgets (segcache's own route)."""
+        self._authorize(request)
+        body = {"pending": self.scheduler.pending(), "max_queue": self.scheduler.max_queue, "store": None}
+        store = self.store
+        if store is not None and not store.closed:
+            # off the loop: the store's lock may be held by the worker's flush
+            st = await asyncio.get_running_loop().run_in_executor(None, store.stats)
+            st.update(ram_budget=self.settings.ram_bytes, disk_budget=self.settings.disk_bytes)
+            body["store"] = st
+        return JSONResponse(body)
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, schemas.CompletionRequest)
@@ -316,6 +332,7 @@ def build_app(server: Server, lifespan=None) -> Starlette:
     routes = [
         Route("/health", server.health, methods=["GET"]),
         Route("/v1/models", server.models, methods=["GET"]),
+        Route("/stats", server.stats, methods=["GET"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/chat/completions", server.chat_completions, methods=["POST"]),  # as mlx_lm.server

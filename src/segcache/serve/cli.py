@@ -158,12 +158,13 @@ def run(args: argparse.Namespace) -> int:
         context_length=_lookup(cfg, "max_position_embeddings", "max_seq_len", "n_positions", "seq_length"),
         max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, api_key=args.api_key or None,
         allowed_origins=args.allowed_origins, max_body_bytes=args.max_body_bytes,
+        ram_bytes=args.ram_bytes, disk_bytes=args.disk_bytes,
     )
     engine = Engine(model, tokenizer, store=store, draft_model=draft, prompt_lookup=args.prompt_lookup,
                     num_draft_tokens=args.num_draft_tokens, prefill_step=args.prefill_step_size)
     scheduler = Scheduler(engine, max_queue=args.max_queue)
     worker = Worker(scheduler)
-    server = Server(settings, Prompter(tokenizer, template), scheduler, worker)
+    server = Server(settings, Prompter(tokenizer, template), scheduler, worker, store)
 
     def close() -> None:
         worker.stop()  # uvicorn let the requests in flight end: the queue is empty
