@@ -64,6 +64,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting at most; more get 429 (default 64)")
     p.add_argument("--max-body-bytes", type=parse_size, default=8 << 20, help="largest request body (default 8M)")
     p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill forward")
+    p.add_argument("--checkpoint-interval", type=int, default=256,
+                   help="checkpoint a long prompt every N tokens, so another prompt sharing only its start "
+                        "resumes within N tokens of where they part (default 256; 0: only at chat message "
+                        "boundaries, prompt ends and branch points)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     p.set_defaults(handler=run)
     return p
@@ -124,9 +128,10 @@ def _open_store(args, model):
 def run(args: argparse.Namespace) -> int:
     """Run `segcache serve` until SIGINT/SIGTERM; returns the process exit code."""
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(message)s")
-    if args.num_draft_tokens < 1 or args.max_tokens < 1 or args.max_queue < 0 or args.prefill_step_size < 1:
+    if (args.num_draft_tokens < 1 or args.max_tokens < 1 or args.prefill_step_size < 1 or args.max_queue < 0
+            or args.checkpoint_interval < 0):
         print("segcache serve: --num-draft-tokens, --max-tokens and --prefill-step-size must be >= 1, "
-              "--max-queue >= 0", file=sys.stderr)
+              "--max-queue and --checkpoint-interval >= 0", file=sys.stderr)
         return 2
     import uvicorn
     from mlx_lm import load
@@ -161,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
         ram_bytes=args.ram_bytes, disk_bytes=args.disk_bytes,
     )
     engine = Engine(model, tokenizer, store=store, draft_model=draft, prompt_lookup=args.prompt_lookup,
-                    num_draft_tokens=args.num_draft_tokens, prefill_step=args.prefill_step_size)
+                    num_draft_tokens=args.num_draft_tokens, prefill_step=args.prefill_step_size,
+                    checkpoint_interval=args.checkpoint_interval)
     scheduler = Scheduler(engine, max_queue=args.max_queue)
     worker = Worker(scheduler)
     server = Server(settings, Prompter(tokenizer, template), scheduler, worker, store)

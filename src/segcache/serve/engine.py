@@ -108,10 +108,13 @@ class Engine:
         prompt_lookup: draft by n-gram lookup instead (exclusive with draft_model).
         num_draft_tokens: drafts per round, at most.
         prefill_step: prompt tokens per prefill forward.
+        checkpoint_interval: also checkpoint every this many prompt tokens (0: never),
+            so a later prompt sharing only part of this one (another session on the
+            same long context) resumes within that many tokens of where they part.
     """
 
     def __init__(self, model, tokenizer, *, store=None, draft_model=None, prompt_lookup: bool = False,
-                 num_draft_tokens: int = 4, prefill_step: int = 2048):
+                 num_draft_tokens: int = 4, prefill_step: int = 2048, checkpoint_interval: int = 256):
         self.model = model
         self.tokenizer = tokenizer
         self.store = store
@@ -119,6 +122,7 @@ class Engine:
         self.prompt_lookup = prompt_lookup
         self.num_draft_tokens = num_draft_tokens
         self.prefill_step = prefill_step
+        self.checkpoint_interval = checkpoint_interval
         self._dirty = False  # published records may still be only in RAM
 
     def _stats(self) -> dict:
@@ -127,6 +131,14 @@ class Engine:
             return dict.fromkeys(keys, 0)
         st = self.store.stats()
         return {k: st[k] for k in keys}
+
+    def warm_up(self) -> None:
+        """Run each model once on a few tokens, so the first request does not pay for MLX's first calls."""
+        ids = list(self.tokenizer.encode("def warm_up(self):\n    return None\n"))[:16] or [0]
+        for model in filter(None, (self.model, self.draft_model)):
+            rt = Runtime(model)  # no store: nothing of this reaches the prefix cache
+            mx.eval(rt.forward(ids))
+            mx.eval(rt.forward(ids[:1]))
 
     def flush(self) -> None:
         """Write published records to disk, so a crash after this loses none of them."""
@@ -156,7 +168,7 @@ class Engine:
             self.model, tok, req.ids, runtime=rt, draft_runtime=draft_rt,
             draft_model=self.draft_model, prompt_lookup=self.prompt_lookup,
             num_draft_tokens=self.num_draft_tokens, max_tokens=req.max_tokens, sampler=sampler,
-            prefill_step_size=self.prefill_step, prefill_checkpoints=req.checkpoints,
+            prefill_step_size=self.prefill_step, prefill_checkpoints=self._checkpoints(req),
         )
         stop = StopText(req.stops)
         eos = tok.eos_token_ids
@@ -197,6 +209,12 @@ class Engine:
             responses.close()
             self._dirty = self._dirty or self.store is not None
             self._log(req, n, cached, tier, ttft, stats, finish if ended else "cancelled")
+
+    def _checkpoints(self, req: GenRequest) -> list[int]:
+        """The request's own boundaries, plus every `checkpoint_interval` tokens of its prompt."""
+        every = self.checkpoint_interval
+        grid = range(every, len(req.ids) - 1, every) if every > 0 else ()
+        return sorted(set(req.checkpoints).union(grid))
 
     def _logprob(self, token: int, logprobs: mx.array, top: int) -> TokenLogprob:
         decode = self.tokenizer.decode

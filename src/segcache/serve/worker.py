@@ -134,6 +134,7 @@ class Scheduler:
 
     def run(self) -> None:
         """Serve until `stop()`; jobs queued before it are served first."""
+        self.engine.warm_up()
         while True:
             with self._cond:
                 while not self.waiting and not self.running and not self._stopping:
