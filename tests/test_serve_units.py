@@ -24,8 +24,9 @@ ALPHABET = "ab\nc"
 @given(text=st.text(ALPHABET, max_size=30), cuts=st.lists(st.integers(0, 30), max_size=8),
        stops=st.lists(st.text(ALPHABET, min_size=1, max_size=4), max_size=3))
 def test_stop_text_emits_exactly_the_text_before_the_first_stop(text, cuts, stops):
-    hits = [i for s in stops if (i := text.find(s)) >= 0]
-    want = text[: min(hits)] if hits else text
+    # the stop that completes first (then the longest) cuts the text at its start
+    hits = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
+    want = text[: min(hits)[1]] if hits else text
     f = StopText(stops)
     out, pos = [], 0
     for c in sorted(set(cuts)) + [len(text)]:
@@ -93,3 +94,53 @@ def test_parse_accepts_openai_clients_extras():
     req = schemas.parse(json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
                                     "max_completion_tokens": 5, "max_tokens": 9}).encode(), schemas.ChatRequest)
     assert req.limit() == 5 and req.messages[0].text() == "hi"
+
+
+class _FakeEngine:
+    """Yields `n` chunks then a Finish per request; records the order of steps."""
+
+    def __init__(self):
+        self.steps, self.closed, self.flushes = [], [], 0
+
+    def generate(self, req):
+        from segcache.serve.engine import Chunk, Finish, Usage
+
+        try:
+            for i in range(req.max_tokens):
+                self.steps.append(req.id)
+                yield Chunk(str(i))
+            yield Finish("length", Usage(len(req.ids), req.max_tokens, 0))
+        finally:
+            self.closed.append(req.id)
+
+    def flush(self):
+        self.flushes += 1
+
+
+def test_scheduler_is_fifo_bounded_and_drops_cancelled_jobs():
+    from segcache.serve.engine import Finish, GenRequest
+    from segcache.serve.worker import Job, QueueFull, Scheduler
+
+    eng = _FakeEngine()
+    sch = Scheduler(eng, max_queue=2)
+    got = {}
+    jobs = [Job(GenRequest(id=f"r{i}", ids=[1], max_tokens=2), lambda ev, i=i: got.setdefault(i, []).append(ev))
+            for i in range(4)]
+    for j in jobs[:3]:  # one running slot + two waiting
+        sch.submit(j)
+    with pytest.raises(QueueFull):
+        sch.submit(jobs[3])
+    jobs[1].cancel()  # gone while waiting: never started
+    while sch.step():
+        pass
+    assert eng.steps == ["r0", "r0", "r2", "r2"]  # whole requests, in arrival order
+    assert 1 not in got and isinstance(got[0][-1], Finish) and isinstance(got[2][-1], Finish)
+    assert eng.closed == ["r0", "r2"] and eng.flushes == 1  # flushed once idle, not while r2 waited
+    # a running job cancelled mid-way is closed at the next step and delivers nothing more
+    job = Job(GenRequest(id="r9", ids=[1], max_tokens=50), lambda ev: got.setdefault(9, []).append(ev))
+    sch.submit(job)
+    sch.step()
+    job.cancel()
+    while sch.step():
+        pass
+    assert len(got[9]) == 1 and eng.closed[-1] == "r9" and sch.pending() == 0

@@ -177,7 +177,7 @@ class Engine:
         tier = "-"
         finish = "length"
         stats = None
-        ended = False
+        outcome = "cancelled"  # unless it ends or fails
         try:
             for r in responses:
                 if n == 0:
@@ -200,15 +200,18 @@ class Engine:
                 if stop.stopped or r.finish_reason is not None:
                     break
             responses.close()  # publishes prompt + completion before the answer ends
-            ended = True
+            outcome = finish
             if draft_rt is not None and self.store is not None:
                 draft_rt.publish()
             self._dirty = self.store is not None
             yield Finish(finish, Usage(len(req.ids), n, cached))
+        except Exception:
+            outcome = "failed"
+            raise
         finally:
             responses.close()
             self._dirty = self._dirty or self.store is not None
-            self._log(req, n, cached, tier, ttft, stats, finish if ended else "cancelled")
+            self._log(req, n, cached, tier, ttft, stats, outcome)
 
     def _checkpoints(self, req: GenRequest) -> list[int]:
         """The request's own boundaries, plus every `checkpoint_interval` tokens of its prompt."""

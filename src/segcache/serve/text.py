@@ -4,7 +4,8 @@
                                 ^^^^ held back: a prefix of "\\nUSER:"
     next segment "ER: " completes the stop: emit "...is 4", finish with "stop"
 
-The stop text itself is never returned (OpenAI's rule).
+The stop text itself is never returned (OpenAI's rule). The stop that
+completes first wins: with stops ["a", "\\naa"], "\\na" already stops at "a".
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ class StopText:
         if not self.stops:
             return segment
         text = self._held + segment
-        hits = [(i, s) for s in self.stops if (i := text.find(s)) >= 0]
+        # The stop that completes first ends the text, as it would token by token
+        # (ties: the longer one); so the result does not depend on the segmentation.
+        hits = [(i + len(s), i) for s in self.stops if (i := text.find(s)) >= 0]
         if hits:
             self.stopped = True
             self._held = ""
-            return text[: min(i for i, _ in hits)]
+            return text[: min(hits)[1]]
         keep = 0
         for s in self.stops:
             for n in range(min(len(s) - 1, len(text)), keep, -1):

@@ -47,7 +47,8 @@ class Job:
 class Scheduler:
     """A bounded FIFO of jobs and the step loop that serves them.
 
-    Invariants: len(waiting) <= max_queue; len(running) <= max_running; a job
+    Invariants: len(waiting) + len(running) <= max_queue + max_running; len(running)
+    <= max_running; a job
     is in at most one of them; every running job has its generator.
     """
 
@@ -71,7 +72,8 @@ class Scheduler:
         with self._cond:
             if self._stopping:
                 raise QueueFull("the server is shutting down")
-            if len(self.waiting) >= self.max_queue:
+            # a free running slot counts too: a job always passes through `waiting`
+            if len(self.waiting) + len(self.running) >= self.max_queue + self.max_running:
                 raise QueueFull(f"{len(self.waiting)} requests are waiting (--max-queue {self.max_queue})")
             self.waiting.append(job)
             self._cond.notify()
