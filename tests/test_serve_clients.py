@@ -158,3 +158,19 @@ def test_cors_is_off_by_default(tmp_path):
         assert oct((tmp_path / "store").stat().st_mode & 0o777) == oct(0o700)
     finally:
         srv.stop()
+
+
+def test_a_store_that_cannot_open_is_served_without(tmp_path, ref):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the store directory should be")
+    srv = Server(blocker, log_path=tmp_path / "serve.log").start()
+    try:
+        ids = ref[1].encode("def f(x):")
+        for _ in range(2):
+            r = srv.client().completions.create(model="target", prompt="def f(x):", max_tokens=8)
+            assert r.choices[0].text == mlx_lm.generate(*ref, prompt=ids, max_tokens=8)
+            assert r.usage.prompt_tokens_details.cached_tokens == 0
+        assert "serving without it" in srv.log()
+        assert httpx.get(srv.url + "/stats", timeout=10).json()["store"] is None
+    finally:
+        srv.stop()
