@@ -5,7 +5,7 @@ the bounded queue (429), the API key (401), CORS, and EOS."""
 import segcache  # noqa: F401, I001  (binds the system BLAS before mlx loads)
 
 import json
-import shutil
+import socket
 import threading
 import time
 
@@ -69,6 +69,17 @@ def test_eight_concurrent_streams_and_a_client_leaving(tmp_path, ref):
         assert store["ram_bytes"] <= store["ram_budget"] == 2 << 20
         assert store["disk_bytes"] <= store["disk_budget"] == 256 << 20
         assert store["ram_evictions"] > 0  # the budget was binding, and held
+        # a non-streaming client that leaves is noticed too (the handler polls for it)
+        body = json.dumps({"prompt": TEXT[30000:30300], "max_tokens": 3000}).encode()
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            time.sleep(0.5)
+        deadline = time.monotonic() + 60
+        while httpx.get(srv.url + "/stats", timeout=30).json()["pending"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        cancelled = [line for line in srv.log().splitlines() if line.endswith(", cancelled")]
+        assert len(cancelled) == 2 and "generated 3000 tok" not in cancelled[1]
         # every request alone again (now resumed from the cache): the same text
         for p, w in zip(PROMPTS[:3], want):
             assert srv.client().completions.create(model="target", prompt=p, max_tokens=n).choices[0].text == w

@@ -32,6 +32,7 @@ from .errors import APIError
 from .worker import Job, QueueFull, Scheduler, Worker
 
 DEFAULT_MODEL = "default_model"
+_POLL = 0.25  # seconds between checks that a non-streaming client is still there
 _DRAIN = 8  # bodies up to this many times the limit are read (and dropped) before the 413
 
 
@@ -226,13 +227,18 @@ class Server:
 
     async def _whole(self, request: Request, job: Job, events: asyncio.Queue, shape: "_Shape") -> Response:
         text, logprobs = [], []
+        checked = time.monotonic()
         try:
             while True:
                 try:
-                    event = await asyncio.wait_for(events.get(), timeout=0.5)
+                    event = await asyncio.wait_for(events.get(), timeout=_POLL)
                 except asyncio.TimeoutError:
+                    event = None
+                if time.monotonic() - checked >= _POLL:  # events may never pause: poll by the clock
+                    checked = time.monotonic()
                     if await request.is_disconnected():
                         return Response(status_code=499)
+                if event is None:
                     continue
                 if isinstance(event, Chunk):
                     text.append(event.text)
