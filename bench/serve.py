@@ -27,7 +27,6 @@ import glob
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -188,7 +187,7 @@ def main() -> int:
         results[server.name] = replay(server, context, args.tokens)
 
     a, b = results["segcache serve"], results["mlx_lm.server"]
-    print(f"\ntime to first token, summed per phase (ms)")
+    print("\ntime to first token, summed per phase (ms)")
     print(f"{'phase':<14}{'n':>3}{'segcache':>11}{'mlx_lm':>11}{'ratio':>8}")
     seq = ("cold", "2nd session", "continuation", "regenerate", "edit", "restart")
     for ph in seq + ("concurrent",):

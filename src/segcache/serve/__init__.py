@@ -2,6 +2,7 @@
 
     cli.py      the command line: flags, loading, the store, uvicorn, shutdown
     app.py      the Starlette app: routes, auth, CORS, body limit, SSE
+    shapes.py   response bodies in OpenAI's shapes
     schemas.py  pydantic request models and their validation into 4xx errors
     errors.py   `APIError`: an OpenAI-style error body with its status
     chat.py     prompts: chat templates (or the plain one) and message boundaries

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +28,7 @@ from . import schemas
 from .chat import Prompter
 from .engine import Chunk, Failure, Finish, GenRequest
 from .errors import APIError
+from .shapes import Shape, sse
 from .worker import Job, QueueFull, Scheduler, Worker
 
 DEFAULT_MODEL = "default_model"
@@ -199,33 +199,33 @@ class Server:
         except QueueFull as exc:
             raise APIError(429, f"the server is busy: {exc}; retry shortly", code="rate_limit_exceeded",
                            type="rate_limit_error", headers={"Retry-After": "1"}) from None
-        shape = _Shape(gen.id, s.served_name, self.created, chat)
+        shape = Shape(gen.id, s.served_name, self.created, chat)
         if req.stream:
             return StreamingResponse(self._sse(job, events, shape, req.include_usage()),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await self._whole(request, job, events, shape)
 
-    async def _sse(self, job: Job, events: asyncio.Queue, shape: "_Shape", usage: bool):
+    async def _sse(self, job: Job, events: asyncio.Queue, shape: Shape, usage: bool):
         try:
             while True:
                 event = await events.get()
                 if isinstance(event, Chunk):
                     if event.text or event.logprobs:
-                        yield _data(shape.chunk(event.text, event.logprobs, None))
+                        yield sse(shape.chunk(event.text, event.logprobs, None))
                 elif isinstance(event, Finish):
-                    yield _data(shape.chunk("", [], event.reason))
+                    yield sse(shape.chunk("", [], event.reason))
                     if usage:
-                        yield _data(shape.usage_chunk(event.usage))
+                        yield sse(shape.usage_chunk(event.usage))
                     yield "data: [DONE]\n\n"
                     return
                 elif isinstance(event, Failure):
-                    yield _data(APIError(500, event.message, type="server_error").body())
+                    yield sse(APIError(500, event.message, type="server_error").body())
                     yield "data: [DONE]\n\n"
                     return
         finally:
             job.cancel()  # no-op once finished; a client gone stops the job at its next step
 
-    async def _whole(self, request: Request, job: Job, events: asyncio.Queue, shape: "_Shape") -> Response:
+    async def _whole(self, request: Request, job: Job, events: asyncio.Queue, shape: Shape) -> Response:
         text, logprobs = [], []
         checked = time.monotonic()
         try:
@@ -249,73 +249,6 @@ class Server:
                     raise APIError(500, event.message, type="server_error")
         finally:
             job.cancel()
-
-
-def _data(obj: dict) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
-
-
-@dataclass
-class _Shape:
-    """Response bodies in OpenAI's shapes, for one request."""
-
-    id: str
-    model: str
-    created: int
-    chat: bool
-
-    def _head(self, obj: str) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "system_fingerprint": "segcache"}
-
-    def _logprobs(self, entries, offset: int = 0) -> Optional[dict]:
-        if not entries:
-            return None
-        if self.chat:
-            def one(tok, lp):
-                return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
-            return {"content": [dict(one(e.token, e.logprob), top_logprobs=[one(t, v) for t, v in e.top])
-                                for e in entries]}
-        offsets, pos = [], offset
-        for e in entries:
-            offsets.append(pos)
-            pos += len(e.token)
-        return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [dict(e.top) for e in entries] if any(e.top for e in entries) else None,
-                "text_offset": offsets}
-
-    def chunk(self, text: str, entries, finish: Optional[str]) -> dict:
-        body = self._head("chat.completion.chunk" if self.chat else "text_completion")
-        choice = {"index": 0, "finish_reason": finish, "logprobs": self._logprobs(entries)}
-        if self.chat:
-            choice["delta"] = {"role": "assistant", "content": text} if text or finish is None else {}
-        else:
-            choice["text"] = text
-        body["choices"] = [choice]
-        return body
-
-    def usage_chunk(self, usage) -> dict:
-        body = self._head("chat.completion.chunk" if self.chat else "text_completion")
-        body["choices"] = []
-        body["usage"] = _usage(usage)
-        return body
-
-    def whole(self, text: str, entries, finish: Finish) -> dict:
-        body = self._head("chat.completion" if self.chat else "text_completion")
-        choice = {"index": 0, "finish_reason": finish.reason, "logprobs": self._logprobs(entries)}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        body["choices"] = [choice]
-        body["usage"] = _usage(finish.usage)
-        return body
-
-
-def _usage(u) -> dict:
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
 
 async def _api_error(request: Request, exc: APIError) -> Response:
