@@ -160,3 +160,14 @@ def test_default_store_dir_is_per_identity_under_the_user_cache_and_private(tmp_
     for d in (a, a.parent, a.parent.parent):
         assert d.stat().st_mode & 0o777 == 0o700
     assert (parse_size("512M"), parse_size("4GiB"), parse_size("1024")) == (512 << 20, 4 << 30, 1024)
+
+
+def test_cli_refuses_bad_flags_and_missing_models(tmp_path, capsys):
+    from segcache.cli import main
+
+    assert main(["serve", "--model", str(TARGET), "--num-draft-tokens", "0"]) == 2
+    assert "--num-draft-tokens" in capsys.readouterr().err
+    assert main(["serve", "--model", str(tmp_path / "nothing"), "--prompt-cache-dir", str(tmp_path / "s")]) == 1
+    assert "cannot load the model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", str(TARGET), "--draft-model", "d", "--prompt-lookup"])  # one drafter

@@ -133,10 +133,15 @@ def run(args: argparse.Namespace) -> int:
         print("segcache serve: --num-draft-tokens, --max-tokens and --prefill-step-size must be >= 1, "
               "--max-queue and --checkpoint-interval >= 0", file=sys.stderr)
         return 2
-    import uvicorn
+    try:
+        import uvicorn
+
+        from .app import DEFAULT_MODEL, Server, Settings, build_app
+    except ImportError as exc:
+        print(f"segcache serve: {exc.name or exc} is not installed; pip install 'segcache[serve]'", file=sys.stderr)
+        return 1
     from mlx_lm import load
 
-    from .app import DEFAULT_MODEL, Server, Settings, build_app
     from .chat import Prompter
     from .engine import Engine
     from .worker import Scheduler, Worker
