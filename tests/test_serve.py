@@ -234,3 +234,17 @@ def test_unknown_route_and_method(server):
     assert httpx.get(server.url + "/v1/nothing", timeout=10).status_code == 404
     r = httpx.get(server.url + "/v1/completions", timeout=10)
     assert r.status_code == 405 and "error" in r.json()
+
+
+def test_sampling_with_a_seed_is_segcaches_sampler_on_that_seed(server, ref):
+    from segcache import make_sampler
+
+    ids = ref[1].encode(PROMPT)
+    mx.random.seed(7)
+    want = segcache_generate(*ref, ids, max_tokens=24, sampler=make_sampler(0.9, top_p=0.95))
+    got = [server.client().completions.create(model="target", prompt=PROMPT, max_tokens=24, temperature=0.9,
+                                              top_p=0.95, seed=7).choices[0].text for _ in range(2)]
+    assert got == [want, want]
+    other = server.client().completions.create(model="target", prompt=PROMPT, max_tokens=24, temperature=0.9,
+                                               top_p=0.95, seed=8).choices[0].text
+    assert other != want

@@ -45,7 +45,7 @@ class Settings:
         served_name: the id /v1/models lists and responses carry.
         context_length: prompt + completion tokens the model takes (None: unknown).
         vocab_size: token ids a prompt may hold are < this.
-        max_tokens, temperature, top_p: defaults for requests that leave them out.
+        max_tokens, temperature, top_p, top_k, min_p: defaults for requests that leave them out.
         api_key: required as a Bearer token on every route but /health (None: open).
         allowed_origins: CORS origins (empty: no CORS headers at all).
         max_body_bytes: larger request bodies get a 413.
@@ -59,6 +59,8 @@ class Settings:
     max_tokens: int = 512
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
     api_key: Optional[str] = None
     allowed_origins: list = field(default_factory=list)
     max_body_bytes: int = 8 << 20
@@ -183,7 +185,8 @@ class Server:
             max_tokens=max_tokens,
             temperature=s.temperature if req.temperature is None else req.temperature,
             top_p=s.top_p if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0, min_p=req.min_p or 0.0, seed=req.seed, stops=req.stops(), top_logprobs=top,
+            top_k=s.top_k if req.top_k is None else req.top_k, min_p=s.min_p if req.min_p is None else req.min_p,
+            seed=req.seed, stops=req.stops(), top_logprobs=top,
         )
         events: asyncio.Queue = asyncio.Queue()
 

@@ -47,13 +47,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--num-draft-tokens", type=int, default=4, help="drafts per round, at most (default 4)")
     p.add_argument("--prompt-cache-dir", help="prefix store directory (default: one per model identity under "
                    "the user's cache directory, e.g. ~/.cache/segcache/serve/<identity>)")
-    p.add_argument("--ram-bytes", type=parse_size, default=1 << 30, help="RAM tier budget (default 1G)")
+    p.add_argument("--ram-bytes", "--prompt-cache-bytes", type=parse_size, default=1 << 30,
+                   help="RAM tier budget (default 1G; --prompt-cache-bytes as mlx_lm.server names it)")
     p.add_argument("--disk-bytes", type=parse_size, default=16 << 30, help="disk tier budget (default 16G)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     p.add_argument("--max-tokens", type=int, default=512, help="default tokens per completion (default 512)")
     p.add_argument("--temp", type=float, default=0.0, help="default sampling temperature (default 0: greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="default nucleus sampling mass (default 1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="default top-k sampling (default 0: off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="default min-p sampling (default 0: off)")
     p.add_argument("--chat-template", default=None,
                    help="a chat template (Jinja text, or a file holding it) replacing the tokenizer's")
     p.add_argument("--api-key", default=os.environ.get("SEGCACHE_API_KEY"),
@@ -166,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
         served_name=name, names={name, args.model, resolved, DEFAULT_MODEL},
         vocab_size=_lookup(cfg, "vocab_size") or len(tokenizer.vocab),
         context_length=_lookup(cfg, "max_position_embeddings", "max_seq_len", "n_positions", "seq_length"),
-        max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, api_key=args.api_key or None,
+        max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, api_key=args.api_key or None,
         allowed_origins=args.allowed_origins, max_body_bytes=args.max_body_bytes,
         ram_bytes=args.ram_bytes, disk_bytes=args.disk_bytes,
     )
