@@ -180,6 +180,10 @@ def test_logprobs_match_mlx_lm(server, ref):
         top = mx.argsort(-lp)[:3].tolist()
         assert [a.token for a in entry.top_logprobs] == [tok.decode([i]) for i in top]
         assert entry.top_logprobs[0].logprob == pytest.approx(lp[top[0]].item(), abs=1e-4)
+    streamed = [e for ev in server.client().chat.completions.create(
+        model="target", messages=messages, max_tokens=6, logprobs=True, top_logprobs=3, stream=True)
+        for c in ev.choices if c.logprobs for e in c.logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
     r = server.client().completions.create(model="target", prompt=ids, max_tokens=3, logprobs=2)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
