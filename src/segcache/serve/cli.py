@@ -106,6 +106,13 @@ def _config(model_dir: str) -> dict:
     return cfg if isinstance(cfg, dict) else {}
 
 
+def _model_args(model) -> dict:
+    from ..store.identity import model_config
+
+    cfg = model_config(model)
+    return cfg if isinstance(cfg, dict) else {}
+
+
 def _lookup(cfg: dict, *keys):
     for src in (cfg, cfg.get("text_config") or {}):
         for k in keys:
@@ -162,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = loaded[0]
     draft = loaded[1][0] if args.draft_model else None
     store, path = _open_store(args, model)
-    cfg = _config(args.model)
+    cfg = _config(args.model) or _model_args(model)  # a hub id has no local config.json
     resolved = str(Path(args.model).resolve())
     name = Path(resolved).name
     settings = Settings(
