@@ -135,6 +135,23 @@ def _open_store(args, model):
     return store, path
 
 
+def _settings(args, model, tokenizer):
+    from .app import DEFAULT_MODEL, Settings
+
+    cfg = _config(args.model) or _model_args(model)  # a hub id has no local config.json
+    resolved = str(Path(args.model).resolve())
+    name = Path(resolved).name
+    return Settings(
+        served_name=name, names={name, args.model, resolved, DEFAULT_MODEL},
+        vocab_size=_lookup(cfg, "vocab_size") or len(tokenizer.vocab),
+        context_length=_lookup(cfg, "max_position_embeddings", "max_seq_len", "n_positions", "seq_length"),
+        max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, api_key=args.api_key or None,
+        allowed_origins=args.allowed_origins, max_body_bytes=args.max_body_bytes,
+        ram_bytes=args.ram_bytes, disk_bytes=args.disk_bytes,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """Run `segcache serve` until SIGINT/SIGTERM; returns the process exit code."""
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(message)s")
@@ -146,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from .app import DEFAULT_MODEL, Server, Settings, build_app
+        from .app import Server, build_app
     except ImportError as exc:
         print(f"segcache serve: {exc.name or exc} is not installed; pip install 'segcache[serve]'", file=sys.stderr)
         return 1
@@ -168,19 +185,14 @@ def run(args: argparse.Namespace) -> int:
             return 1
     model, tokenizer = loaded[0]
     draft = loaded[1][0] if args.draft_model else None
+    vocab = _lookup(_config(args.model) or _model_args(model), "vocab_size")
+    if draft is not None and _lookup(_config(args.draft_model) or _model_args(draft), "vocab_size") != vocab:
+        print("segcache serve: the draft model's vocabulary differs from the model's; the draft must share "
+              "its tokenizer", file=sys.stderr)
+        return 2
     store, path = _open_store(args, model)
-    cfg = _config(args.model) or _model_args(model)  # a hub id has no local config.json
-    resolved = str(Path(args.model).resolve())
-    name = Path(resolved).name
-    settings = Settings(
-        served_name=name, names={name, args.model, resolved, DEFAULT_MODEL},
-        vocab_size=_lookup(cfg, "vocab_size") or len(tokenizer.vocab),
-        context_length=_lookup(cfg, "max_position_embeddings", "max_seq_len", "n_positions", "seq_length"),
-        max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, api_key=args.api_key or None,
-        allowed_origins=args.allowed_origins, max_body_bytes=args.max_body_bytes,
-        ram_bytes=args.ram_bytes, disk_bytes=args.disk_bytes,
-    )
+    settings = _settings(args, model, tokenizer)
+    name = settings.served_name
     engine = Engine(model, tokenizer, store=store, draft_model=draft, prompt_lookup=args.prompt_lookup,
                     num_draft_tokens=args.num_draft_tokens, prefill_step=args.prefill_step_size,
                     checkpoint_interval=args.checkpoint_interval)
