@@ -23,6 +23,7 @@ bench: $(STAMP)
 	$(PY) bench/branch.py
 	$(PY) bench/speculative.py
 	$(PY) bench/apc.py
+	$(PY) bench/serve.py
 
 $(STAMP): pyproject.toml | blas
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -1,4 +1,4 @@
-"""The `segcache` command line: demo, generate, store."""
+"""The `segcache` command line: demo, generate, serve, store."""
 
 from __future__ import annotations
 
@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     from . import cli_generate
 
     cli_generate.add_parser(sub)
+
+    from .serve import cli as serve_cli
+
+    serve_cli.add_parser(sub)
 
     store = sub.add_parser(
         "store", help="inspect a prefix store: stats | ls | verify | gc PATH [--max-bytes N]", add_help=False

@@ -171,7 +171,7 @@ class _Speculator:
     """
 
     def __init__(self, target, draft, lookup, prompt, *, width, max_tokens, sampler, prefill_step, stats,
-                 adaptive=True, draft_min_prob=0.0):
+                 adaptive=True, draft_min_prob=0.0, prefill_checkpoints=()):
         self.target: Runtime = target
         self.draft: Optional[Runtime] = draft
         self.lookup: Optional[PromptLookup] = lookup
@@ -181,6 +181,7 @@ class _Speculator:
         self.sampler = sampler
         self.prefill_step = prefill_step
         self.stats = stats
+        self.prefill_checkpoints = tuple(prefill_checkpoints)
         # history[i] is the token at position i of the target; its last entry
         # is `pending`, the last emitted token, not yet fed to the target.
         self.history: list = target.tokens + list(prompt)
@@ -266,7 +267,8 @@ class _Speculator:
         try:
             if len(self.prompt) > 1:
                 if target.store is not None:  # resume from the prefix store, publish the prompt
-                    target.prefill(self.history[:-1], step_size=self.prefill_step)
+                    target.prefill(self.history[:-1], step_size=self.prefill_step,
+                                   checkpoints=self.prefill_checkpoints)
                 else:
                     _feed(target, self.prompt[:-1], self.prefill_step)
             if self.draft is not None:
@@ -450,6 +452,7 @@ def stream_generate(
     prefill_step_size: int = 2048,
     adaptive: bool = True,
     draft_min_prob: float = DRAFT_MIN_PROB,
+    prefill_checkpoints: Sequence[int] = (),
 ) -> Iterator[GenerationResponse]:
     """Generate on segcache runtimes, speculatively with a draft model or prompt lookup.
 
@@ -483,6 +486,9 @@ def stream_generate(
             changes the output, only the speed.
         draft_min_prob: the draft model's own probability below which a
             round drafts no further (its low-probability draft is still verified).
+        prefill_checkpoints: with a store-backed `runtime`, more positions (in
+            runtime tokens + prompt) its prefill checkpoints on the way, e.g.
+            chat message boundaries (see `Runtime.prefill`).
 
     Yields:
         GenerationResponse per token; the last one has `finish_reason` set.
@@ -538,6 +544,7 @@ def stream_generate(
         runtime, draft, lookup, ids,
         width=num_draft_tokens, max_tokens=max_tokens, sampler=sampler,
         prefill_step=prefill_step_size, stats=stats, adaptive=adaptive, draft_min_prob=draft_min_prob,
+        prefill_checkpoints=prefill_checkpoints,
     )
     return _responses(speculator, tokenizer, max_tokens, stats)
 

@@ -1,0 +1,208 @@
+"""Replay an agent-style trace against `segcache serve` and `mlx_lm.server`; TTFT per phase.
+
+    python bench/serve.py [--model DIR] [--tokens 24] [--mlx-blas same|wheel]
+
+Both servers run the same model (the shipped hybrid target by default) as
+subprocesses on 127.0.0.1, driven by the official `openai` client with
+streamed, greedy completions of `--tokens` tokens. The trace, in order:
+
+  cold          session 1, turn 1: a shared ~6,000-character context + a question
+  2nd session   sessions 2 and 3, turn 1: the same context, other questions
+  continuation  turns 2 and 3 of each session (prompt + reply + a new question)
+  regenerate    session 1's turn 2 again
+  edit          session 1's turn 3 with its last question changed
+  restart       the server restarts (SIGTERM), then session 2's turn 3 again
+  concurrent    4 clients at once, each a new turn of its own session
+
+Time to first token is measured at the client (request sent -> first text
+chunk). Where both servers compute a turn cold, their texts must match.
+By default mlx_lm.server runs with the same OpenBLAS segcache binds
+(LD_PRELOAD); `--mlx-blas wheel` runs it on the mlx[cpu] wheel's own BLAS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / "src" / "segcache" / "models"
+QUESTIONS = [
+    ["\n\ndef parse_header(line):\n", "\n\ndef read_body(stream, size):\n", "\n\nclass Reader:\n"],
+    ["\n\ndef format_date(value):\n", "\n\ndef parse_date(text):\n", "\n\nclass Calendar:\n"],
+    ["\n\ndef walk(tree):\n", "\n\ndef count_nodes(tree):\n", "\n\nclass Visitor:\n"],
+]
+EDIT = "\n\ndef write_body(stream, data):\n"
+MORE = ["\n\ndef close(self):\n", "\n\ndef flush(self):\n", "\n\ndef reset(self):\n", "\n\ndef main():\n"]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A server subprocess: start, wait for it to answer, stop."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict, port: int, log: Path):
+        self.name, self.cmd, self.env, self.port, self.log = name, cmd, env, port, log
+        self.proc = None
+
+    def start(self) -> float:
+        tic = time.perf_counter()
+        with open(self.log, "ab") as f:
+            self.proc = subprocess.Popen(self.cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env)
+        url = f"http://127.0.0.1:{self.port}/v1/models"
+        while time.perf_counter() - tic < 300:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: see {self.log}")
+            try:
+                if httpx.get(url, timeout=2).status_code == 200:
+                    return time.perf_counter() - tic
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.name} did not start in 300 s: see {self.log}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", timeout=600, max_retries=0)
+
+
+def request(client: openai.OpenAI, prompt: str, tokens: int) -> tuple[float, str]:
+    """(seconds to the first text chunk, the whole text) of one streamed greedy completion."""
+    tic = time.perf_counter()
+    ttft, text = None, []
+    for ev in client.completions.create(model="default_model", prompt=prompt, max_tokens=tokens,
+                                        temperature=0.0, stream=True):
+        piece = ev.choices[0].text if ev.choices else ""
+        if piece and ttft is None:
+            ttft = time.perf_counter() - tic
+        text.append(piece or "")
+    return (ttft if ttft is not None else time.perf_counter() - tic), "".join(text)
+
+
+def replay(server: Proc, context: str, tokens: int) -> dict:
+    """Run the trace; returns {phase: [ttft, ...]}, the cold texts and the concurrent wall time."""
+    server.start()
+    client = server.client()
+    phases: dict[str, list[float]] = {}
+    texts: dict[str, str] = {}
+    sessions = [context + q[0] for q in QUESTIONS]
+
+    def turn(phase: str, s: int, prompt: str, key: str | None = None) -> str:
+        ttft, text = request(client, prompt, tokens)
+        phases.setdefault(phase, []).append(ttft)
+        if key:
+            texts[key] = text
+        print(f"  {server.name:<14} {phase:<13} {ttft * 1000:9.0f} ms", flush=True)
+        return text
+
+    try:
+        history = [sessions[0] + turn("cold", 0, sessions[0], "s1t1")]
+        for s in (1, 2):
+            history.append(sessions[s] + turn("2nd session", s, sessions[s], f"s{s + 1}t1"))
+        prompts = {}
+        for t in (1, 2):
+            for s in range(3):
+                prompts[(s, t)] = history[s] + QUESTIONS[s][t]
+                history[s] = prompts[(s, t)] + turn("continuation", s, prompts[(s, t)])
+        turn("regenerate", 0, prompts[(0, 1)])
+        edited = prompts[(0, 2)][: -len(QUESTIONS[0][2])] + EDIT
+        turn("edit", 0, edited)
+        server.stop()
+        server.start()
+        client = server.client()
+        turn("restart", 1, prompts[(1, 2)])
+        # 4 clients at once, each a new turn of its own session (the 4th continues the edit)
+        starts = [history[0] + MORE[0], history[1] + MORE[1], history[2] + MORE[2], edited + MORE[3]]
+        out = [None] * 4
+        clients = [server.client() for _ in range(4)]
+
+        def one(i):
+            out[i] = request(clients[i], starts[i], tokens)
+
+        tic = time.perf_counter()
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - tic
+        phases["concurrent"] = [o[0] for o in out]
+        print(f"  {server.name:<14} concurrent    {wall * 1000:9.0f} ms wall, TTFT "
+              + ", ".join(f"{o[0] * 1000:.0f}" for o in out) + " ms", flush=True)
+        return {"phases": phases, "texts": texts, "wall": wall}
+    finally:
+        server.stop()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(MODELS / "target"))
+    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--context-chars", type=int, default=6000)
+    ap.add_argument("--mlx-blas", choices=["same", "wheel"], default="same")
+    args = ap.parse_args()
+    context = (MODELS / "heldout_other.txt").read_text()[: args.context_chars]
+    work = Path(tempfile.mkdtemp(prefix="segcache-bench-serve-"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
+    mlx_env = dict(env)
+    blas = "the mlx[cpu] wheel's BLAS"
+    libs = glob.glob("/usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0")
+    if args.mlx_blas == "same" and libs and sys.platform.startswith("linux"):
+        mlx_env.update(LD_PRELOAD=libs[0], OPENBLAS_THREAD_TIMEOUT="4")
+        blas = f"OpenBLAS, LD_PRELOAD={libs[0]}"
+    p1, p2 = _port(), _port()
+    ours = Proc("segcache serve", [sys.executable, "-m", "segcache.cli", "serve", "--model", args.model,
+                                   "--port", str(p1), "--prompt-cache-dir", str(work / "store"),
+                                   "--log-level", "WARNING"], env, p1, work / "segcache.log")
+    theirs = Proc("mlx_lm.server", [sys.executable, "-m", "mlx_lm.server", "--model", args.model,
+                                    "--port", str(p2), "--log-level", "WARNING"], mlx_env, p2, work / "mlx_lm.log")
+    print(f"model {args.model}; {args.tokens} tokens per completion; context {len(context)} characters")
+    print(f"mlx_lm.server on {blas}; logs in {work}")
+    results = {}
+    for server in (ours, theirs):
+        results[server.name] = replay(server, context, args.tokens)
+
+    a, b = results["segcache serve"], results["mlx_lm.server"]
+    print("\ntime to first token, summed per phase (ms)")
+    print(f"{'phase':<14}{'n':>3}{'segcache':>11}{'mlx_lm':>11}{'ratio':>8}")
+    seq = ("cold", "2nd session", "continuation", "regenerate", "edit", "restart")
+    for ph in seq + ("concurrent",):
+        x, y = sum(a["phases"][ph]), sum(b["phases"][ph])
+        print(f"{ph:<14}{len(a['phases'][ph]):>3}{x * 1000:>11.0f}{y * 1000:>11.0f}{x / y:>7.2f}x")
+    x = sum(sum(a["phases"][p]) for p in seq)
+    y = sum(sum(b["phases"][p]) for p in seq)
+    print(f"{'sequential':<14}{'':>3}{x * 1000:>11.0f}{y * 1000:>11.0f}{x / y:>7.2f}x")
+    print(f"concurrent wall time: segcache {a['wall']:.2f} s, mlx_lm {b['wall']:.2f} s ({a['wall'] / b['wall']:.2f}x)")
+    r = sum(a["phases"]["restart"]) / sum(b["phases"]["restart"])
+    print(f"turn after a restart: {1 / r:.1f}x faster")
+    same = all(a["texts"][k] == b["texts"][k] for k in a["texts"])
+    print(f"cold texts identical ({', '.join(sorted(a['texts']))}): {'yes' if same else 'NO'}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

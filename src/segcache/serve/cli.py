@@ -1,0 +1,225 @@
+"""`segcache serve`: flags, loading, the prefix store, uvicorn and an orderly shutdown.
+
+Flags shared with mlx_lm.server keep its names and meanings (--model,
+--draft-model, --num-draft-tokens, --host, --port, --allowed-origins,
+--chat-template, --temp, --top-p, --max-tokens, --prefill-step-size,
+--log-level). SIGINT/SIGTERM: uvicorn stops accepting, lets requests in flight
+end, then the worker drains and the store is flushed and closed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import re
+import sys
+import warnings
+from pathlib import Path
+
+log = logging.getLogger("segcache.serve")
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '1073741824', '512M', '4G' or '4GiB' (powers of 1024)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1073741824, 512M, 4G)")
+    return int(m.group(1)) << (10 * "_kmgt".index((m.group(2) or "_").lower()))
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the `serve` subcommand on an argparse `subparsers` object."""
+    p = subparsers.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server with a persistent prefix cache",
+        description="Serve a local mlx-lm model over OpenAI's API (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /health) on segcache runtimes: every request resumes the longest prefix cached in RAM "
+        "or on disk, and greedy output is token-identical to mlx-lm, speculative or not.",
+    )
+    p.add_argument("--model", required=True, help="model directory (mlx_lm.load)")
+    drafter = p.add_mutually_exclusive_group()
+    drafter.add_argument("--draft-model", help="draft model directory sharing the model's tokenizer")
+    drafter.add_argument("--prompt-lookup", action="store_true", help="draft by n-gram lookup in prompt + output")
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="drafts per round, at most (default 4)")
+    p.add_argument("--prompt-cache-dir", help="prefix store directory (default: one per model identity under "
+                   "the user's cache directory, e.g. ~/.cache/segcache/serve/<identity>)")
+    p.add_argument("--ram-bytes", "--prompt-cache-bytes", type=parse_size, default=1 << 30,
+                   help="RAM tier budget (default 1G; --prompt-cache-bytes as mlx_lm.server names it)")
+    p.add_argument("--disk-bytes", type=parse_size, default=16 << 30, help="disk tier budget (default 16G)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument("--max-tokens", type=int, default=512, help="default tokens per completion (default 512)")
+    p.add_argument("--temp", type=float, default=0.0, help="default sampling temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="default nucleus sampling mass (default 1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="default top-k sampling (default 0: off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="default min-p sampling (default 0: off)")
+    p.add_argument("--chat-template", default=None,
+                   help="a chat template (Jinja text, or a file holding it) replacing the tokenizer's")
+    p.add_argument("--api-key", default=os.environ.get("SEGCACHE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                        "(default: $SEGCACHE_API_KEY, else no key)")
+    p.add_argument("--allowed-origins", type=lambda x: [o for o in x.split(",") if o], default=[],
+                   help="comma-separated origins allowed by CORS (default: none, CORS off)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting at most; more get 429 (default 64)")
+    p.add_argument("--max-body-bytes", type=parse_size, default=8 << 20, help="largest request body (default 8M)")
+    p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill forward")
+    p.add_argument("--checkpoint-interval", type=int, default=256,
+                   help="checkpoint a long prompt every N tokens, so another prompt sharing only its start "
+                        "resumes within N tokens of where they part (default 256; 0: only at chat message "
+                        "boundaries, prompt ends and branch points)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+    p.set_defaults(handler=run)
+    return p
+
+
+def default_cache_dir(identity: bytes) -> Path:
+    """The store of a model identity under the user's cache directory."""
+    if sys.platform == "darwin":
+        base = Path.home() / "Library" / "Caches"
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "segcache" / "serve" / identity.hex()[:32]
+
+
+def _private_dirs(path: Path) -> None:
+    # create what is missing 0700 (the store holds prompt contents); leave existing parents alone
+    missing = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        d.mkdir(mode=0o700)
+        os.chmod(d, 0o700)
+
+
+def _config(model_dir: str) -> dict:
+    try:
+        with open(Path(model_dir) / "config.json") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def _model_args(model) -> dict:
+    from ..store.identity import model_config
+
+    cfg = model_config(model)
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def _lookup(cfg: dict, *keys):
+    for src in (cfg, cfg.get("text_config") or {}):
+        for k in keys:
+            if isinstance(src.get(k), int):
+                return src[k]
+    return None
+
+
+def _open_store(args, model):
+    from ..errors import StoreError
+    from ..store import model_identity, open_store
+
+    path = Path(args.prompt_cache_dir).expanduser() if args.prompt_cache_dir else default_cache_dir(model_identity(model))
+    try:
+        _private_dirs(path)
+        store = open_store(path, ram_bytes=args.ram_bytes, disk_bytes=args.disk_bytes)
+    except (StoreError, OSError) as exc:
+        warnings.warn(f"segcache serve: cannot open the prefix store at {path} ({exc}); serving without it")
+        return None, path
+    return store, path
+
+
+def _settings(args, model, tokenizer):
+    from .app import DEFAULT_MODEL, Settings
+
+    cfg = _config(args.model) or _model_args(model)  # a hub id has no local config.json
+    resolved = str(Path(args.model).resolve())
+    name = Path(resolved).name
+    return Settings(
+        served_name=name, names={name, args.model, resolved, DEFAULT_MODEL},
+        vocab_size=_lookup(cfg, "vocab_size") or len(tokenizer.vocab),
+        context_length=_lookup(cfg, "max_position_embeddings", "max_seq_len", "n_positions", "seq_length"),
+        max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, api_key=args.api_key or None,
+        allowed_origins=args.allowed_origins, max_body_bytes=args.max_body_bytes,
+        ram_bytes=args.ram_bytes, disk_bytes=args.disk_bytes,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `segcache serve` until SIGINT/SIGTERM; returns the process exit code."""
+    logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(message)s")
+    if (args.num_draft_tokens < 1 or args.max_tokens < 1 or args.prefill_step_size < 1 or args.max_queue < 0
+            or args.checkpoint_interval < 0):
+        print("segcache serve: --num-draft-tokens, --max-tokens and --prefill-step-size must be >= 1, "
+              "--max-queue and --checkpoint-interval >= 0", file=sys.stderr)
+        return 2
+    try:
+        import uvicorn
+
+        from .app import Server, build_app
+    except ImportError as exc:
+        print(f"segcache serve: {exc.name or exc} is not installed; pip install 'segcache[serve]'", file=sys.stderr)
+        return 1
+    from mlx_lm import load
+
+    from .chat import Prompter
+    from .engine import Engine
+    from .worker import Scheduler, Worker
+
+    template = args.chat_template
+    if template is not None and Path(template).is_file():
+        template = Path(template).read_text()
+    loaded = []
+    for path in filter(None, (args.model, args.draft_model)):
+        try:
+            loaded.append(load(path))
+        except Exception as exc:  # mlx-lm raises several types for a bad directory
+            print(f"segcache serve: cannot load the model at {path}: {exc}", file=sys.stderr)
+            return 1
+    model, tokenizer = loaded[0]
+    draft = loaded[1][0] if args.draft_model else None
+    vocab = _lookup(_config(args.model) or _model_args(model), "vocab_size")
+    if draft is not None and _lookup(_config(args.draft_model) or _model_args(draft), "vocab_size") != vocab:
+        print("segcache serve: the draft model's vocabulary differs from the model's; the draft must share "
+              "its tokenizer", file=sys.stderr)
+        return 2
+    store, path = _open_store(args, model)
+    settings = _settings(args, model, tokenizer)
+    name = settings.served_name
+    engine = Engine(model, tokenizer, store=store, draft_model=draft, prompt_lookup=args.prompt_lookup,
+                    num_draft_tokens=args.num_draft_tokens, prefill_step=args.prefill_step_size,
+                    checkpoint_interval=args.checkpoint_interval)
+    scheduler = Scheduler(engine, max_queue=args.max_queue)
+    worker = Worker(scheduler)
+    server = Server(settings, Prompter(tokenizer, template), scheduler, worker, store)
+
+    def close() -> None:
+        worker.stop()  # uvicorn let the requests in flight end: the queue is empty
+        if store is not None and not store.closed:
+            store.close()  # the RAM tier reaches disk
+            log.info("prefix store flushed and closed: %s", path)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        # Here, not after uvicorn.run: uvicorn re-raises SIGTERM/SIGINT once it
+        # has shut down, which ends the process before any code after it.
+        close()
+
+    mode = "draft model" if draft is not None else "prompt lookup" if args.prompt_lookup else "plain"
+    log.info("serving %s (%s decoding) on http://%s:%d; prefix store: %s", name, mode, args.host, args.port,
+             path if store is not None else "none")
+    worker.start()
+    try:
+        uvicorn.run(build_app(server, lifespan), host=args.host, port=args.port,
+                    log_level=args.log_level.lower(), access_log=False)
+    finally:
+        close()
+    return 0

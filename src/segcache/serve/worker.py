@@ -1,0 +1,181 @@
+"""The scheduler and the one model thread that runs it.
+
+    HTTP handlers ── submit(job) ──> waiting (FIFO, at most max_queue) ──> running (max_running)
+                                                                             │ step(): one token each
+    client stream <── loop.call_soon_threadsafe(deliver, event) <────────────┘
+
+Today `max_running` is 1: a request runs alone from its first step to its
+last, and the next waits in arrival order. Continuous batching (issue 11)
+admits several and makes `step()` run one batched forward over the running
+rows; nothing outside `step()` changes. Cancellation (a client gone) is a
+flag read at the next step: the job's generator is closed there, which
+settles and publishes its runtime and frees it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Callable
+
+from .engine import Engine, Failure, Finish, GenRequest
+
+log = logging.getLogger("segcache.serve")
+
+FLUSH_EVERY = 10.0  # seconds: under sustained load, write published records at least this often
+
+
+class QueueFull(Exception):
+    """The waiting queue holds max_queue jobs already."""
+
+
+class Job:
+    """One request in the scheduler. `deliver` is called on the worker thread with each event."""
+
+    def __init__(self, request: GenRequest, deliver: Callable[[object], None]):
+        self.request = request
+        self.deliver = deliver
+        self.cancelled = False  # set by the HTTP side, read by the worker at each step
+        self.steps = None  # the engine's generator once admitted
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Scheduler:
+    """A bounded FIFO of jobs and the step loop that serves them.
+
+    Invariants: len(waiting) + len(running) <= max_queue + max_running; len(running)
+    <= max_running; a job
+    is in at most one of them; every running job has its generator.
+    """
+
+    max_running = 1
+
+    def __init__(self, engine: Engine, max_queue: int = 64):
+        self.engine = engine
+        self.max_queue = max_queue
+        self.waiting: collections.deque[Job] = collections.deque()
+        self.running: list[Job] = []
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._last_flush = time.monotonic()
+
+    def submit(self, job: Job) -> None:
+        """Queue a job.
+
+        Raises:
+            QueueFull: max_queue jobs are waiting; nothing was queued.
+        """
+        with self._cond:
+            if self._stopping:
+                raise QueueFull("the server is shutting down")
+            # a free running slot counts too: a job always passes through `waiting`
+            if len(self.waiting) + len(self.running) >= self.max_queue + self.max_running:
+                raise QueueFull(f"{len(self.waiting)} requests are waiting (--max-queue {self.max_queue})")
+            self.waiting.append(job)
+            self._cond.notify()
+
+    def pending(self) -> int:
+        """Jobs waiting or running."""
+        with self._cond:
+            return len(self.waiting) + len(self.running)
+
+    def step(self) -> bool:
+        """Admit waiting jobs up to max_running and advance each running job by one token.
+
+        Returns:
+            True if any job was advanced.
+        """
+        with self._cond:
+            while len(self.running) < self.max_running and self.waiting:
+                job = self.waiting.popleft()
+                if not job.cancelled:  # a client gone while waiting costs nothing
+                    self.running.append(job)
+        for job in list(self.running):
+            if job.steps is None:
+                job.steps = self.engine.generate(job.request)
+            self._advance(job)
+        return bool(self.running) or bool(self.waiting)
+
+    def _advance(self, job: Job) -> None:
+        if job.cancelled:
+            self._drop(job)
+            return
+        try:
+            event = next(job.steps)
+        except StopIteration:
+            self._drop(job)
+            return
+        except Exception as exc:  # an error in one request must not stop the others
+            log.exception("%s failed", job.request.id)
+            self._drop(job)
+            job.deliver(Failure(f"generation failed: {type(exc).__name__}: {exc}"))
+            return
+        if isinstance(event, Finish):
+            self._drop(job)
+            self._maybe_flush()  # before the answer ends: a finished request is on disk
+        job.deliver(event)
+
+    def _drop(self, job: Job) -> None:
+        try:
+            job.steps.close()  # settles and publishes a cancelled job's runtime
+        except Exception:
+            log.exception("%s: closing its generation failed", job.request.id)
+        with self._cond:
+            self.running.remove(job)
+
+    def _maybe_flush(self) -> None:
+        with self._cond:
+            idle = not self.running and not self.waiting
+        if idle or time.monotonic() - self._last_flush > FLUSH_EVERY:
+            self.engine.flush()
+            self._last_flush = time.monotonic()
+
+    def run(self) -> None:
+        """Serve until `stop()`; jobs queued before it are served first."""
+        self.engine.warm_up()
+        while True:
+            with self._cond:
+                while not self.waiting and not self.running and not self._stopping:
+                    self._cond.wait()
+                if self._stopping and not self.waiting and not self.running:
+                    break
+            self.step()
+        self.engine.flush()
+
+    def stop(self) -> None:
+        """Refuse new jobs; `run` returns once the queued ones are served."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+
+class Worker:
+    """The model thread: runs `scheduler.run()` until `stop()`."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+        self.thread = threading.Thread(target=self._main, name="segcache-model", daemon=True)
+        self.error: BaseException | None = None
+
+    def _main(self) -> None:
+        try:
+            self.scheduler.run()
+        except BaseException as exc:  # /health turns 503
+            self.error = exc
+            log.exception("the model worker died")
+
+    def start(self) -> None:
+        self.thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def stop(self, timeout: float | None = None) -> None:
+        self.scheduler.stop()
+        if self.thread.is_alive():
+            self.thread.join(timeout)

@@ -1,0 +1,39 @@
+"""`segcache serve --draft-model` and `--prompt-lookup` on the hybrid target:
+the same text as mlx-lm's plain greedy decoding, cold and resumed."""
+
+import segcache  # noqa: F401, I001  (binds the system BLAS before mlx loads)
+
+import mlx_lm
+import pytest
+from mlx_lm.server import convert_chat
+
+from serve_util import DRAFT, TARGET, Server
+
+CODE = open(TARGET.parent / "heldout_stdlib.txt").read()[2000:3200]
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return mlx_lm.load(str(TARGET))
+
+
+@pytest.mark.parametrize("flags, mode", [(("--draft-model", DRAFT), "draft"), (("--prompt-lookup",), "lookup")])
+def test_speculative_serving_is_identical_to_plain(tmp_path, ref, flags, mode):
+    srv = Server(tmp_path / "store", *flags, "--num-draft-tokens", "4", log_path=tmp_path / "serve.log").start()
+    try:
+        client = srv.client()
+        ids = ref[1].encode(CODE)
+        want = mlx_lm.generate(*ref, prompt=ids, max_tokens=64)
+        for _ in range(2):  # cold, then resumed from the prefix cache
+            r = client.completions.create(model="target", prompt=CODE, max_tokens=64)
+            assert r.choices[0].text == want
+        assert r.usage.prompt_tokens_details.cached_tokens == len(ids) - 1
+        msgs = [{"role": "user", "content": CODE[:400]}]
+        for q in ("def close(self):", "def flush(self):"):
+            r = client.chat.completions.create(model="target", messages=msgs, max_tokens=48)
+            got = r.choices[0].message.content
+            assert got == mlx_lm.generate(*ref, prompt=ref[1].encode(convert_chat(msgs)), max_tokens=48)
+            msgs = msgs + [{"role": "assistant", "content": got}, {"role": "user", "content": q}]
+        assert f"{mode} accepted" in srv.log()
+    finally:
+        srv.stop()
