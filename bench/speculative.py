@@ -39,7 +39,7 @@ import mlx_lm  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 import segcache  # noqa: E402
-from segcache.generate import DRAFT_MIN_PROB, stream_generate  # noqa: E402
+from segcache.generation import DRAFT_MIN_PROB, stream_generate  # noqa: E402
 from segcache.testing import models  # noqa: E402
 from segcache.testing import tokenizer as test_tokenizer  # noqa: E402
 

@@ -8,7 +8,7 @@ import pytest
 
 from segcache import Runtime
 from segcache.errors import BranchError
-from segcache.generate import generate, stream_generate
+from segcache.generation import generate, stream_generate
 from segcache.testing import models
 from segcache.testing import tokenizer as test_tokenizer
 
@@ -366,3 +366,13 @@ def _assert_draft_prefix(drt: Runtime, rt: Runtime):
         a = drt.forward([7])[0, -1]
         b = fresh.forward([7])[0, -1]
         assert mx.allclose(a, b, atol=1e-4).item()
+
+
+def test_segcache_generate_stays_the_function_after_the_module_is_imported():
+    """The module is segcache.generation, so importing it never rebinds segcache.generate."""
+    import importlib
+
+    import segcache
+
+    importlib.import_module("segcache.generation")
+    assert callable(segcache.generate) and segcache.generate.__name__ == "generate"

@@ -3,7 +3,7 @@ import segcache  # noqa: F401  (first: binds the system BLAS before mlx loads)
 import pytest
 
 from segcache import Runtime
-from segcache.generate import stream_generate
+from segcache.generation import stream_generate
 from test_generate import Steered, _assert_draft_prefix, _assert_holds, model, pattern, prompt_ids, ref_tokens, tok
 
 

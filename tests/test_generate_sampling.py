@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 from segcache import Runtime
-from segcache.generate import stream_generate
+from segcache.generation import stream_generate
 from segcache.lookup import PromptLookup
 from segcache.sampling import Sampler, match_accept, speculative_accept
 from segcache.testing import models

@@ -16,9 +16,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.server import convert_chat
 
-# not segcache.generate: importing the submodule segcache.generate (the server's engine
-# does) rebinds that package attribute to the module
-from segcache.generate import generate as segcache_generate
+from segcache import generate as segcache_generate
 
 from serve_util import TARGET, Server
 

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         import mlx.core as mx
 
-        from .generate import stream_generate
+        from .generation import stream_generate
         from .sampling import make_sampler
 
         if args.max_tokens == 0:

@@ -169,7 +169,7 @@ def run(args) -> int:
     import mlx.core as mx
     import mlx_lm
 
-    from .generate import stream_generate
+    from .generation import stream_generate
     from .runtime import Runtime
     from .store import open_store
 

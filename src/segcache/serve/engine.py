@@ -20,7 +20,7 @@ from typing import Iterator, Optional
 
 import mlx.core as mx
 
-from ..generate import stream_generate
+from ..generation import stream_generate
 from ..runtime import Runtime
 from ..sampling import make_sampler
 from .text import StopText
