@@ -1,0 +1,68 @@
+"""mlx-lm's own cache tests (its tests/test_prompt_cache.py) run on segcache's layers.
+
+`make mlx-lm-tests` (a dependency of `make test`) fetches the test files from
+the PyPI sdist of the installed mlx-lm into tests/.upstream (gitignored; mlx-lm's
+code is never committed here). This module loads test_prompt_cache.py with its
+names rebound: `KVCache` -> `KVLayer`, `RotatingKVCache` -> `WindowLayer`,
+`make_prompt_cache(model)` -> `Runtime(model).cache`, and its model download
+(`load("mlx-community/Qwen1.5-0.5B-Chat-4bit")`) -> segcache's shipped draft
+model (llama, with a real tokenizer). mlx-lm's other classes (ArraysCache with
+arbitrary slots, the batch and quantized caches) stay mlx-lm's: segcache has no
+kind for them.
+
+Tests that exercise what segcache refuses on purpose are expected failures,
+with the reason; an expected failure that starts passing fails the run.
+"""
+
+import importlib.metadata
+import importlib.util
+import unittest
+from pathlib import Path
+
+import pytest
+
+import segcache
+from segcache.layers import KVLayer, WindowLayer
+
+VERSION = importlib.metadata.version("mlx-lm")
+UPSTREAM = Path(__file__).parent / ".upstream" / f"mlx_lm-{VERSION}" / "tests" / "test_prompt_cache.py"
+MODEL = Path(segcache.__file__).parent / "models" / "draft"
+
+# test -> why it fails on segcache's layers (each is a refusal tested in test_compat.py)
+REFUSED = {
+    "test_cache_to_quantized": "kv_bits on a Runtime's cache: to_quantized raises UnsupportedOperationError",
+    "test_merge_with_empty_caches": "merge of segcache layers raises UnsupportedOperationError (batching: issue 11)",
+    "test_cache_list": "CacheList.merge calls KVLayer.merge, which raises (batching: issue 11)",
+}
+
+if not UPSTREAM.exists():
+    pytest.skip(
+        f"mlx-lm {VERSION}'s tests are not in {UPSTREAM.parent} (run `make mlx-lm-tests`; it needs PyPI)",
+        allow_module_level=True,
+    )
+
+
+def _load_upstream():
+    spec = importlib.util.spec_from_file_location("_mlx_lm_upstream_test_prompt_cache", UPSTREAM)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    from mlx_lm.utils import load
+
+    module.KVCache = KVLayer
+    module.RotatingKVCache = WindowLayer
+    module.make_prompt_cache = lambda model, max_kv_size=None: segcache.Runtime(model).cache
+    module.load = lambda path: load(str(MODEL))
+    return module
+
+
+_upstream = _load_upstream()
+
+
+class TestPromptCacheOnSegcache(_upstream.TestPromptCache):
+    """mlx-lm's TestPromptCache with segcache's layers in place of mlx-lm's caches."""
+
+
+for _name, _reason in REFUSED.items():
+    _test = getattr(_upstream.TestPromptCache, _name)  # a renamed upstream test fails here, loudly
+    setattr(TestPromptCacheOnSegcache, _name, unittest.expectedFailure(_test))
+
