@@ -83,6 +83,26 @@ def test_save_with_an_open_branch_saves_the_committed_state(family, tmp_path):
     rt.check()
 
 
+def test_an_empty_runtime_round_trips(hybrid, tmp_path):
+    model = tiny(hybrid)
+    path = str(tmp_path / "cache.safetensors")
+    save_prompt_cache(path, Runtime(model).cache)
+    back = Runtime.from_prompt_cache(model, load_prompt_cache(path))
+    assert back.offset == 0
+    assert_same(back.forward(PROMPT), Runtime(model).forward(PROMPT))
+
+
+def test_an_inconsistent_file_is_refused(tmp_path):
+    rt = Runtime(tiny("llama"))
+    rt.forward(PROMPT)
+    path = str(tmp_path / "cache.safetensors")
+    bad = KVLayer()
+    bad.keys, bad.values, bad.offset = rt.cache[0].keys[..., :3, :], rt.cache[0].values, 3
+    save_prompt_cache(path, [bad])
+    with pytest.raises(ValueError, match="load_prompt_cache: .*buffer shapes"):
+        load_prompt_cache(path)
+
+
 def test_from_prompt_cache_refuses_another_layout():
     caches = Runtime(tiny("llama")).cache
     with pytest.raises(ValueError, match="layer 0"):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import warnings
 
-from ..errors import UnsupportedOperationError
+from ..errors import InvariantError, UnsupportedOperationError
 
 BATCHING = (
     "a Runtime's layer caches hold one sequence; continuous batching on the runtime is issue 11 "
@@ -51,6 +51,14 @@ class MlxCompat:
     def peek_trim(self) -> int | None:
         """What `take_trim` would return, changing nothing."""
         return self._trimmed_to
+
+    def _checked(self):
+        """This freshly loaded layer, or ValueError if the file held an inconsistent state."""
+        try:
+            self.check()
+        except InvariantError as exc:
+            raise ValueError(f"load_prompt_cache: {exc}") from None
+        return self
 
     @classmethod
     def merge(cls, caches):

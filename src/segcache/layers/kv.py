@@ -87,7 +87,7 @@ class KVLayer(MlxCompat, QuantizeRefused, KVCache):
         """A layer holding `state` (mlx-lm's `load_prompt_cache` calls this)."""
         layer = cls()
         layer.state = state
-        return layer
+        return layer._checked()
 
     def trim(self, n: int) -> int:
         """Drop the last `n` tokens (fewer if it holds fewer), as mlx-lm's `KVCache.trim`.

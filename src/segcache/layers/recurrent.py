@@ -219,7 +219,7 @@ class RecurrentLayer(MlxCompat, SnapshotBranches, ArraysCache):
         conv_tail, strategy, budget = state[3:]
         layer = cls(conv_tail, strategy, states_budget_bytes=budget)
         layer.state = state
-        return layer
+        return layer._checked()
 
     # Batching calls (mlx-lm's BatchGenerator on a merged cache): see layers.compat.
     def extract(self, idx):

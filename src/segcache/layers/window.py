@@ -98,7 +98,7 @@ class WindowLayer(MlxCompat, QuantizeRefused, SnapshotBranches, RotatingKVCache)
         """A layer holding `state` (mlx-lm's `load_prompt_cache` calls this)."""
         layer = cls(max_size=state[4], keep=state[3])
         layer.state = state
-        return layer
+        return layer._checked()
 
     def trim(self, n: int) -> int:
         """Drop the last `n` tokens, as mlx-lm's `RotatingKVCache.trim`, while the ring has not wrapped.
