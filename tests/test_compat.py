@@ -256,3 +256,59 @@ def test_batching_calls_are_refused_naming_the_batching_issue(hybrid):
             call()
     a.check()
     b.check()
+
+
+# -- trims among every other operation, against mlx-lm fed the same calls ---------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("forward"), st.lists(st.integers(0, 63), min_size=1, max_size=3)),
+        st.tuples(st.just("direct"), st.lists(st.integers(0, 63), min_size=1, max_size=3)),
+        st.tuples(st.just("trim"), st.integers(0, 4)),
+        st.tuples(st.just("fork"), st.none()),
+        st.tuples(st.just("commit"), st.none()),
+        st.tuples(st.just("rollback"), st.none()),
+    ),
+    max_size=14,
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=OPS)
+def test_trims_keep_every_invariant(ops):
+    """Dense model: rollback of a branch is mlx-lm's trim of its length, so mlx-lm follows every step."""
+    model = tiny("llama")
+    rt, ref = Runtime(model), make_prompt_cache(model)
+    ids, bases = [], []  # expected ids (None: fed directly), open branches' base offsets
+    rt.forward([1, 2])
+    logits_of(model, ref, [1, 2])
+    ids += [1, 2]
+    for op, arg in ops:
+        if op in ("forward", "direct"):
+            got = rt.forward(arg) if op == "forward" else logits_of(model, rt.cache, arg)
+            assert_same(got, logits_of(model, ref, arg))
+            ids += arg if op == "forward" else [None] * len(arg)
+        elif op == "trim":
+            arg = min(arg, len(ids))  # mlx-lm trims at most what is there
+            if bases and len(ids) - arg < bases[-1]:
+                with pytest.raises(BranchError):
+                    trim_prompt_cache(rt.cache, arg)
+            else:
+                assert trim_prompt_cache(rt.cache, arg) == trim_prompt_cache(ref, arg)
+                del ids[len(ids) - arg :]
+        elif op == "fork":
+            rt.fork()
+            bases.append(len(ids))
+        elif bases and op == "commit":
+            rt.commit()
+            bases.pop()
+        elif bases:
+            rt.rollback()
+            trim_prompt_cache(ref, len(ids) - bases[-1])
+            del ids[bases.pop() :]
+        rt.check()
+        assert rt.offset == len(ids) == ref[0].offset
+    assert rt.tokens == ids
