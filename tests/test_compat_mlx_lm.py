@@ -1,4 +1,4 @@
-"""mlx-lm's own cache tests (its tests/test_prompt_cache.py) run on segcache's layers.
+"""mlx-lm's own cache tests (test_prompt_cache.py, test_models.py) run on segcache's layers.
 
 `make mlx-lm-tests` (a dependency of `make test`) fetches the test files from
 the PyPI sdist of the installed mlx-lm into tests/.upstream (gitignored; mlx-lm's
@@ -8,7 +8,9 @@ names rebound: `KVCache` -> `KVLayer`, `RotatingKVCache` -> `WindowLayer`,
 (`load("mlx-community/Qwen1.5-0.5B-Chat-4bit")`) -> segcache's shipped draft
 model (llama, with a real tokenizer). mlx-lm's other classes (ArraysCache with
 arbitrary slots, the batch and quantized caches) stay mlx-lm's: segcache has no
-kind for them.
+kind for them. test_models.py (random-init models, no downloads) runs with
+`make_prompt_cache(model)` -> `Runtime(model).cache` wherever segcache supports
+the model (mlx-lm's caches otherwise; `SEGCACHE` / `NATIVE` list the families).
 
 Tests that exercise what segcache refuses on purpose are expected failures,
 with the reason; an expected failure that starts passing fails the run.
