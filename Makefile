@@ -6,17 +6,30 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-long bench blas clean
+.PHONY: demo test test-long bench blas clean mlx-lm-tests
 
 demo: $(STAMP)
 	$(VENV)/bin/segcache demo
 
-test: $(STAMP)
+test: $(STAMP) mlx-lm-tests
 	$(PY) -m pytest tests
 
 # The store's state machine for 5,000 programs (operations and damage); minutes, not seconds.
 test-long: $(STAMP)
 	SEGCACHE_LONG=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_store_state.py --hypothesis-show-statistics
+
+# mlx-lm's own test files (tests/test_compat_mlx_lm.py runs its cache tests on
+# segcache's layers). They are not in the wheel: fetched from the PyPI sdist of
+# the installed version into a gitignored folder, never committed. Offline, the
+# shim skips with the reason.
+UPSTREAM := tests/.upstream
+mlx-lm-tests: $(STAMP)
+	@v=$$($(PY) -c "import importlib.metadata as m; print(m.version('mlx-lm'))"); \
+	if [ -d $(UPSTREAM)/mlx_lm-$$v/tests ]; then exit 0; fi; \
+	mkdir -p $(UPSTREAM) && \
+	($(PY) -m pip download --quiet --no-deps --no-binary :all: "mlx-lm==$$v" -d $(UPSTREAM) \
+	 && tar -xzf $(UPSTREAM)/mlx_lm-$$v.tar.gz -C $(UPSTREAM) mlx_lm-$$v/tests) \
+	|| echo "mlx-lm-tests: could not fetch the mlx-lm $$v sdist; its cache tests will be skipped"
 
 bench: $(STAMP)
 	$(PY) bench/hotpath.py
@@ -47,4 +60,4 @@ blas:
 	fi
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis $(UPSTREAM)

@@ -15,6 +15,7 @@ from .errors import (  # noqa: E402
     StoreError,
     StoreFormatError,
     UnsupportedModelError,
+    UnsupportedOperationError,
 )
 
 __version__ = "0.1.0"
@@ -43,6 +44,7 @@ __all__ = [
     "StoreError",
     "StoreFormatError",
     "UnsupportedModelError",
+    "UnsupportedOperationError",
     *_LAZY,
 ]
 

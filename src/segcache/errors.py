@@ -13,6 +13,11 @@ class UnsupportedModelError(SegcacheError):
     """The model uses a layer or cache type that segcache cannot roll back."""
 
 
+class UnsupportedOperationError(SegcacheError):
+    """An mlx-lm cache operation segcache's layers cannot carry out exactly
+    (quantizing KV in place, batching); nothing was changed."""
+
+
 class InvariantError(SegcacheError, AssertionError):
     """`check()` found the runtime or the store inconsistent (a bug: please report)."""
 

@@ -15,10 +15,10 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from . import adapters
-from .errors import BranchError, InvariantError, UnsupportedModelError
+from .errors import BranchError, InvariantError, StoreError, UnsupportedModelError, UnsupportedOperationError
 from .layers import registry
+from .layers.protocol import PAGES
 from .layers.recurrent import STRATEGIES
-from .errors import StoreError
 from .tokens import TokenLedger
 
 RECURRENT_STRATEGIES = ("auto",) + STRATEGIES
@@ -178,6 +178,9 @@ class Runtime:
         self.model = model
         self.recurrent_strategy = recurrent_strategy
         self.cache = _build_layers(model, recurrent_strategy, branch_state_bytes)
+        # cache[i] is _layers[i]: mlx-lm code may replace entries of the list
+        # (kv_bits); every operation checks first (_own_layers).
+        self._layers = tuple(self.cache)
         # ids of the cached positions; every path below goes through it (tokens.py)
         self._ledger = TokenLedger()
         # _branches[i].base_offset == every layer's mark i offset; innermost last.
@@ -200,11 +203,13 @@ class Runtime:
     @property
     def tokens(self) -> list:
         """Token ids in the cache, open branches included (None where fed without `forward`)."""
+        self._sync()
         return self._ledger.ids(self.offset)
 
     @property
     def committed_tokens(self) -> list:
         """Token ids of the committed positions (None where fed without `forward`)."""
+        self._sync()
         return self._ledger.ids(self.committed_offset)
 
     @property
@@ -232,7 +237,8 @@ class Runtime:
             chunk = _token_array(tokens)  # left unread: no device sync per step
         else:
             chunk = _token_ids(tokens)
-        self._ledger.sync(self.offset)  # positions fed through rt.cache directly: None
+        self._own_layers("forward")
+        self._sync()
         saved = [layer.savepoint() for layer in self.cache]
         x = chunk[None] if isinstance(chunk, mx.array) else mx.array(chunk, dtype=mx.uint32)[None]
         try:
@@ -248,6 +254,8 @@ class Runtime:
 
     def fork(self) -> Branch:
         """Open a branch on top of the current state; O(1) in the context length."""
+        self._own_layers("fork")
+        self._sync()
         branch = Branch(self, self.offset)
         for layer in self.cache:
             layer.fork()
@@ -285,6 +293,8 @@ class Runtime:
 
     def _commit(self, branch: Branch | None, n: int | None) -> None:
         inner = self._innermost(branch, "commit")
+        self._own_layers("commit")
+        self._sync()
         length = self.offset - inner.base_offset
         if n is None:
             n = length
@@ -297,6 +307,8 @@ class Runtime:
 
     def _rollback(self, branch: Branch | None) -> None:
         inner = self._innermost(branch, "rollback")
+        self._own_layers("rollback")
+        self._sync()
         for layer in self.cache:
             layer.rollback()
         self._ledger.truncate(inner.base_offset)
@@ -363,6 +375,7 @@ class Runtime:
                 nothing changed.
             Exception: whatever a layer's `load` raised; every layer was put back.
         """
+        self._own_layers("restore")
         if self._branches:
             raise BranchError(
                 f"restore() with {self.depth} open branch(es): commit or roll them back first"
@@ -374,6 +387,10 @@ class Runtime:
             raise ValueError(
                 f"restore(): {len(states)} state tuples for {len(self.cache)} layers; pass one tuple per layer"
             )
+        self._load(states, ids)
+
+    def _load(self, states: list, ids: list) -> None:
+        """`layer.load(*states[i])` on every layer and the ledger reset to `ids`, all or nothing."""
         # load() rebinds a layer's attributes and never writes into its arrays,
         # so the attributes (lists copied) are enough to put a layer back.
         saved = [{k: list(v) if isinstance(v, list) else v for k, v in vars(layer).items()} for layer in self.cache]
@@ -382,7 +399,7 @@ class Runtime:
                 layer.load(*state)
                 if layer.offset != len(ids):
                     raise ValueError(
-                        f"restore(): layer {i} holds {layer.offset} tokens after load, "
+                        f"layer {i} holds {layer.offset} tokens after load, "
                         f"but {len(ids)} ids were given"
                     )
         except BaseException:
@@ -390,7 +407,51 @@ class Runtime:
                 vars(layer).clear()
                 vars(layer).update(attrs)
             raise
+        for layer in self.cache:
+            layer.take_trim()  # the ledger starts over
         self._ledger.reset(ids)
+
+    @classmethod
+    def from_prompt_cache(cls, model, cache: Sequence, **options) -> "Runtime":
+        """A Runtime holding the committed state of segcache layer caches, e.g. loaded back
+        with mlx-lm's `load_prompt_cache` from a file `save_prompt_cache(path, rt.cache)` wrote.
+
+        The new runtime builds its own layers (its own options apply) and loads
+        copies of the given ones' committed states; its token ids are None (the
+        file does not hold them), so it forks and generates, but does not publish.
+
+        Args:
+            model: the model the cache was computed with.
+            cache: one segcache layer per decoder layer, of the kinds and
+                layouts `Runtime(model)` builds, all holding the same count.
+            **options: as for `Runtime(model, ...)`.
+
+        Raises:
+            ValueError: `cache` does not fit the model's layers.
+        """
+        rt = cls(model, **options)
+        cache = list(cache)
+        if len(cache) != len(rt.cache):
+            raise ValueError(f"from_prompt_cache(): {len(cache)} caches for {len(rt.cache)} layers")
+        for i, (src, own) in enumerate(zip(cache, rt.cache)):
+            if type(src) is not type(own) or src.layout() != own.layout():
+                found = src.layout() if type(src) is type(own) else type(src).__name__
+                raise ValueError(f"from_prompt_cache(): layer {i} is {found}, this model needs {own.layout()}")
+        counts = {src.committed_offset for src in cache}
+        if len(counts) != 1:
+            raise ValueError(f"from_prompt_cache(): the layers hold different token counts {sorted(counts)}")
+        n = counts.pop()
+        if n == 0:
+            return rt
+        states = []
+        for src, own in zip(cache, rt.cache):
+            if src.resumes_from == PAGES:  # through the persistence protocol: copies, no kind switch
+                arrays, meta = {name: [a] for name, a in src.export_rows(0, n).items()}, {}
+            else:
+                arrays, meta = src.export_state()
+            states.append(own.state_from(arrays, meta, n))
+        rt._load(states, [None] * n)
+        return rt
 
     def publish(self) -> int:
         """Publish the committed tokens and state to the store (e.g. after generating).
@@ -429,7 +490,10 @@ class Runtime:
         other = object.__new__(type(self))
         other.model = self.model
         other.recurrent_strategy = self.recurrent_strategy
+        self._own_layers("clone")
+        self._sync()
         other.cache = [layer.clone() for layer in self.cache]
+        other._layers = tuple(other.cache)
         other._ledger = self._ledger.copy(self.committed_offset)
         other._branches = []
         other.store, other._prefix = self.store, self._prefix
@@ -443,6 +507,10 @@ class Runtime:
         Raises:
             InvariantError: naming the first violation found.
         """
+        try:
+            self._own_layers("check")
+        except UnsupportedOperationError as exc:
+            raise InvariantError(str(exc)) from None
         for i, layer in enumerate(self.cache):
             try:
                 layer.check()
@@ -456,7 +524,37 @@ class Runtime:
                 raise InvariantError(f"layer {i} has branches at {bases}, the runtime at {expected}")
         if any(not b.open for b in self._branches):
             raise InvariantError("a closed branch is still on the stack")
-        self._ledger.check(self.offset)
+        lows = [low for layer in self.cache if (low := layer.peek_trim()) is not None]
+        if lows:  # check what the next read will see, changing nothing
+            ledger = self._ledger.copy(min(lows))
+            ledger.check(self.offset)
+        else:
+            self._ledger.check(self.offset)
+
+    # -- calls that bypassed the runtime (rt.cache used by mlx-lm directly) ----------
+
+    def _sync(self) -> None:
+        """Bring the ledger up to date: trimmed positions are forgotten (even if
+        refilled since), positions fed directly read None."""
+        lows = [low for layer in self.cache if (low := layer.take_trim()) is not None]
+        if lows:
+            self._ledger.truncate(min(lows))
+        self._ledger.sync(self.offset)
+
+    def _own_layers(self, verb: str) -> None:
+        """Raise if an entry of `rt.cache` is no longer the layer this runtime built."""
+        for i, (layer, own) in enumerate(zip(self.cache, self._layers)):
+            if layer is not own:
+                raise UnsupportedOperationError(
+                    f"{verb}(): rt.cache[{i}] is a {type(layer).__name__}, not the {type(own).__name__} this "
+                    "runtime built; something replaced it (mlx-lm's kv_bits swaps in QuantizedKVCache). "
+                    "The runtime cannot branch over it: build a new Runtime"
+                )
+        if len(self.cache) != len(self._layers):
+            raise UnsupportedOperationError(
+                f"{verb}(): rt.cache has {len(self.cache)} entries, this runtime built {len(self._layers)}; "
+                "build a new Runtime"
+            )
 
     def __repr__(self) -> str:
         kinds = {}

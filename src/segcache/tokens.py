@@ -56,7 +56,9 @@ class TokenLedger:
 
         Positions recorded..offset-1 were fed directly: their ids are unknown
         (None). Positions past `offset` were trimmed through mlx-lm's protocol
-        (`trim_prompt_cache`): forgotten.
+        (`trim_prompt_cache`): forgotten. A trim that direct calls refilled
+        since leaves no trace in `offset`: the runtime first truncates to the
+        lowest offset its layers report a trim left (`Runtime._sync`).
         """
         gap = offset - self.recorded
         if gap > 0:

@@ -17,10 +17,11 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from ..errors import BranchError, InvariantError
+from .compat import MlxCompat, QuantizeRefused
 from .protocol import PAGES
 
 
-class KVLayer(KVCache):
+class KVLayer(MlxCompat, QuantizeRefused, KVCache):
     """mlx-lm's `KVCache` (same update path, same logits) plus a branch stack."""
 
     def __init__(self):
@@ -61,6 +62,48 @@ class KVLayer(KVCache):
             other.keys, other.values = self.keys[...], self.values[...]
         other.offset = self.committed_offset
         return other
+
+    # -- the rest of mlx-lm's cache protocol (layers.compat) -------------------------
+
+    @property
+    def state(self):
+        """(keys, values, offset) of the committed tokens: what `save_prompt_cache` writes.
+
+        Rows of an open branch lie past the committed offset and are left out.
+        """
+        n = self.committed_offset
+        if self.marks and self.keys is not None:
+            return self.keys[..., :n, :], self.values[..., :n, :], n
+        return self.keys, self.values, n
+
+    @state.setter
+    def state(self, v) -> None:
+        if self.marks:
+            raise BranchError("setting state with an open branch: commit or roll it back first")
+        self.keys, self.values, self.offset = v
+
+    @classmethod
+    def from_state(cls, state) -> "KVLayer":
+        """A layer holding `state` (mlx-lm's `load_prompt_cache` calls this)."""
+        layer = cls()
+        layer.state = state
+        return layer._checked()
+
+    def trim(self, n: int) -> int:
+        """Drop the last `n` tokens (fewer if it holds fewer), as mlx-lm's `KVCache.trim`.
+
+        Raises:
+            BranchError: the trim would reach below the innermost open branch; nothing changed.
+        """
+        n = min(self.offset, n)
+        if self.marks and self.offset - n < self.marks[-1]:
+            raise BranchError(
+                f"trim({n}) reaches below the innermost open branch (it holds {self.offset - self.marks[-1]} "
+                "tokens): roll the branch back instead"
+            )
+        self.offset -= n
+        self._note_trim()
+        return n
 
     # -- persistence protocol (layers.protocol) ------------------------------------
 

@@ -32,7 +32,8 @@ from typing import Callable
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
-from ..errors import BranchError, InvariantError
+from ..errors import BranchError, InvariantError, UnsupportedOperationError
+from .compat import BATCHING, MlxCompat
 from .protocol import CHECKPOINT
 from .snapshots import SnapshotBranches
 
@@ -83,7 +84,7 @@ class _RecurrentMark:
         return sum(s.length for s in self.records)
 
 
-class RecurrentLayer(SnapshotBranches, ArraysCache):
+class RecurrentLayer(MlxCompat, SnapshotBranches, ArraysCache):
     """mlx-lm's two-slot `ArraysCache` plus a token count and a branch stack.
 
     Args:
@@ -191,6 +192,47 @@ class RecurrentLayer(SnapshotBranches, ArraysCache):
         else:
             other.cache, other.offset = list(self.cache), self.offset
         return other
+
+    # -- the rest of mlx-lm's cache protocol (layers.compat) -------------------------
+
+    @property
+    def state(self):
+        """(conv tail, state, offset, conv_tail, strategy, states_budget_bytes) of the committed state.
+
+        Not `ArraysCache`'s (cache, left_padding, lengths): that loses the token
+        count and the layer's settings, and this layer never holds padding.
+        """
+        conv, state = (self.marks[0].conv, self.marks[0].state) if self.marks else self.cache
+        return conv, state, self.committed_offset, self.conv_tail, self.strategy, self.states_budget_bytes
+
+    @state.setter
+    def state(self, v) -> None:
+        if self.marks:
+            raise BranchError("setting state with an open branch: commit or roll it back first")
+        conv, state, offset, self.conv_tail, self.strategy, self.states_budget_bytes = v
+        self.cache, self.offset = [conv, state], offset
+        self.lengths = self.left_padding = None
+
+    @classmethod
+    def from_state(cls, state) -> "RecurrentLayer":
+        """A layer holding `state` (mlx-lm's `load_prompt_cache` calls this)."""
+        conv_tail, strategy, budget = state[3:]
+        layer = cls(conv_tail, strategy, states_budget_bytes=budget)
+        layer.state = state
+        return layer._checked()
+
+    # Batching calls (mlx-lm's BatchGenerator on a merged cache): see layers.compat.
+    def extract(self, idx):
+        raise UnsupportedOperationError(f"RecurrentLayer.extract({idx}): {BATCHING}")
+
+    def filter(self, batch_indices):
+        raise UnsupportedOperationError(f"RecurrentLayer.filter(): {BATCHING}")
+
+    def extend(self, other):
+        raise UnsupportedOperationError(f"RecurrentLayer.extend(): {BATCHING}")
+
+    def prepare(self, lengths=None, **kwargs):
+        raise UnsupportedOperationError(f"RecurrentLayer.prepare(lengths=...): {BATCHING}")
 
     # -- persistence protocol (layers.protocol) ------------------------------------
 

@@ -17,6 +17,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
 from ..errors import BranchError, InvariantError
+from ..errors import UnsupportedOperationError
+from .compat import MlxCompat, QuantizeRefused
 from .protocol import CHECKPOINT
 from .snapshots import SnapshotBranches
 
@@ -39,7 +41,7 @@ def _view(a: mx.array | None) -> mx.array | None:
     return None if a is None else a[...]
 
 
-class WindowLayer(SnapshotBranches, RotatingKVCache):
+class WindowLayer(MlxCompat, QuantizeRefused, SnapshotBranches, RotatingKVCache):
     """mlx-lm's `RotatingKVCache` (same ring layout, same logits) plus a branch stack."""
 
     def __init__(self, max_size: int, keep: int = 0):
@@ -74,6 +76,60 @@ class WindowLayer(SnapshotBranches, RotatingKVCache):
             keys, values, other.offset, other._idx = self.keys, self.values, self.offset, self._idx
         other.keys, other.values = _view(keys), _view(values)
         return other
+
+    # -- the rest of mlx-lm's cache protocol (layers.compat) -------------------------
+
+    @property
+    def state(self):
+        """mlx-lm's (keys, values, offset, keep, max_size, idx), of the committed ring."""
+        if self.marks:
+            m = self.marks[0]
+            return m.keys, m.values, m.offset, self.keep, self.max_size, m.idx
+        return self.keys, self.values, self.offset, self.keep, self.max_size, self._idx
+
+    @state.setter
+    def state(self, v) -> None:
+        if self.marks:
+            raise BranchError("setting state with an open branch: commit or roll it back first")
+        self.keys, self.values, self.offset, self.keep, self.max_size, self._idx = v
+
+    @classmethod
+    def from_state(cls, state) -> "WindowLayer":
+        """A layer holding `state` (mlx-lm's `load_prompt_cache` calls this)."""
+        layer = cls(max_size=state[4], keep=state[3])
+        layer.state = state
+        return layer._checked()
+
+    def trim(self, n: int) -> int:
+        """Drop the last `n` tokens, as mlx-lm's `RotatingKVCache.trim`, while the ring has not wrapped.
+
+        Inside a branch the branch's records lose their last `n` rows too, so a
+        full commit keeps exactly the ring mlx-lm's trim leaves and a partial
+        commit re-appends only rows that were kept.
+
+        Raises:
+            UnsupportedOperationError: the ring has wrapped (`is_trimmable()` is
+                False: the trimmed positions' predecessors are overwritten).
+            BranchError: the trim would reach below the innermost open branch.
+            Nothing changed in either case.
+        """
+        n = min(self.offset, n)
+        if not self.is_trimmable():
+            raise UnsupportedOperationError(
+                f"trim({n}) on a sliding window of {self.max_size} that holds {self.offset} tokens: the ring has "
+                "wrapped, so earlier tokens are overwritten (is_trimmable() is False, as in mlx-lm)"
+            )
+        if self.marks and n > self.offset - self.marks[-1].offset:
+            raise BranchError(
+                f"trim({n}) reaches below the innermost open branch (it holds "
+                f"{self.offset - self.marks[-1].offset} tokens): roll the branch back instead"
+            )
+        super().trim(n)
+        if self.marks:
+            mark = self.marks[-1]
+            mark.records = _first_tokens(mark.records, mark.appended - n)
+        self._note_trim()
+        return n
 
     # -- persistence protocol (layers.protocol) ------------------------------------
 

@@ -1,0 +1,102 @@
+"""The parts of mlx-lm's cache protocol that models never call, answered by every segment kind.
+
+mlx-lm's helpers reach past `update_and_fetch`:
+
+* `save_prompt_cache` writes `type(c).__name__` and `c.state`; `load_prompt_cache`
+  looks the name up in `mlx_lm.models.cache`'s globals and calls `from_state`.
+  Each layer's `state` is its *committed* state with everything `from_state`
+  needs (an open branch is never saved, as it is never published), and
+  `from_state` runs `__init__` (mlx-lm's default skips it, losing the marks).
+  `register_names` makes the loader find the classes (see its docstring).
+* `trim_prompt_cache` calls `trim(n)` on every layer. A layer refuses a trim
+  that reaches below its innermost branch (`BranchError`, before any change;
+  every layer has the same marks, so the first layer refuses for all), and
+  notes how far down a trim went (`take_trim`), so the runtime's token ledger
+  forgets those ids even if direct calls refill the positions before it looks.
+* `generate_step(kv_bits=...)` swaps entries for `QuantizedKVCache` via
+  `to_quantized`; segcache cannot branch over quantized KV, so it raises
+  before anything is swapped.
+* `BatchGenerator` calls `merge` / `extract`: a Runtime holds one sequence,
+  and batching on the runtime is issue 11, so they raise.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from ..errors import InvariantError, UnsupportedOperationError
+
+BATCHING = (
+    "a Runtime's layer caches hold one sequence; continuous batching on the runtime is issue 11 "
+    "(not built yet). Batch mlx-lm's own caches (make_prompt_cache(model)), or run one Runtime per sequence"
+)
+
+
+class MlxCompat:
+    """Mixin for segment kinds: trim bookkeeping and the refusals above."""
+
+    # The lowest offset a trim left since the runtime last looked (None: no trim
+    # since). Positions from there on may have been refilled by direct calls.
+    _trimmed_to: int | None = None
+
+    def _note_trim(self) -> None:
+        low = self._trimmed_to
+        self._trimmed_to = self.offset if low is None else min(low, self.offset)
+
+    def take_trim(self) -> int | None:
+        """The lowest offset a trim left since the last call (None if none), and forget it."""
+        low, self._trimmed_to = self._trimmed_to, None
+        return low
+
+    def peek_trim(self) -> int | None:
+        """What `take_trim` would return, changing nothing."""
+        return self._trimmed_to
+
+    def _checked(self):
+        """This freshly loaded layer, or ValueError if the file held an inconsistent state."""
+        try:
+            self.check()
+        except InvariantError as exc:
+            raise ValueError(f"load_prompt_cache: {exc}") from None
+        return self
+
+    @classmethod
+    def merge(cls, caches):
+        raise UnsupportedOperationError(f"{cls.__name__}.merge() (mlx-lm's BatchGenerator): {BATCHING}")
+
+
+class QuantizeRefused:
+    """Mixin for attention kinds: `to_quantized` raises instead of handing mlx-lm a replacement."""
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4):
+        raise UnsupportedOperationError(
+            f"{type(self).__name__}.to_quantized(bits={bits}) (mlx-lm's kv_bits / maybe_quantize_kv_cache): "
+            "segcache cannot fork or roll back quantized KV, so it keeps this cache as it is; "
+            "nothing was swapped. Run without kv_bits on a Runtime's cache"
+        )
+
+
+def register_names(*classes: type) -> None:
+    """Make `mlx_lm.models.cache.load_prompt_cache` find segcache's layer classes.
+
+    mlx-lm's loader resolves the saved class name with `globals()[name]` in
+    its own module and offers no registry, so the only way for its loader to
+    find a class is a name in that module. This adds each class under its own
+    name (KVLayer, WindowLayer, RecurrentLayer), which mlx-lm does not define:
+    nothing of mlx-lm's is replaced or wrapped. Importing any segcache layer
+    (hence `segcache.Runtime`) does it; a name mlx-lm already uses for
+    something else is left alone, with a warning.
+    """
+    from mlx_lm.models import cache as module
+
+    for cls in classes:
+        present = vars(module).get(cls.__name__)
+        if present is None:
+            setattr(module, cls.__name__, cls)
+        elif present is not cls:
+            warnings.warn(
+                f"mlx_lm.models.cache defines {cls.__name__} already; load_prompt_cache will not "
+                f"find segcache's {cls.__name__}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
