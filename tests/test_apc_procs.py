@@ -41,3 +41,48 @@ def test_a_second_process_hits_what_the_first_published(tmp_path):
     *logits, hit = got.stdout.split()
     assert logits == want
     assert int(hit) == 2 * len(PROMPT)
+
+
+NODE_CHILD = r"""
+import segcache, sys, time
+from segcache import Runtime, open_store
+from segcache.testing import models
+path, k, start_at = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+model = models.build("llama")
+shared = list(range(3, 19))  # one whole page of 16
+own = [(7 * k + 5 * i + 1) % models.VOCAB for i in range(8)]  # k-th continuation past the page
+with open_store(path, ram_bytes=1 << 26, disk_bytes=1 << 28, page_tokens=16) as store:
+    time.sleep(max(0.0, start_at - time.time()))  # all four extend node 1 at once
+    Runtime(model, store=store).prefill(shared + own)
+print("ok")
+"""
+
+
+def test_four_processes_extending_one_node_keep_every_continuation(tmp_path):
+    """Issue 9, defect 4: four processes publish past the same page boundary at once; afterwards
+    every continuation hits (a dense prompt resumes inside the page only through the node)."""
+    import time
+
+    start_at = time.time() + 6  # after the children's imports and model builds
+    procs = [
+        subprocess.Popen([sys.executable, "-c", NODE_CHILD, str(tmp_path), str(k), str(start_at)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for k in range(4)
+    ]
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=300)
+            assert p.returncode == 0 and out.strip() == "ok", err
+    finally:
+        for p in procs:
+            p.kill()
+    model, shared = tiny("llama"), list(range(3, 19))
+    with open_store(tmp_path, ram_bytes=1 << 26, disk_bytes=1 << 28, page_tokens=16) as store:
+        for k in range(4):
+            own = [(7 * k + 5 * i + 1) % 64 for i in range(8)]
+            prompt = shared + own[:5] + [63, 62]
+            before = store.stats()["hit_tokens"]
+            got = Runtime(model, store=store).prefill(prompt)
+            assert store.stats()["hit_tokens"] - before == len(shared) + 5, f"continuation {k} was lost"
+            want = Runtime(model).prefill(prompt)
+            assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
