@@ -7,7 +7,8 @@ prefill would take minutes here); the runtime publishes it and a fresh runtime
 resumes it from RAM and from disk. mlx-lm's path saves the same cache with
 save_prompt_cache and reads it back with load_prompt_cache.
 
-Both paths are timed to the first token: the state in memory and one new
+Every timed run starts with MLX's buffer cache emptied, so neither path
+recycles memory the other freed. Both paths are timed to the first token: the state in memory and one new
 token's logits evaluated (mlx-lm: load_prompt_cache, then a 1-token forward;
 segcache: prefill of the context + 1 token). The rate is state bytes / that time.
 
@@ -44,6 +45,7 @@ PAGE_TOKENS = 256
 def median(fn, n):
     times = []
     for _ in range(n):
+        mx.clear_cache()  # every run starts from an empty MLX buffer cache: neither path reuses the other's memory
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
