@@ -93,11 +93,11 @@ def _build_layers(model, strategy: str, branch_state_bytes: int) -> list:
     changed), then the recurrent modules are adapted, all or none.
     """
     native = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
-    layers = list(model.layers)
-    if len(native) != len(layers):
+    layers = registry.owners(model, native)
+    if layers is None:
         raise UnsupportedModelError(
-            f"{type(model).__name__} makes {len(native)} caches for {len(layers)} layers; "
-            "segcache needs one cache per decoder layer"
+            f"{type(model).__name__} makes {len(native)} caches for {len(model.layers)} layers, and "
+            "segcache does not know which layer each belongs to (layers/registry.py: OWNERS)"
         )
     plan = []  # (kind, native cache, what the kind matched)
     for i, (cache, layer) in enumerate(zip(native, layers)):
@@ -109,7 +109,7 @@ def _build_layers(model, strategy: str, branch_state_bytes: int) -> list:
                 f"cannot roll back; supported: {registry.supported()}"
             )
         plan.append((found[0], cache, found[1]))
-    recurrent = [m for kind, _, matched in plan if (m := kind.module(matched)) is not None]
+    recurrent = [m for kind, _, matched in plan for m in kind.modules(matched)]
     options = registry.Options(strategy, branch_state_bytes // len(recurrent) if recurrent else 0)
     classes = [type(module) for module, _ in recurrent]
     try:

@@ -50,16 +50,67 @@ _CONFIGS = {
     ),
 }
 
+# Recurrent families beyond Gated DeltaNet (issue 12), kept out of FAMILIES so
+# the suites parametrized over FAMILIES do not grow; tests/test_families.py covers them.
+_RECURRENT_CONFIGS = {
+    "nemotron_h": dict(
+        model_type="nemotron_h", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+        max_position_embeddings=4096, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        attention_bias=False, mamba_num_heads=4, mamba_head_dim=16, mamba_proj_bias=False,
+        ssm_state_size=16, conv_kernel=4, n_groups=2, mlp_bias=False, layer_norm_epsilon=1e-5,
+        use_bias=False, use_conv_bias=True, hybrid_override_pattern=["M", "-", "*", "M"],
+        time_step_limit=(0.0, float("inf")),
+    ),
+    "granitemoehybrid": dict(
+        model_type="granitemoehybrid", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=3, max_position_embeddings=4096, num_attention_heads=4,
+        num_key_value_heads=2, attention_bias=False, embedding_multiplier=1.0,
+        attention_multiplier=0.25, logits_scaling=1.0, residual_multiplier=1.0,
+        layer_types=["mamba", "attention", "mamba"], rms_norm_eps=1e-5,
+        shared_intermediate_size=128, mamba_n_heads=4, mamba_d_head=16, mamba_proj_bias=False,
+        mamba_d_state=16, mamba_d_conv=4, mamba_n_groups=1, mamba_conv_bias=True,
+        tie_word_embeddings=False,
+    ),
+    "falcon_h1": dict(
+        model_type="falcon_h1", hidden_size=64, head_dim=16, intermediate_size=128,
+        mamba_d_conv=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=16, mamba_expand=1,
+        mamba_n_groups=1, mamba_n_heads=4, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=2, vocab_size=VOCAB, rope_theta=10000.0, tie_word_embeddings=False,
+        max_position_embeddings=4096,
+    ),
+    "lfm2": dict(
+        model_type="lfm2", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        norm_eps=1e-5, conv_bias=False, conv_L_cache=3, block_dim=64, block_multiple_of=16,
+        block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False, block_ff_dim=128,
+        full_attn_idxs=[1], rope_theta=10000.0,
+    ),
+    "mamba": dict(
+        model_type="mamba", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+        state_size=16, num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True,
+        time_step_rank=8, tie_word_embeddings=False,
+    ),
+    "jamba": dict(
+        model_type="jamba", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, attn_layer_offset=1, attn_layer_period=2,
+        expert_layer_offset=1, expert_layer_period=2, mamba_d_conv=4, mamba_d_state=16,
+        mamba_expand=2, num_experts=2, num_experts_per_tok=1, rms_norm_eps=1e-6,
+        max_position_embeddings=4096, vocab_size=VOCAB, tie_word_embeddings=False,
+    ),
+}
+
 FAMILIES = tuple(_CONFIGS)
+RECURRENT = tuple(_RECURRENT_CONFIGS)  # SSM / short-conv families (tests/test_families.py)
 HYBRID = ("qwen3_next", "qwen3_5")
 LOGIT_GAIN = 4.0  # sharpens random-init logits so greedy choices are well separated
 
 
 def config(family: str, **overrides) -> dict:
     """The tiny config of `family`, with `overrides` applied."""
-    if family not in _CONFIGS:
-        raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
-    return {**_CONFIGS[family], **overrides}
+    configs = {**_CONFIGS, **_RECURRENT_CONFIGS}
+    if family not in configs:
+        raise ValueError(f"unknown family {family!r}; choose from {FAMILIES + RECURRENT}")
+    return {**configs[family], **overrides}
 
 
 def build(family: str, *, seed: int = 0, dtype=mx.float32, **overrides) -> nn.Module:

@@ -1,0 +1,178 @@
+"""Hooks for modules whose recurrent state lives in `ArraysCache` slots (SSM, short conv).
+
+A family's hook is one `Hook` entry: the module class that consumes the
+cache and the names of its (input, mask, cache) parameters. Adapting swaps
+the module instance's class for a subclass whose `__call__`:
+
+* outside a branch (or on any cache that is not a `StateLayer`, mlx-lm's own
+  included) runs mlx-lm's `__call__` with the caller's very arguments, so the
+  kernel it selects (`ssm_update`'s Metal kernel, ...) stays on the hot path;
+* inside a branch records a `Call` on the layer: with "replay" after running
+  mlx-lm's `__call__` on the block unchanged; with "states" running it one
+  token at a time and keeping the slots after each token.
+
+The module is its own recurrence: a replay calls mlx-lm's `__call__` again on
+the accepted inputs, with a scratch `ArraysCache` holding the slots to start
+from, and keeps only the slots it leaves (its output is never evaluated).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache
+
+from ..errors import BranchError, UnsupportedModelError
+from ..layers.state import Call, StateLayer
+
+
+@dataclass(frozen=True)
+class Hook:
+    """How one module class consumes its `ArraysCache`.
+
+    Attributes:
+        family: the mlx-lm model module (`mlx_lm.models.<family>`).
+        cls: the module class's name in it.
+        input, mask, cache: its parameter names (mask None: it takes none).
+        advances: True if the module calls `cache.advance(S)` itself.
+        kernel: the recurrence function `__call__` reaches (what tests record).
+    """
+
+    family: str
+    cls: str
+    input: str
+    mask: str | None
+    cache: str
+    advances: bool
+    kernel: str
+
+    @property
+    def module_class(self) -> type:
+        return getattr(importlib.import_module(f"mlx_lm.models.{self.family}"), self.cls)
+
+
+HOOKS = (
+    Hook("nemotron_h", "NemotronHMamba2Mixer", "hidden_states", "mask", "cache", True, "ssm_update"),
+    Hook("granitemoehybrid", "GraniteMoeHybridMamba2Mixer", "hidden_states", "mask", "cache", True, "ssm_update"),
+    Hook("falcon_h1", "FalconH1Mixer", "input_states", "mask", "cache", True, "ssm_update"),
+    Hook("mamba2", "Mamba2Block", "hidden_states", "mask", "cache", True, "ssm_update"),
+    Hook("lfm2", "ShortConv", "x", "mask", "cache", True, "conv"),
+    Hook("lfm2_moe", "ShortConv", "x", "mask", "cache", True, "conv"),
+    Hook("mamba", "MambaBlock", "x", None, "cache", False, "ssm_step"),
+    Hook("jamba", "JambaMambaMixer", "x", None, "cache", False, "ssm_step"),
+)
+
+_by_class: dict[type, Hook] | None = None
+
+
+def by_class() -> dict[type, Hook]:
+    """module class -> its hook (the model modules are imported on first use)."""
+    global _by_class
+    if _by_class is None:
+        _by_class = {h.module_class: h for h in HOOKS}
+    return _by_class
+
+
+def find_state_module(layer):
+    """(module, its mlx-lm class, hook) of the one state module in a decoder layer, or None."""
+    hooks = by_class()
+    found = []
+    for _, module in layer.named_modules():
+        base = type(module).__mro__[1] if getattr(type(module), "segcache_adapted", False) else type(module)
+        if base in hooks:
+            found.append((module, base, hooks[base]))
+    return found[0] if len(found) == 1 else None
+
+
+_adapted: dict[type, type] = {}
+
+
+def adapted_class(base: type) -> type:
+    """The subclass of `base` that records calls inside branches (one per base)."""
+    if base not in _adapted:
+        hook = by_class()[base]
+        original = base.__call__
+        params = list(inspect.signature(original).parameters)
+        cache_pos = params.index(hook.cache) - 1  # positional index after self
+        input_pos = params.index(hook.input) - 1
+
+        def __call__(self, *args, **kwargs):
+            cache = kwargs.get(hook.cache, args[cache_pos] if len(args) > cache_pos else None)
+            if type(cache) is not StateLayer:
+                return original(self, *args, **kwargs)
+            if cache.capturing:
+                return _branch_call(self, original, hook, args, kwargs, cache)
+            out = original(self, *args, **kwargs)
+            if not hook.advances:
+                x = kwargs.get(hook.input, args[input_pos] if len(args) > input_pos else None)
+                cache.count(x.shape[1])
+            return out
+
+        _adapted[base] = type(base.__name__, (base,), {"__call__": __call__, "segcache_adapted": True})
+    return _adapted[base]
+
+
+def adapt(module, base: type) -> None:
+    """Make `module` record its calls inside branches (idempotent)."""
+    if not getattr(type(module), "segcache_adapted", False):
+        module.__class__ = adapted_class(base)
+
+
+def _cut(mask, start: int, end: int, S: int):
+    if mask is None:
+        return None
+    if isinstance(mask, mx.array) and mask.ndim == 2 and mask.shape[1] == S:
+        return mask[:, start:end]
+    raise UnsupportedModelError(f"a state module's mask of shape {getattr(mask, 'shape', mask)!r} cannot be cut by time")
+
+
+def _branch_call(module, original, hook: Hook, args, kwargs, layer: StateLayer):
+    if layer.lengths is not None or layer.left_padding is not None:
+        raise BranchError("batched (padded) recurrent caches cannot be forwarded inside a branch")
+    bound = inspect.signature(original).bind(module, *args, **kwargs)
+    arguments = dict(bound.arguments)
+    x = arguments[hook.input]
+    mask = arguments.get(hook.mask) if hook.mask else None
+    S = x.shape[1]
+
+    def run(start: int, end: int, cache) -> mx.array:
+        call = dict(arguments)
+        call[hook.input] = x if (start, end) == (0, S) else x[:, start:end]
+        if hook.mask:
+            call[hook.mask] = _cut(mask, start, end, S) if (start, end) != (0, S) else mask
+        call[hook.cache] = cache
+        out = original(**call)
+        if not hook.advances and isinstance(cache, StateLayer):
+            cache.count(end - start)
+        return out
+
+    per_token = layer.strategy == "states"
+
+    def replay(n: int, slots: list) -> list:
+        # the same call boundaries the forward used: the block, or one token at a time
+        scratch = ArraysCache(len(slots))
+        scratch.cache = list(slots)
+        for start, end in ([(t, t + 1) for t in range(n)] if per_token else [(0, n)]):
+            run(start, end, scratch)
+        return scratch.cache
+
+    states = None
+    if per_token:
+        # "states": one token at a time; keep each token's slots while within the budget
+        keep = layer.keeps_states(S, max(layer.state_bytes(), 1))
+        outs, kept = [], []
+        for t in range(S):
+            outs.append(run(t, t + 1, layer))
+            kept.append(list(layer.cache))
+        # from an empty layer the slots' size is known only after the first token
+        if keep and S * layer.state_bytes() + layer.kept_bytes <= layer.states_budget_bytes:
+            states = kept
+        out = outs[0] if S == 1 else mx.concatenate(outs, axis=1)
+    else:
+        # "replay": mlx-lm's own call on the block, unchanged
+        out = run(0, S, layer)
+    layer.record(Call(S, replay, states))
+    return out
