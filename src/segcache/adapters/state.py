@@ -38,7 +38,8 @@ class Hook:
         cls: the module class's name in it.
         input, mask, cache: its parameter names (mask None: it takes none).
         advances: True if the module calls `cache.advance(S)` itself.
-        kernel: the recurrence function `__call__` reaches (what tests record).
+        kernel: the recurrence `__call__` reaches, as a dotted name under the
+            family's model module (tests record its calls).
     """
 
     family: str
@@ -59,10 +60,10 @@ HOOKS = (
     Hook("granitemoehybrid", "GraniteMoeHybridMamba2Mixer", "hidden_states", "mask", "cache", True, "ssm_update"),
     Hook("falcon_h1", "FalconH1Mixer", "input_states", "mask", "cache", True, "ssm_update"),
     Hook("mamba2", "Mamba2Block", "hidden_states", "mask", "cache", True, "ssm_update"),
-    Hook("lfm2", "ShortConv", "x", "mask", "cache", True, "conv"),
-    Hook("lfm2_moe", "ShortConv", "x", "mask", "cache", True, "conv"),
-    Hook("mamba", "MambaBlock", "x", None, "cache", False, "ssm_step"),
-    Hook("jamba", "JambaMambaMixer", "x", None, "cache", False, "ssm_step"),
+    Hook("lfm2", "ShortConv", "x", "mask", "cache", True, "nn.Conv1d.__call__"),
+    Hook("lfm2_moe", "ShortConv", "x", "mask", "cache", True, "nn.Conv1d.__call__"),
+    Hook("mamba", "MambaBlock", "x", None, "cache", False, "MambaBlock.ssm_step"),
+    Hook("jamba", "JambaMambaMixer", "x", None, "cache", False, "JambaMambaMixer.ssm_step"),
 )
 
 _by_class: dict[type, Hook] | None = None
