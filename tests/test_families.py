@@ -23,6 +23,7 @@ from segcache.generate import stream_generate
 from segcache.layers.composite import CompositeLayer
 from segcache.layers.kv import KVLayer
 from segcache.layers.state import StateLayer
+from segcache.layers.window import WindowLayer
 from segcache.testing import models
 from segcache.testing import tokenizer as test_tokenizer
 from segcache.testing.statemachine import assert_logits_close, machine_for, run_machine
@@ -59,6 +60,8 @@ def flat_state(layer) -> list:
         if layer.keys is None:
             return [mx.array([0])]
         return [layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :]]
+    if isinstance(layer, WindowLayer):
+        return [mx.array([layer.offset, layer._idx])] + ([] if layer.keys is None else [layer.keys, layer.values])
     return [a for a in layer.cache if a is not None] + [mx.array([layer.offset])]
 
 
@@ -95,7 +98,7 @@ def test_layers_are_the_generic_kinds():
         rt = Runtime(model)
         native = make_prompt_cache(model)
         assert [type(n) for n in native] == [next(b for b in type(c).__mro__ if b.__module__ == "mlx_lm.models.cache") for c in rt.cache]
-        assert all(isinstance(c, (StateLayer, KVLayer, CompositeLayer)) for c in rt.cache)
+        assert all(isinstance(c, (StateLayer, KVLayer, WindowLayer, CompositeLayer)) for c in rt.cache)
     assert len(Runtime(tiny("nemotron_h")).cache) < len(tiny("nemotron_h").layers)  # MLP blocks: no cache
 
 

@@ -38,6 +38,9 @@ class Hook:
         cls: the module class's name in it.
         input, mask, cache: its parameter names (mask None: it takes none).
         advances: True if the module calls `cache.advance(S)` itself.
+        position: a parameter giving the position of the first input token
+            (bailing_moe_linear's RoPE `offset`, read from the attention
+            layer's cache); a call cut at `start` gets position + start.
         kernel: the recurrence `__call__` reaches, as a dotted name under the
             family's model module (tests record its calls).
     """
@@ -49,6 +52,7 @@ class Hook:
     cache: str
     advances: bool
     kernel: str
+    position: str | None = None
 
     @property
     def module_class(self) -> type:
@@ -64,6 +68,11 @@ HOOKS = (
     Hook("lfm2_moe", "ShortConv", "x", "mask", "cache", True, "nn.Conv1d.__call__"),
     Hook("mamba", "MambaBlock", "x", None, "cache", False, "MambaBlock.ssm_step"),
     Hook("jamba", "JambaMambaMixer", "x", None, "cache", False, "JambaMambaMixer.ssm_step"),
+    Hook("plamo2", "Mamba", "hidden_states", "mask", "cache", True, "ssm_update"),
+    Hook("kimi_linear", "KimiDeltaAttention", "x", "mask", "cache", True, "gated_delta_update"),
+    # its mask argument is the attention mask, unused by the recurrent block: passed as is
+    Hook("recurrent_gemma", "RecurrentBlock", "x", None, "cache", False, "rnn_scan"),
+    Hook("bailing_moe_linear", "LinearAttention", "x", "mask", "cache", False, "recurrent_gla", position="offset"),
 )
 
 _by_class: dict[type, Hook] | None = None
@@ -138,6 +147,7 @@ def _branch_call(module, original, hook: Hook, args, kwargs, layer: StateLayer):
     x = arguments[hook.input]
     mask = arguments.get(hook.mask) if hook.mask else None
     S = x.shape[1]
+    _cut(mask, 0, S, S)  # a mask that cannot be cut fails here, before anything changed, not at commit
 
     def run(start: int, end: int, cache) -> mx.array:
         call = dict(arguments)
@@ -145,6 +155,8 @@ def _branch_call(module, original, hook: Hook, args, kwargs, layer: StateLayer):
         if hook.mask:
             call[hook.mask] = _cut(mask, start, end, S) if (start, end) != (0, S) else mask
         call[hook.cache] = cache
+        if hook.position:
+            call[hook.position] = arguments.get(hook.position, 0) + start
         out = original(**call)
         if not hook.advances and isinstance(cache, StateLayer):
             cache.count(end - start)

@@ -97,6 +97,48 @@ _RECURRENT_CONFIGS = {
         mamba_expand=2, num_experts=2, num_experts_per_tok=1, rms_norm_eps=1e-6,
         max_position_embeddings=4096, vocab_size=VOCAB, tie_word_embeddings=False,
     ),
+    "mamba2": dict(
+        model_type="mamba2", num_heads=4, head_dim=16, vocab_size=VOCAB, hidden_size=64,
+        intermediate_size=64, state_size=16, num_hidden_layers=2, layer_norm_epsilon=1e-5,
+        conv_kernel=4, n_groups=1, use_bias=False, use_conv_bias=True, tie_word_embeddings=False,
+        time_step_limit=(0.0, float("inf")), time_step_rank="auto",
+    ),
+    "lfm2_moe": dict(
+        model_type="lfm2_moe", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+        moe_intermediate_size=32, num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=4096, use_expert_bias=True, num_dense_layers=1, norm_eps=1e-5,
+        conv_bias=False, conv_L_cache=3, full_attn_idxs=[1], rope_theta=10000.0,
+    ),
+    "plamo2": dict(
+        model_type="plamo2", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, hidden_size_per_head=16, max_position_embeddings=4096,
+        attention_window_size=4096, mamba_d_state=16, mamba_d_conv=4, mamba_num_heads=4,
+        mamba_step=2, mamba_chunk_size=16, intermediate_size=128, vocab_size=VOCAB,
+        tie_word_embeddings=False,
+    ),
+    "kimi_linear": dict(
+        model_type="kimi_linear", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, intermediate_size=128, head_dim=16,
+        rope_theta=10000.0, rms_norm_eps=1e-6, model_max_length=4096, num_experts=4,
+        moe_intermediate_size=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, mla_use_nope=True, first_k_dense_replace=2,
+        linear_attn_config={"kda_layers": [1], "num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4},
+    ),
+    "recurrent_gemma": dict(
+        model_type="recurrent_gemma", attention_bias=False, conv1d_width=4, hidden_size=64,
+        intermediate_size=128, logits_soft_cap=30.0, num_attention_heads=4, num_key_value_heads=1,
+        num_hidden_layers=3, rms_norm_eps=1e-6, rope_theta=10000.0, attention_window_size=8,
+        vocab_size=VOCAB, block_types=["recurrent", "recurrent", "attention"],
+    ),
+    "bailing_moe_linear": dict(
+        model_type="bailing_moe_linear", hidden_size=64, intermediate_size=128,
+        max_position_embeddings=4096, moe_intermediate_size=32, num_experts=4,
+        num_shared_experts=1, norm_topk_prob=True, num_attention_heads=4, num_experts_per_tok=2,
+        num_hidden_layers=2, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=10000.0,
+        vocab_size=VOCAB, first_k_dense_replace=2, layer_group_size=2, group_norm_size=1,
+        head_dim=16,
+    ),
 }
 
 FAMILIES = tuple(_CONFIGS)
