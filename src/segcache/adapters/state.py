@@ -21,12 +21,22 @@ from __future__ import annotations
 import importlib
 import inspect
 from dataclasses import dataclass
+from typing import Callable
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from ..errors import BranchError, UnsupportedModelError
+from ..layers.composite import CompositeLayer
 from ..layers.state import Call, StateLayer
+
+
+def _baichuan_tail(module, x: mx.array, n: int) -> list:
+    """The last raw key / value row after n tokens: what baichuan_m1's 2-tap conv keeps."""
+    B, _, D = x.shape
+    kv = module.num_kv_heads * module.head_dim
+    _, k, v = mx.split(module.W_pack(x[:, n - 1 : n]), (D, D + kv), axis=-1)
+    return [t.reshape(B, 1, module.num_kv_heads, module.head_dim).transpose(0, 2, 1, 3) for t in (k, v)]
 
 
 @dataclass(frozen=True)
@@ -43,6 +53,12 @@ class Hook:
             layer's cache); a call cut at `start` gets position + start.
         kernel: the recurrence `__call__` reaches, as a dotted name under the
             family's model module (tests record its calls).
+        sliced: more parameters cut by time with the input (rwkv7's v_first).
+        child: the state is child `child` of the `CacheList` the module gets
+            (baichuan_m1: its attention module gets the conv tail and the K/V).
+        tail: (module, input, n) -> the slots after the first n tokens, where
+            they are rows the module computed from its input alone (a conv
+            tail): commit computes them instead of re-running the module.
     """
 
     family: str
@@ -53,6 +69,9 @@ class Hook:
     advances: bool
     kernel: str
     position: str | None = None
+    sliced: tuple[str, ...] = ()
+    child: int | None = None
+    tail: Callable | None = None
 
     @property
     def module_class(self) -> type:
@@ -73,6 +92,10 @@ HOOKS = (
     # its mask argument is the attention mask, unused by the recurrent block: passed as is
     Hook("recurrent_gemma", "RecurrentBlock", "x", None, "cache", False, "rnn_scan"),
     Hook("bailing_moe_linear", "LinearAttention", "x", "mask", "cache", False, "recurrent_gla", position="offset"),
+    # the decoder layer: time mixing (slots 0, 1) and channel mixing (slot 2) share one cache
+    Hook("rwkv7", "Rwkv7Layer", "x", None, "cache", False, "Rwkv7TimeMixing._wkv7", sliced=("v_first",)),
+    Hook("baichuan_m1", "Attention", "x", None, "cache", False, "Attention._custom_convolution", child=0,
+         tail=_baichuan_tail),
 )
 
 _by_class: dict[type, Hook] | None = None
@@ -111,18 +134,37 @@ def adapted_class(base: type) -> type:
 
         def __call__(self, *args, **kwargs):
             cache = kwargs.get(hook.cache, args[cache_pos] if len(args) > cache_pos else None)
-            if type(cache) is not StateLayer:
+            layer = _state_layer(cache, hook)
+            if layer is None:
                 return original(self, *args, **kwargs)
-            if cache.capturing:
-                return _branch_call(self, original, hook, args, kwargs, cache)
+            if layer.capturing:
+                return _branch_call(self, original, hook, args, kwargs, layer)
             out = original(self, *args, **kwargs)
             if not hook.advances:
                 x = kwargs.get(hook.input, args[input_pos] if len(args) > input_pos else None)
-                cache.count(x.shape[1])
+                layer.count(x.shape[1])
             return out
 
         _adapted[base] = type(base.__name__, (base,), {"__call__": __call__, "segcache_adapted": True})
     return _adapted[base]
+
+
+def _state_layer(cache, hook: Hook) -> StateLayer | None:
+    """The segcache layer holding the hook's state, if `cache` is one of ours."""
+    if hook.child is not None:
+        if type(cache) is CompositeLayer and type(cache.caches[hook.child]) is StateLayer:
+            return cache.caches[hook.child]
+        return None
+    return cache if type(cache) is StateLayer else None
+
+
+def _concat(outs: list):
+    """Per-token outputs joined by time (each element of tuple outputs; None stays None)."""
+    if len(outs) == 1:
+        return outs[0]
+    if isinstance(outs[0], tuple):
+        return tuple(None if o[0] is None else mx.concatenate(list(o), axis=1) for o in zip(*outs))
+    return mx.concatenate(outs, axis=1)
 
 
 def adapt(module, base: type) -> None:
@@ -148,18 +190,30 @@ def _branch_call(module, original, hook: Hook, args, kwargs, layer: StateLayer):
     mask = arguments.get(hook.mask) if hook.mask else None
     S = x.shape[1]
     _cut(mask, 0, S, S)  # a mask that cannot be cut fails here, before anything changed, not at commit
+    cache_arg = arguments[hook.cache]
 
-    def run(start: int, end: int, cache) -> mx.array:
+    if hook.tail is not None:
+        # the state is rows the module computed: run it unchanged, commit recomputes the rows
+        out = original(**arguments)
+        layer.count(S)
+        layer.record(Call(S, lambda n, slots: hook.tail(module, x, n), None))
+        return out
+
+    def run(start: int, end: int, cache):
         call = dict(arguments)
-        call[hook.input] = x if (start, end) == (0, S) else x[:, start:end]
+        whole = (start, end) == (0, S)
+        call[hook.input] = x if whole else x[:, start:end]
         if hook.mask:
-            call[hook.mask] = _cut(mask, start, end, S) if (start, end) != (0, S) else mask
+            call[hook.mask] = mask if whole else _cut(mask, start, end, S)
+        for name in hook.sliced:
+            v = arguments.get(name)
+            call[name] = v if whole or v is None else v[:, start:end]
         call[hook.cache] = cache
         if hook.position:
             call[hook.position] = arguments.get(hook.position, 0) + start
         out = original(**call)
-        if not hook.advances and isinstance(cache, StateLayer):
-            cache.count(end - start)
+        if not hook.advances and cache is cache_arg:
+            layer.count(end - start)
         return out
 
     per_token = layer.strategy == "states"
@@ -178,14 +232,14 @@ def _branch_call(module, original, hook: Hook, args, kwargs, layer: StateLayer):
         keep = layer.keeps_states(S, max(layer.state_bytes(), 1))
         outs, kept = [], []
         for t in range(S):
-            outs.append(run(t, t + 1, layer))
+            outs.append(run(t, t + 1, cache_arg))
             kept.append(list(layer.cache))
         # from an empty layer the slots' size is known only after the first token
         if keep and S * layer.state_bytes() + layer.kept_bytes <= layer.states_budget_bytes:
             states = kept
-        out = outs[0] if S == 1 else mx.concatenate(outs, axis=1)
+        out = _concat(outs)
     else:
         # "replay": mlx-lm's own call on the block, unchanged
-        out = run(0, S, layer)
+        out = run(0, S, cache_arg)
     layer.record(Call(S, replay, states))
     return out

@@ -139,6 +139,17 @@ _RECURRENT_CONFIGS = {
         vocab_size=VOCAB, first_k_dense_replace=2, layer_group_size=2, group_norm_size=1,
         head_dim=16,
     ),
+    "rwkv7": dict(
+        model_type="rwkv7", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, norm_eps=1e-5,
+        head_dim=16, num_hidden_layers=2, a_low_rank_dim=8, v_low_rank_dim=8, gate_low_rank_dim=8,
+        decay_low_rank_dim=8,
+    ),
+    "baichuan_m1": dict(
+        model_type="baichuan_m1", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
+        sliding_window=8, sliding_window_layers=[1], conv_window=2, rms_norm_eps=1e-6,
+        num_swa_attention_heads=4, num_swa_key_value_heads=2,
+    ),
 }
 
 FAMILIES = tuple(_CONFIGS)
@@ -170,6 +181,15 @@ def build(family: str, *, seed: int = 0, dtype=mx.float32, **overrides) -> nn.Mo
         for name, w in tree_flatten(model.parameters())
         if name.endswith(("embed_tokens.weight", "lm_head.weight"))
     ]
+    if family in _RECURRENT_CONFIGS:
+        # Several of these modules initialise parameters to zeros (token-shift
+        # mixes, conv taps, gate weights), which would make their state
+        # irrelevant to the output and the tests blind to it: draw them too.
+        sharpened += [
+            (name, 0.3 * mx.random.normal(w.shape, dtype=w.dtype))
+            for name, w in tree_flatten(model.parameters())
+            if w.size and not mx.any(w).item()
+        ]
     model.load_weights(sharpened, strict=False)
     model.set_dtype(dtype)
     model.eval()  # as mlx_lm.load leaves it: inference mode (GDN uses its kernel on Metal)
