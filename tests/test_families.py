@@ -28,7 +28,42 @@ from segcache.testing import models
 from segcache.testing import tokenizer as test_tokenizer
 from segcache.testing.statemachine import assert_logits_close, machine_for, run_machine
 
-FAMILIES = models.RECURRENT
+# Gated DeltaNet (RecurrentLayer) and every family served by the generic kinds
+FAMILIES = models.HYBRID + models.RECURRENT
+
+# The recurrence each family's module reaches, as a dotted name under its mlx-lm
+# model module: recorded by test_kernel_kept_outside_branches, named in the table.
+KERNELS = {
+    "qwen3_next": "gated_delta_update",
+    "qwen3_5": "gated_delta_update",
+    "nemotron_h": "ssm_update",
+    "granitemoehybrid": "ssm_update",
+    "falcon_h1": "ssm_update",
+    "lfm2": "nn.Conv1d.__call__",
+    "mamba": "MambaBlock.ssm_step",
+    "jamba": "JambaMambaMixer.ssm_step",
+    "mamba2": "ssm_update",
+    "lfm2_moe": "nn.Conv1d.__call__",
+    "plamo2": "ssm_update",
+    "kimi_linear": "gated_delta_update",
+    "recurrent_gemma": "rnn_scan",
+    "bailing_moe_linear": "recurrent_gla",
+    "rwkv7": "Rwkv7TimeMixing._wkv7",
+    "baichuan_m1": "Attention._custom_convolution",
+}
+
+# Recurrent families of mlx-lm 0.32.2 outside the matrix: Runtime(model) refuses
+# them (UnsupportedModelError naming the layer and its cache) because no hook
+# names their recurrent module. test_refused_families checks that is still so.
+REFUSED = {
+    "olmo_hybrid": "no hook for its `GatedDeltaNet` (ArraysCache(4)); a Hook entry and a tiny config would add it",
+    "bailing_moe_v3": "no hook for its `BailingKDA` (ArraysCache(4)); a Hook entry and a tiny config would add it",
+    "kimi_k3": "no hook for its `KimiK3DeltaAttention` (ArraysCache(2)); a Hook entry and a tiny config would add it",
+    "gear": "no hook for its `ConvKVGatedMixer` (ArraysCache(2)); a Hook entry and a tiny config would add it",
+    "bailing_hybrid": "no hook for its `LinearAttention` (ArraysCache(1)); a Hook entry and a tiny config would add it",
+    "longcat_flash_ngram": "cache 0 is the n-gram embedding's token context, owned by no decoder layer "
+    "(1 + layers caches): needs an OWNERS entry and a model-level hook",
+}
 STRATEGIES = ["replay", "states"]
 PREFIX = [5, 17, 3, 42, 8, 8, 1, 30, 22, 9, 14]
 TAIL_A = [7, 11, 63, 0, 19, 4]
@@ -93,7 +128,7 @@ def _runtime(family, strategy, tokens=PREFIX, chunking="block"):
 
 def test_layers_are_the_generic_kinds():
     """Each family is served by the generic kinds, with the cache list mlx-lm makes."""
-    for family in FAMILIES:
+    for family in models.RECURRENT:
         model = tiny(family)
         rt = Runtime(model)
         native = make_prompt_cache(model)
@@ -276,6 +311,13 @@ def _record(monkeypatch, family: str, path: str) -> list:
     return calls
 
 
+def kernel_of(family: str) -> str:
+    """The recurrence a family's module reaches (a dotted name under its model module)."""
+    if family in models.HYBRID:
+        return "gated_delta_update"
+    return next(h.kernel for h in hooks.HOOKS if h.family == family)
+
+
 def _arrays(call):
     args, kwargs = call
     return [a for a in list(args) + list(kwargs.values()) if isinstance(a, mx.array)]
@@ -285,9 +327,9 @@ def _arrays(call):
 def test_kernel_kept_outside_branches(family, monkeypatch):
     """Outside a branch the family's recurrence gets exactly the unpatched arguments."""
     model = tiny(family)
-    hook = next(h for h in hooks.HOOKS if h.family == family)
     steps = [[5, 17, 3, 42, 8, 8, 1], [30], [22], [9, 14]]
-    calls = _record(monkeypatch, family, hook.kernel)
+    assert KERNELS[family] == kernel_of(family)
+    calls = _record(monkeypatch, family, KERNELS[family])
     native = make_prompt_cache(model)
     for ids in steps:
         mx.eval(model(mx.array(ids)[None], cache=native))
@@ -311,3 +353,19 @@ def test_a_family_without_a_hook_is_refused_before_anything_changes(monkeypatch)
     with pytest.raises(UnsupportedModelError, match="layer 0"):
         Runtime(model)
     assert type(mixer) is before
+
+
+@pytest.mark.parametrize("family", list(REFUSED))
+def test_refused_families(family):
+    """No hook or GDN adapter names a class of these model modules, so Runtime refuses them."""
+    from segcache import adapters
+
+    module = importlib.import_module(f"mlx_lm.models.{family}")
+    hooked = set(hooks.by_class()) | set(adapters.FAMILIES)
+    classes = {c for c in vars(module).values() if isinstance(c, type) and c.__module__ == module.__name__}
+    assert not classes & hooked, f"{family} has a hook now: add it to the matrix and drop it from REFUSED"
+    assert "ArraysCache" in vars(module), f"{family} keeps no ArraysCache: not a recurrent family"
+    if family == "longcat_flash_ngram":
+        from segcache.layers import registry
+
+        assert f"mlx_lm.models.{family}" not in registry.OWNERS
