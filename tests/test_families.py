@@ -13,9 +13,10 @@ import importlib
 import random
 
 import mlx.core as mx
+import mlx.nn as nn
 import mlx_lm
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import CacheList, make_prompt_cache
 
 from segcache import BranchError, Runtime, UnsupportedModelError, open_store
 from segcache.adapters import state as hooks
@@ -369,3 +370,53 @@ def test_refused_families(family):
         from segcache.layers import registry
 
         assert f"mlx_lm.models.{family}" not in registry.OWNERS
+
+
+class _NestedLists(nn.Module):
+    """falcon_h1 with every layer's CacheList wrapped in another CacheList (a nested composite)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.args = inner.args
+
+    @property
+    def layers(self):
+        return self.inner.layers
+
+    def make_cache(self):
+        return [CacheList(c) for c in self.inner.make_cache()]
+
+    def __call__(self, inputs, cache=None):
+        return self.inner(inputs, cache=None if cache is None else [c[0] for c in cache])
+
+
+@functools.lru_cache(maxsize=None)
+def _nested():
+    return _NestedLists(models.build("falcon_h1", seed=0))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_nested_cache_lists(tmp_path, strategy):
+    model = _nested()
+    rt = Runtime(model, recurrent_strategy=strategy)
+    assert all(isinstance(c, CompositeLayer) and isinstance(c.caches[0], CompositeLayer) for c in rt.cache)
+    for n in (0, 2, len(TAIL_A)):
+        a, b = Runtime(model, recurrent_strategy=strategy), Runtime(model, recurrent_strategy=strategy)
+        for r, tail in ((a, TAIL_A), (b, TAIL_A[:n] + TAIL_B[n:])):
+            r.forward(PREFIX)
+            with r.fork() as br:
+                r.forward(tail)
+                br.commit(n)
+            r.check()
+        assert_same_state(a, b, f"nested n={n}:")
+        ref = model.inner(mx.array([PREFIX + TAIL_A[:n] + [2]]), cache=make_prompt_cache(model.inner))
+        assert_logits_close(a.forward([2])[:, -1], ref[:, -1], f"nested commit({n})")
+    with open_store(tmp_path, page_tokens=16) as store:
+        prompt = _ids(21, seed=5)
+        logits = Runtime(model, store=store).prefill(prompt)
+        store.evict_ram(0)
+        warm = Runtime(model, store=store)
+        assert mx.array_equal(warm.prefill(prompt), logits).item()
+        assert store.stats()["hit_tokens"] == len(prompt)
+        warm.check()
