@@ -136,6 +136,10 @@ def test_layers_are_the_generic_kinds():
         assert [type(n) for n in native] == [next(b for b in type(c).__mro__ if b.__module__ == "mlx_lm.models.cache") for c in rt.cache]
         assert all(isinstance(c, (StateLayer, KVLayer, WindowLayer, CompositeLayer)) for c in rt.cache)
     assert len(Runtime(tiny("nemotron_h")).cache) < len(tiny("nemotron_h").layers)  # MLP blocks: no cache
+    # "auto" is "replay" for the generic kind on every device; an explicit strategy is kept
+    assert {c.strategy for c in Runtime(tiny("lfm2")).cache if isinstance(c, StateLayer)} == {"replay"}
+    assert {c.strategy for c in Runtime(tiny("lfm2"), recurrent_strategy="states").cache
+            if isinstance(c, StateLayer)} == {"states"}
 
 
 @pytest.mark.parametrize("chunking", ["block", "steps"])

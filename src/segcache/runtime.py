@@ -18,6 +18,7 @@ from . import adapters
 from .errors import BranchError, InvariantError, UnsupportedModelError
 from .layers import registry
 from .layers.recurrent import STRATEGIES
+from .layers.state import default_state_strategy
 from .errors import StoreError
 from .tokens import TokenLedger
 
@@ -86,7 +87,7 @@ class Branch:
         return f"Branch(base={self.base_offset}, {state})"
 
 
-def _build_layers(model, strategy: str, branch_state_bytes: int) -> list:
+def _build_layers(model, strategy: str, branch_state_bytes: int, state_strategy: str | None = None) -> list:
     """One layer cache per decoder layer; the model is changed only if every layer is supported.
 
     First every layer is matched to a segment kind (raising before anything
@@ -110,7 +111,9 @@ def _build_layers(model, strategy: str, branch_state_bytes: int) -> list:
             )
         plan.append((found[0], cache, found[1]))
     recurrent = [m for kind, _, matched in plan for m in kind.modules(matched)]
-    options = registry.Options(strategy, branch_state_bytes // len(recurrent) if recurrent else 0)
+    options = registry.Options(
+        strategy, branch_state_bytes // len(recurrent) if recurrent else 0, state_strategy or strategy
+    )
     classes = [type(module) for module, _ in recurrent]
     try:
         for module, base in recurrent:
@@ -150,7 +153,9 @@ class Runtime:
         store: a `PrefixStore` (`segcache.open_store`) for `prefill`/`publish`;
             clones share it.
         recurrent_strategy: "auto", "replay" or "states" (see
-            `default_recurrent_strategy`).
+            `default_recurrent_strategy`; for the generic recurrent-state
+            layers of SSM / short-conv families "auto" is "replay",
+            `layers.state.default_state_strategy`).
         branch_state_bytes: with "states", the most bytes of per-token
             recurrent states the open branches may keep, split evenly over the
             recurrent layers (default 256 MiB). A branch whose next forward
@@ -173,11 +178,13 @@ class Runtime:
             raise ValueError(f"recurrent_strategy must be one of {RECURRENT_STRATEGIES}")
         if not isinstance(branch_state_bytes, int) or isinstance(branch_state_bytes, bool) or branch_state_bytes < 0:
             raise ValueError(f"branch_state_bytes must be an int >= 0, got {branch_state_bytes!r}")
+        # StateLayer (SSM, short conv, ...): "auto" is "replay" (layers/state.py)
+        state_strategy = default_state_strategy() if recurrent_strategy == "auto" else recurrent_strategy
         if recurrent_strategy == "auto":
             recurrent_strategy = default_recurrent_strategy()
         self.model = model
         self.recurrent_strategy = recurrent_strategy
-        self.cache = _build_layers(model, recurrent_strategy, branch_state_bytes)
+        self.cache = _build_layers(model, recurrent_strategy, branch_state_bytes, state_strategy)
         # ids of the cached positions; every path below goes through it (tokens.py)
         self._ledger = TokenLedger()
         # _branches[i].base_offset == every layer's mark i offset; innermost last.

@@ -26,8 +26,9 @@ from .window import WindowLayer
 class Options:
     """Runtime settings a kind may use when it builds a layer."""
 
-    recurrent_strategy: str
+    recurrent_strategy: str  # Gated DeltaNet layers
     states_budget_bytes: int  # per recurrent layer
+    state_strategy: str = "replay"  # StateLayer (layers/state.py: default_state_strategy)
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ KINDS = (
         ArraysCache,
         lambda cache, layer: state_hooks.find_state_module(layer),
         lambda cache, m, o: StateLayer(
-            len(cache.cache), m[2].family, o.recurrent_strategy, states_budget_bytes=o.states_budget_bytes
+            len(cache.cache), m[2].family, o.state_strategy, states_budget_bytes=o.states_budget_bytes
         ),
         modules=lambda matched: [matched[:2]],
     ),

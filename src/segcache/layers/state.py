@@ -38,6 +38,20 @@ from .recurrent import STRATEGIES
 from .snapshots import SnapshotBranches
 
 
+def default_state_strategy() -> str:
+    """"replay" on every device: what `Runtime(recurrent_strategy="auto")` gives a StateLayer.
+
+    With "replay" a branch forward is mlx-lm's own call on the block, so a
+    verify costs what a plain forward costs, and only a partial commit pays
+    (the accepted prefix re-run). "states" must run the whole module one token
+    at a time (projections included, not only the recurrence as for Gated
+    DeltaNet), which costs more than it saves: bench/branch.py on an SSM hybrid
+    (Mamba-2 mixers) on the CPU measured rounds at 1.08x a plain verify with
+    "replay" and 1.44x with "states" (docs/benchmarks.md).
+    """
+    return "replay"
+
+
 @dataclass
 class Call:
     """One forward call of the module inside a branch.
