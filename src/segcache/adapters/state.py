@@ -59,6 +59,11 @@ class Hook:
         tail: (module, input, n) -> the slots after the first n tokens, where
             they are rows the module computed from its input alone (a conv
             tail): commit computes them instead of re-running the module.
+        split: the module is a Mamba-2 mixer with mlx-lm's `_conv(conv_input,
+            cache, mask)` and `_ssm(x, B, C, dt, cache, mask)` steps: with
+            "replay" a branch records what they consumed, and a partial commit
+            slices the conv tail from the recorded conv rows and re-runs only
+            `_ssm` (not the projections, the conv, the norm).
     """
 
     family: str
@@ -72,22 +77,25 @@ class Hook:
     sliced: tuple[str, ...] = ()
     child: int | None = None
     tail: Callable | None = None
+    split: bool = False
 
     @property
     def module_class(self) -> type:
         return getattr(importlib.import_module(f"mlx_lm.models.{self.family}"), self.cls)
 
 
+_MAMBA2 = dict(mask="mask", cache="cache", advances=True, kernel="ssm_update", split=True)
+
 HOOKS = (
-    Hook("nemotron_h", "NemotronHMamba2Mixer", "hidden_states", "mask", "cache", True, "ssm_update"),
-    Hook("granitemoehybrid", "GraniteMoeHybridMamba2Mixer", "hidden_states", "mask", "cache", True, "ssm_update"),
-    Hook("falcon_h1", "FalconH1Mixer", "input_states", "mask", "cache", True, "ssm_update"),
-    Hook("mamba2", "Mamba2Block", "hidden_states", "mask", "cache", True, "ssm_update"),
+    Hook("nemotron_h", "NemotronHMamba2Mixer", "hidden_states", **_MAMBA2),
+    Hook("granitemoehybrid", "GraniteMoeHybridMamba2Mixer", "hidden_states", **_MAMBA2),
+    Hook("falcon_h1", "FalconH1Mixer", "input_states", **_MAMBA2),
+    Hook("mamba2", "Mamba2Block", "hidden_states", **_MAMBA2),
     Hook("lfm2", "ShortConv", "x", "mask", "cache", True, "nn.Conv1d.__call__"),
     Hook("lfm2_moe", "ShortConv", "x", "mask", "cache", True, "nn.Conv1d.__call__"),
     Hook("mamba", "MambaBlock", "x", None, "cache", False, "MambaBlock.ssm_step"),
     Hook("jamba", "JambaMambaMixer", "x", None, "cache", False, "JambaMambaMixer.ssm_step"),
-    Hook("plamo2", "Mamba", "hidden_states", "mask", "cache", True, "ssm_update"),
+    Hook("plamo2", "Mamba", "hidden_states", **_MAMBA2),
     Hook("kimi_linear", "KimiDeltaAttention", "x", "mask", "cache", True, "gated_delta_update"),
     # its mask argument is the attention mask, unused by the recurrent block: passed as is
     Hook("recurrent_gemma", "RecurrentBlock", "x", None, "cache", False, "rnn_scan"),
@@ -121,6 +129,27 @@ def find_state_module(layer):
 
 
 _adapted: dict[type, type] = {}
+# id(module) -> what its `_conv` / `_ssm` consumed during one branch call (split hooks only)
+_recording: dict[int, dict] = {}
+
+
+def _split_methods(base: type) -> dict:
+    """Pass-through `_conv` / `_ssm` that also record their inputs while a branch call records."""
+    conv, ssm = base._conv, base._ssm
+
+    def _conv(self, conv_input, cache, mask):
+        rec = _recording.get(id(self))
+        if rec is not None:
+            rec["conv"] = conv_input if mask is None else mx.where(mask[..., None], conv_input, 0)
+        return conv(self, conv_input, cache, mask)
+
+    def _ssm(self, x, B, C, dt, cache, mask):
+        rec = _recording.get(id(self))
+        if rec is not None:
+            rec["ssm"] = (x, B, C, dt, mask)
+        return ssm(self, x, B, C, dt, cache, mask)
+
+    return {"_conv": _conv, "_ssm": _ssm}
 
 
 def adapted_class(base: type) -> type:
@@ -145,7 +174,10 @@ def adapted_class(base: type) -> type:
                 layer.count(x.shape[1])
             return out
 
-        _adapted[base] = type(base.__name__, (base,), {"__call__": __call__, "segcache_adapted": True})
+        methods = {"__call__": __call__, "segcache_adapted": True}
+        if hook.split:
+            methods.update(_split_methods(base))
+        _adapted[base] = type(base.__name__, (base,), methods)
     return _adapted[base]
 
 
@@ -238,8 +270,36 @@ def _branch_call(module, original, hook: Hook, args, kwargs, layer: StateLayer):
         if keep and S * layer.state_bytes() + layer.kept_bytes <= layer.states_budget_bytes:
             states = kept
         out = _concat(outs)
+    elif hook.split:
+        # "replay" of a Mamba-2 mixer: mlx-lm's own call on the block, its steps' inputs recorded
+        _recording[id(module)] = rec = {}
+        try:
+            out = run(0, S, cache_arg)
+        finally:
+            del _recording[id(module)]
+        replay = _split_replay(module, type(module).__mro__[1], rec, S)
     else:
         # "replay": mlx-lm's own call on the block, unchanged
         out = run(0, S, cache_arg)
     layer.record(Call(S, replay, states))
     return out
+
+
+def _split_replay(module, base: type, rec: dict, S: int):
+    """(n, slots) -> slots after n tokens: the conv tail sliced, `_ssm` re-run on n tokens."""
+    rows, (x, B, C, dt, mask) = rec["conv"], rec["ssm"]
+    keep = module.conv_kernel_size - 1
+
+    def replay(n: int, slots: list) -> list:
+        tail = slots[0]
+        if tail is None:  # as mlx-lm's _conv starts
+            tail = mx.zeros((rows.shape[0], keep, rows.shape[2]), dtype=rows.dtype)
+        # mlx-lm keeps padded_input[:, -keep:]: the same rows, sliced
+        conv = mx.concatenate([tail, rows[:, :n]], axis=1)[:, -keep:, :]
+        scratch = ArraysCache(2)
+        scratch.cache = [conv, slots[1]]
+        cut = [a if n == S else a[:, :n] for a in (x, B, C, dt)]
+        base._ssm(module, *cut, scratch, mask if n == S else _cut(mask, 0, n, S))
+        return scratch.cache
+
+    return replay
