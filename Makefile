@@ -6,13 +6,17 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench blas clean
+.PHONY: demo test bench compat blas clean
 
 demo: $(STAMP)
 	$(VENV)/bin/segcache demo
 
 test: $(STAMP)
 	$(PY) -m pytest tests
+
+# docs/compatibility.md and README's table, from tests/test_families.py
+compat: $(STAMP)
+	$(PY) tools/compat_table.py
 
 bench: $(STAMP)
 	$(PY) bench/hotpath.py
