@@ -102,6 +102,9 @@ HOOKS = (
     Hook("bailing_moe_linear", "LinearAttention", "x", "mask", "cache", False, "recurrent_gla", position="offset"),
     # the decoder layer: time mixing (slots 0, 1) and channel mixing (slot 2) share one cache
     Hook("rwkv7", "Rwkv7Layer", "x", None, "cache", False, "Rwkv7TimeMixing._wkv7", sliced=("v_first",)),
+    Hook("olmo_hybrid", "GatedDeltaNet", "x", "mask", "cache", True, "gated_delta_update"),
+    Hook("gear", "ConvKVGatedMixer", "x", "mask", "cache", True, "nn.Conv1d.__call__"),
+    Hook("bailing_hybrid", "LinearAttention", "x", "mask", "cache", True, "recurrent_gla", position="offset"),
     Hook("baichuan_m1", "Attention", "x", None, "cache", False, "Attention._custom_convolution", child=0,
          tail=_baichuan_tail),
 )

@@ -150,6 +150,28 @@ _RECURRENT_CONFIGS = {
         sliding_window=8, sliding_window_layers=[1], conv_window=2, rms_norm_eps=1e-6,
         num_swa_attention_heads=4, num_swa_key_value_heads=2,
     ),
+    "olmo_hybrid": dict(
+        model_type="olmo_hybrid", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=VOCAB,
+        max_position_embeddings=4096, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        linear_allow_neg_eigval=True, tie_word_embeddings=False, attention_bias=False, head_dim=16,
+    ),
+    "gear": dict(
+        model_type="gear", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        rms_norm_eps=1e-6, layer_types=["conv_mixer", "sliding_attention", "full_attention"],
+        max_position_embeddings=4096, sliding_window=8, conv_L_cache=3, tie_word_embeddings=False,
+    ),
+    "bailing_hybrid": dict(
+        model_type="bailing_hybrid", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+        num_experts_per_tok=2, num_shared_experts=1, n_group=1, topk_group=1,
+        first_k_dense_replace=2, layer_group_size=2, group_norm_size=1, vocab_size=VOCAB,
+        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096,
+        routed_scaling_factor=1.0, head_dim=16, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16,
+    ),
 }
 
 FAMILIES = tuple(_CONFIGS)
