@@ -172,6 +172,14 @@ _RECURRENT_CONFIGS = {
         routed_scaling_factor=1.0, head_dim=16, kv_lora_rank=16, qk_rope_head_dim=8,
         qk_nope_head_dim=16, v_head_dim=16,
     ),
+    "bailing_moe_v3": dict(
+        model_type="bailing_moe_v3", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+        moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
+        first_k_dense_replace=2, n_group=1, topk_group=1, layer_group_size=2, head_dim=16,
+        q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        max_position_embeddings=4096, rope_theta=10000.0,
+    ),
 }
 
 FAMILIES = tuple(_CONFIGS)
