@@ -55,13 +55,13 @@ KERNELS = {
     "gear": "nn.Conv1d.__call__",
     "bailing_hybrid": "recurrent_gla",
     "bailing_moe_v3": "gated_delta_update",
+    "kimi_k3": "gated_delta_update",
 }
 
 # Recurrent families of mlx-lm 0.32.2 outside the matrix: Runtime(model) refuses
 # them (UnsupportedModelError naming the layer and its cache) because no hook
 # names their recurrent module. test_refused_families checks that is still so.
 REFUSED = {
-    "kimi_k3": "no hook for its `KimiK3DeltaAttention` (ArraysCache(2)); a Hook entry and a tiny config would add it",
     "longcat_flash_ngram": "cache 0 is the n-gram embedding's token context, owned by no decoder layer "
     "(1 + layers caches): needs an OWNERS entry and a model-level hook",
 }

@@ -106,6 +106,7 @@ HOOKS = (
     Hook("gear", "ConvKVGatedMixer", "x", "mask", "cache", True, "nn.Conv1d.__call__"),
     Hook("bailing_hybrid", "LinearAttention", "x", "mask", "cache", True, "recurrent_gla", position="offset"),
     Hook("bailing_moe_v3", "BailingKDA", "x", "mask", "cache", True, "gated_delta_update"),
+    Hook("kimi_k3", "KimiK3DeltaAttention", "x", "mask", "cache", True, "gated_delta_update"),
     Hook("baichuan_m1", "Attention", "x", None, "cache", False, "Attention._custom_convolution", child=0,
          tail=_baichuan_tail),
 )

@@ -180,6 +180,14 @@ _RECURRENT_CONFIGS = {
         q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
         max_position_embeddings=4096, rope_theta=10000.0,
     ),
+    "kimi_k3": dict(
+        model_type="kimi_k3", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
+        max_position_embeddings=4096, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, num_experts=4, num_experts_per_token=2,
+        moe_intermediate_size=32, first_k_dense_replace=2,
+        linear_attn_config={"kda_layers": [1], "num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4},
+    ),
 }
 
 FAMILIES = tuple(_CONFIGS)
