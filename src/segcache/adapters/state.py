@@ -59,6 +59,8 @@ class Hook:
         tail: (module, input, n) -> the slots after the first n tokens, where
             they are rows the module computed from its input alone (a conv
             tail): commit computes them instead of re-running the module.
+        growing: module -> {slot: (axis, most rows)} for slots whose length grows
+            up to a bound (the store's spec allows that range).
         split: the module is a Mamba-2 mixer with mlx-lm's `_conv(conv_input,
             cache, mask)` and `_ssm(x, B, C, dt, cache, mask)` steps: with
             "replay" a branch records what they consumed, and a partial commit
@@ -78,6 +80,7 @@ class Hook:
     child: int | None = None
     tail: Callable | None = None
     split: bool = False
+    growing: Callable | None = None
 
     @property
     def module_class(self) -> type:
@@ -107,6 +110,9 @@ HOOKS = (
     Hook("bailing_hybrid", "LinearAttention", "x", "mask", "cache", True, "recurrent_gla", position="offset"),
     Hook("bailing_moe_v3", "BailingKDA", "x", "mask", "cache", True, "gated_delta_update"),
     Hook("kimi_k3", "KimiK3DeltaAttention", "x", "mask", "cache", True, "gated_delta_update"),
+    # a model-level module: the last n-1 token ids its n-gram embedding needs (layers/registry.py: OWNERS)
+    Hook("longcat_flash_ngram", "NgramEmbedding", "input_ids", None, "cache", False, "NgramEmbedding._get_ngram_ids",
+         growing=lambda module: {0: (1, module.n - 1)}),
     Hook("baichuan_m1", "Attention", "x", None, "cache", False, "Attention._custom_convolution", child=0,
          tail=_baichuan_tail),
 )

@@ -72,7 +72,8 @@ KINDS = (
         ArraysCache,
         lambda cache, layer: state_hooks.find_state_module(layer),
         lambda cache, m, o: StateLayer(
-            len(cache.cache), m[2].family, o.state_strategy, states_budget_bytes=o.states_budget_bytes
+            len(cache.cache), m[2].family, o.state_strategy, states_budget_bytes=o.states_budget_bytes,
+            growing=m[2].growing(m[0]) if m[2].growing else None,
         ),
         modules=lambda matched: [matched[:2]],
     ),
@@ -97,6 +98,8 @@ def _list_match(cache, layer):
 OWNERS = {
     # MLP / MoE-only blocks ("-", "E") get no cache
     "mlx_lm.models.nemotron_h": lambda model: [l for l in model.layers if l.block_type in ("M", "*")],
+    # cache 0 is the n-gram embedding's token context: the embedding module owns it
+    "mlx_lm.models.longcat_flash_ngram": lambda model: [model.model.ngram_embeddings, *model.layers],
 }
 
 

@@ -96,8 +96,14 @@ class StateLayer(SnapshotBranches, ArraysCache):
             slots over this layer's open branches.
     """
 
-    def __init__(self, size: int, family: str, strategy: str = "replay", *, states_budget_bytes: int = 1 << 62):
+    def __init__(
+        self, size: int, family: str, strategy: str = "replay", *, states_budget_bytes: int = 1 << 62,
+        growing: dict[int, tuple[int, int]] | None = None,
+    ):
         super().__init__(size=size)
+        # slot -> (axis, most rows): a slot whose length grows with the first tokens up
+        # to a bound (longcat_flash_ngram's token context); the store's spec allows 1..most
+        self.growing = dict(growing or {})
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if states_budget_bytes < 0:
@@ -187,7 +193,9 @@ class StateLayer(SnapshotBranches, ArraysCache):
 
     def clone(self) -> "StateLayer":
         """An independent layer holding the committed slots (arrays shared, never written)."""
-        other = StateLayer(self.size, self.family, self.strategy, states_budget_bytes=self.states_budget_bytes)
+        other = StateLayer(
+            self.size, self.family, self.strategy, states_budget_bytes=self.states_budget_bytes, growing=self.growing
+        )
         base = self.marks[0] if self.marks else None
         other.cache = list(base.slots) if base else list(self.cache)
         other.offset = base.offset if base else self.offset
@@ -198,7 +206,8 @@ class StateLayer(SnapshotBranches, ArraysCache):
     resumes_from = CHECKPOINT
 
     def layout(self) -> list:
-        return ["state", self.family, self.size]
+        grows = [[i, *self.growing[i]] for i in sorted(self.growing)]
+        return ["state", self.family, self.size] + ([grows] if grows else [])
 
     def export_state(self) -> tuple[dict, dict]:
         """The committed slots as new array objects over the same (immutable) data."""
@@ -206,7 +215,14 @@ class StateLayer(SnapshotBranches, ArraysCache):
         return {f"s{i}": a[...] for i, a in enumerate(slots) if a is not None}, {}
 
     def spec(self, probe, tokens: int) -> dict:
-        return dict(probe)  # a summary: the same shapes after any number of tokens
+        out = dict(probe)  # a summary: the same shapes after any number of tokens, but
+        for i, (axis, most) in self.growing.items():  # slots that grow up to a bound
+            if f"s{i}" in out:
+                dtype, shape = out[f"s{i}"]
+                shape = list(shape)
+                shape[axis] = range(1, most + 1)
+                out[f"s{i}"] = (dtype, tuple(shape))
+        return out
 
     def state_from(self, arrays, meta, tokens: int) -> tuple:
         names = {f"s{i}" for i in range(self.size)}

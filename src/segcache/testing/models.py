@@ -188,6 +188,14 @@ _RECURRENT_CONFIGS = {
         moe_intermediate_size=32, first_k_dense_replace=2,
         linear_attn_config={"kda_layers": [1], "num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4},
     ),
+    "longcat_flash_ngram": dict(
+        model_type="longcat_flash_ngram", hidden_size=64, ffn_hidden_size=128, moe_topk=2,
+        expert_ffn_hidden_size=32, n_routed_experts=4, zero_expert_num=1, num_layers=2,
+        vocab_size=VOCAB, max_position_embeddings=4096, num_attention_heads=4, kv_lora_rank=16,
+        q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        routed_scaling_factor=1.0, rms_norm_eps=1e-6, rope_theta=10000.0, mla_scale_q_lora=True,
+        mla_scale_kv_lora=True, ngram_vocab_size_ratio=2,
+    ),
 }
 
 FAMILIES = tuple(_CONFIGS)
