@@ -97,6 +97,16 @@ def table(cases: list[tuple[str, str, str]]) -> str:
             row.append(c)
         lines.append(f"| {family} | " + " | ".join(row) + " |")
     lines.append("")
+    if not refused:
+        lines.append(
+            "Refused: none of mlx-lm 0.32.2's recurrent families (the tests check that every model "
+            "module whose `make_cache()` makes an `ArraysCache` or a `CacheList` is in this table, "
+            "except deepseek_v32, longcat_flash and minimax_m3_vl, whose lists hold attention caches only). "
+            "A model whose recurrent module has no hook is refused at `Runtime(model)` with "
+            "`UnsupportedModelError` naming the layer and its cache, before anything is changed "
+            "(`test_a_family_without_a_hook_is_refused_before_anything_changes`)."
+        )
+        lines.append("")
     if refused:
         lines.append("Refused at `Runtime(model)` with `UnsupportedModelError`, before anything is changed:")
         lines.append("")
