@@ -29,7 +29,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from ..errors import BranchError, InvariantError
