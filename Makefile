@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-long bench blas clean mlx-lm-tests
+.PHONY: demo test test-long bench compat blas clean mlx-lm-tests
 
 demo: $(STAMP)
 	$(VENV)/bin/segcache demo
@@ -30,6 +30,10 @@ mlx-lm-tests: $(STAMP)
 	($(PY) -m pip download --quiet --no-deps --no-binary :all: "mlx-lm==$$v" -d $(UPSTREAM) \
 	 && tar -xzf $(UPSTREAM)/mlx_lm-$$v.tar.gz -C $(UPSTREAM) mlx_lm-$$v/tests) \
 	|| echo "mlx-lm-tests: could not fetch the mlx-lm $$v sdist; its cache tests will be skipped"
+
+# docs/compatibility.md and README's table, from tests/test_families.py
+compat: $(STAMP)
+	$(PY) tools/compat_table.py
 
 bench: $(STAMP)
 	$(PY) bench/hotpath.py

@@ -45,6 +45,19 @@ HYBRID = dict(
     linear_num_value_heads=8, linear_num_key_heads=4, linear_key_head_dim=64,
     linear_value_head_dim=64, full_attention_interval=4,
 )
+# An SSM hybrid (Mamba-2 mixers, 3 per attention layer, as Granite 4.0-H
+# interleaves them) and a short-conv hybrid (LFM2: 3 conv layers per
+# attention layer), of similar size (issue 12).
+SSM_HYBRID = dict(
+    family="granitemoehybrid", hidden_size=512, num_hidden_layers=8, intermediate_size=1408,
+    shared_intermediate_size=1408, num_attention_heads=8, num_key_value_heads=4, vocab_size=8192,
+    layer_types=["mamba", "mamba", "mamba", "attention"] * 2, mamba_n_heads=16, mamba_d_head=64,
+    mamba_d_state=64, mamba_d_conv=4, mamba_n_groups=1, attention_multiplier=0.125,
+)
+SHORT_CONV = dict(
+    family="lfm2", hidden_size=512, num_hidden_layers=8, block_dim=512, block_ff_dim=1408,
+    num_attention_heads=8, num_key_value_heads=4, vocab_size=8192, full_attn_idxs=[3, 7],
+)
 # Few layers and a small vocabulary, so a 16k-token prompt prefills in seconds.
 # KV of 64 MiB at 16k tokens: the copy a deepcopy defers to the first write.
 LONG_CONTEXT = dict(
@@ -65,6 +78,7 @@ def parse_args(doc: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats (~1-2 min)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per figure")
+    parser.add_argument("--models", default=None, help="comma-separated model roles to run (default: the bench's own)")
     return parser.parse_args()
 
 

@@ -270,14 +270,18 @@ def main() -> None:
     round_repeats = args.repeats or (10 if quick else 30)
     round_context = 256 if quick else 512
 
+    # --models ssm-hybrid / short-conv: parts 2-4 on that model (part 1 is kind-independent, skipped)
+    hybrid_spec = {"hybrid": C.HYBRID, "ssm-hybrid": C.SSM_HYBRID, "short-conv": C.SHORT_CONV}[args.models or "hybrid"]
     long_model, long_params = C.build(C.LONG_CONTEXT)
-    hybrid, hybrid_params = C.build(C.HYBRID)
-    pristine, _ = C.build(C.HYBRID)
+    hybrid, hybrid_params = C.build(hybrid_spec)
+    pristine, _ = C.build(hybrid_spec)
     C.header("branch: fork / clone vs context, speculative rounds, branch memory", [
         ("long-context (part 1)", C.LONG_CONTEXT, long_params),
-        ("hybrid (parts 2-3)", C.HYBRID, hybrid_params),
+        (f"{args.models or 'hybrid'} (parts 2-3)", hybrid_spec, hybrid_params),
     ])
 
+    if args.models:
+        contexts = []
     print(f"## 1. fork / clone + first step vs context ({C.LONG_CONTEXT['family']}, "
           f"prefill in chunks of 512, 2 warm-up + {fork_repeats} interleaved rounds; ms median [min-max])")
     rows = fork_vs_context(long_model, C.LONG_CONTEXT["vocab_size"], contexts, warmup=2, repeats=fork_repeats)
@@ -288,7 +292,7 @@ def main() -> None:
     ]))
     print()
 
-    vocab = C.HYBRID["vocab_size"]
+    vocab = hybrid_spec["vocab_size"]
     print(f"## 2. speculative round cost (hybrid, context {round_context}, "
           f"3 warm-up + {round_repeats} interleaved rounds)")
     print("round = fork + verify forward of width w + eval logits + commit(n) + eval cache; "

@@ -115,7 +115,9 @@ def main() -> None:
     n_prefill, n_decode = (512, 32) if args.quick else (1024, 128)
     prefills = args.repeats or (6 if args.quick else 8)
     decodes = max(1, prefills // 3)
-    specs = {"dense": C.DENSE, "hybrid": C.HYBRID}
+    specs = {"dense": C.DENSE, "hybrid": C.HYBRID, "ssm-hybrid": C.SSM_HYBRID, "short-conv": C.SHORT_CONV}
+    if args.models:
+        specs = {role: specs[role] for role in args.models.split(",")}
     built = {role: C.build(spec) for role, spec in specs.items()}
     pristine = {role: C.build(spec)[0] for role, spec in specs.items()}
     C.header(

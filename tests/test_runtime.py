@@ -152,9 +152,13 @@ def test_a_refused_model_is_not_modified():
     assert [type(m) for _, m in model.named_modules()] != [c for _, c in classes]
 
 
-def test_unknown_recurrent_module_is_refused():
+def test_unknown_recurrent_module_is_refused(monkeypatch):
     from mlx_lm.models import mamba
 
+    from segcache.adapters import state
+
+    # mamba is supported (adapters/state.py); without its hook it is an unknown module
+    monkeypatch.setattr(state, "_by_class", {h.module_class: h for h in state.HOOKS if h.family != "mamba"})
     args = mamba.ModelArgs(
         model_type="mamba", vocab_size=64, hidden_size=32, intermediate_size=64, state_size=4,
         num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=4,

@@ -19,6 +19,7 @@ from .errors import BranchError, InvariantError, StoreError, UnsupportedModelErr
 from .layers import registry
 from .layers.protocol import PAGES
 from .layers.recurrent import STRATEGIES
+from .layers.state import default_state_strategy
 from .tokens import TokenLedger
 
 RECURRENT_STRATEGIES = ("auto",) + STRATEGIES
@@ -86,18 +87,18 @@ class Branch:
         return f"Branch(base={self.base_offset}, {state})"
 
 
-def _build_layers(model, strategy: str, branch_state_bytes: int) -> list:
+def _build_layers(model, strategy: str, branch_state_bytes: int, state_strategy: str | None = None) -> list:
     """One layer cache per decoder layer; the model is changed only if every layer is supported.
 
     First every layer is matched to a segment kind (raising before anything
     changed), then the recurrent modules are adapted, all or none.
     """
     native = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
-    layers = list(model.layers)
-    if len(native) != len(layers):
+    layers = registry.owners(model, native)
+    if layers is None:
         raise UnsupportedModelError(
-            f"{type(model).__name__} makes {len(native)} caches for {len(layers)} layers; "
-            "segcache needs one cache per decoder layer"
+            f"{type(model).__name__} makes {len(native)} caches for {len(model.layers)} layers, and "
+            "segcache does not know which layer each belongs to (layers/registry.py: OWNERS)"
         )
     plan = []  # (kind, native cache, what the kind matched)
     for i, (cache, layer) in enumerate(zip(native, layers)):
@@ -109,8 +110,10 @@ def _build_layers(model, strategy: str, branch_state_bytes: int) -> list:
                 f"cannot roll back; supported: {registry.supported()}"
             )
         plan.append((found[0], cache, found[1]))
-    recurrent = [m for kind, _, matched in plan if (m := kind.module(matched)) is not None]
-    options = registry.Options(strategy, branch_state_bytes // len(recurrent) if recurrent else 0)
+    recurrent = [m for kind, _, matched in plan for m in kind.modules(matched)]
+    options = registry.Options(
+        strategy, branch_state_bytes // len(recurrent) if recurrent else 0, state_strategy or strategy
+    )
     classes = [type(module) for module, _ in recurrent]
     try:
         for module, base in recurrent:
@@ -150,7 +153,9 @@ class Runtime:
         store: a `PrefixStore` (`segcache.open_store`) for `prefill`/`publish`;
             clones share it.
         recurrent_strategy: "auto", "replay" or "states" (see
-            `default_recurrent_strategy`).
+            `default_recurrent_strategy`; for the generic recurrent-state
+            layers of SSM / short-conv families "auto" is "replay",
+            `layers.state.default_state_strategy`).
         branch_state_bytes: with "states", the most bytes of per-token
             recurrent states the open branches may keep, split evenly over the
             recurrent layers (default 256 MiB). A branch whose next forward
@@ -173,11 +178,13 @@ class Runtime:
             raise ValueError(f"recurrent_strategy must be one of {RECURRENT_STRATEGIES}")
         if not isinstance(branch_state_bytes, int) or isinstance(branch_state_bytes, bool) or branch_state_bytes < 0:
             raise ValueError(f"branch_state_bytes must be an int >= 0, got {branch_state_bytes!r}")
+        # StateLayer (SSM, short conv, ...): "auto" is "replay" (layers/state.py)
+        state_strategy = default_state_strategy() if recurrent_strategy == "auto" else recurrent_strategy
         if recurrent_strategy == "auto":
             recurrent_strategy = default_recurrent_strategy()
         self.model = model
         self.recurrent_strategy = recurrent_strategy
-        self.cache = _build_layers(model, recurrent_strategy, branch_state_bytes)
+        self.cache = _build_layers(model, recurrent_strategy, branch_state_bytes, state_strategy)
         # cache[i] is _layers[i]: mlx-lm code may replace entries of the list
         # (kv_bits); every operation checks first (_own_layers).
         self._layers = tuple(self.cache)

@@ -46,6 +46,10 @@ def find_recurrent_module(layer):
 
 def adapt(module, base: type) -> None:
     """Make `module` hand its recurrence inputs to segcache inside branches (idempotent)."""
+    if base not in FAMILIES:
+        from . import state  # SSM / short-conv modules (adapters/state.py)
+
+        return state.adapt(module, base)
     if not getattr(type(module), "segcache_adapted", False):
         module.__class__ = _adapted_class(base, FAMILIES[base])
 

@@ -11,11 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from .. import adapters
+from ..adapters import state as state_hooks
+from .composite import CompositeLayer
 from .kv import KVLayer
 from .recurrent import RecurrentLayer
+from .state import StateLayer
 from .window import WindowLayer
 
 
@@ -23,8 +26,9 @@ from .window import WindowLayer
 class Options:
     """Runtime settings a kind may use when it builds a layer."""
 
-    recurrent_strategy: str
+    recurrent_strategy: str  # Gated DeltaNet layers
     states_budget_bytes: int  # per recurrent layer
+    state_strategy: str = "replay"  # StateLayer (layers/state.py: default_state_strategy)
 
 
 @dataclass(frozen=True)
@@ -36,14 +40,14 @@ class SegmentKind:
         native: the mlx-lm cache class `model.make_cache()` returns for such a layer.
         match: (native cache, decoder layer) -> what `build` needs, or None if this kind cannot serve it.
         build: (native cache, matched, options) -> the segment layer.
-        module: matched -> (recurrent module, its mlx-lm class) to adapt, or None.
+        modules: matched -> [(module, its mlx-lm class)] to adapt (`adapters.adapt`).
     """
 
     name: str
     native: type
     match: Callable[[Any, Any], Any]
     build: Callable[[Any, Any, Options], Any]
-    module: Callable[[Any], tuple | None] = lambda matched: None
+    modules: Callable[[Any], list] = lambda matched: []
 
 
 def _recurrent_match(cache, layer):
@@ -60,9 +64,57 @@ KINDS = (
         lambda cache, m, o: RecurrentLayer(
             m[0].conv_kernel_size - 1, o.recurrent_strategy, states_budget_bytes=o.states_budget_bytes
         ),
-        module=lambda matched: matched,
+        modules=lambda matched: [matched],
+    ),
+    # Any other ArraysCache whose module has a hook (adapters/state.py): SSM, short conv.
+    SegmentKind(
+        "state",
+        ArraysCache,
+        lambda cache, layer: state_hooks.find_state_module(layer),
+        lambda cache, m, o: StateLayer(
+            len(cache.cache), m[2].family, o.state_strategy, states_budget_bytes=o.states_budget_bytes,
+            growing=m[2].growing(m[0]) if m[2].growing else None,
+        ),
+        modules=lambda matched: [matched[:2]],
+    ),
+    # CacheList: a composite whose children are matched against the same decoder layer.
+    SegmentKind(
+        "list",
+        CacheList,
+        lambda cache, layer: _list_match(cache, layer),
+        lambda cache, m, o: CompositeLayer(*(kind.build(c, found, o) for c, (kind, found) in zip(cache.caches, m))),
+        modules=lambda matched: [x for kind, found in matched for x in kind.modules(found)],
     ),
 )
+
+
+def _list_match(cache, layer):
+    children = [match(c, layer) for c in cache.caches]
+    return children if children and all(children) else None
+
+
+# Models whose cache list is not one per decoder layer: model module -> the
+# decoder layer each cache belongs to, in cache order.
+OWNERS = {
+    # MLP / MoE-only blocks ("-", "E") get no cache
+    "mlx_lm.models.nemotron_h": lambda model: [l for l in model.layers if l.block_type in ("M", "*")],
+    # cache 0 is the n-gram embedding's token context: the embedding module owns it
+    "mlx_lm.models.longcat_flash_ngram": lambda model: [model.model.ngram_embeddings, *model.layers],
+}
+
+
+def owners(model, caches: list) -> list | None:
+    """The decoder layer each of `caches` belongs to, or None if that is unknown."""
+    layers = list(model.layers)
+    pick = OWNERS.get(type(model).__module__)
+    if pick is not None:
+        layers = pick(model)
+    return layers if len(layers) == len(caches) else None
+
+
+def recurrent_count(plan) -> int:
+    """Recurrent segments in a build plan (the state budget is split over them)."""
+    return sum(len(kind.modules(matched)) for kind, _, matched in plan)
 
 
 def match(cache, layer) -> tuple[SegmentKind, Any] | None:
@@ -78,4 +130,8 @@ def match(cache, layer) -> tuple[SegmentKind, Any] | None:
 def supported() -> str:
     """A sentence naming what is supported, for UnsupportedModelError."""
     families = ", ".join(c.__module__.rsplit(".", 1)[-1] for c in adapters.FAMILIES)
-    return f"KVCache, RotatingKVCache, and ArraysCache for the Gated DeltaNet of {families}"
+    hooked = ", ".join(dict.fromkeys(h.family for h in state_hooks.HOOKS))
+    return (
+        f"KVCache, RotatingKVCache, CacheList of those, ArraysCache for the Gated DeltaNet of {families}, "
+        f"and ArraysCache for the SSM / short-conv modules of {hooked}"
+    )

@@ -1,0 +1,179 @@
+"""Write the compatibility table (docs/compatibility.md and README.md) from the test matrix.
+
+Runs tests/test_families.py (or reads a JUnit XML file of an earlier run),
+maps every test to its column through the test module's `COLUMNS`, and its
+first parameter to the family. A cell says "yes" only if every test of that
+family and column ran and passed; "FAIL" if one failed; "-" if none ran. The
+refused families come from the test of the refusals (`REFUSED` in the test
+module, each asserted to raise UnsupportedModelError with that reason).
+
+    python tools/compat_table.py            # run the tests, then write the table
+    python tools/compat_table.py --junit X  # from an earlier run's JUnit XML
+    python tools/compat_table.py --check    # exit 1 if the files differ from what the tests give
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = ROOT / "tests" / "test_families.py"
+DOC = ROOT / "docs" / "compatibility.md"
+README = ROOT / "README.md"
+BEGIN, END = "<!-- compat:begin (tools/compat_table.py) -->", "<!-- compat:end -->"
+
+
+def _module_constant(name: str):
+    """A literal constant of the test module, read without importing it (no mlx needed)."""
+    tree = ast.parse(TESTS.read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise KeyError(f"{TESTS.name} defines no literal {name}")
+
+
+def run_tests(junit: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    cmd = [sys.executable, "-m", "pytest", str(TESTS), "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+    subprocess.run(cmd, cwd=ROOT, env=env, check=False)
+
+
+def results(junit: Path) -> list[tuple[str, str, str]]:
+    """(test function, first parameter, outcome) per test case."""
+    out = []
+    for case in ET.parse(junit).iter("testcase"):
+        name = case.get("name", "")
+        func, _, params = name.partition("[")
+        first = params.rstrip("]").split("-")[0] if params else ""
+        if case.find("failure") is not None or case.find("error") is not None:
+            outcome = "failed"
+        elif case.find("skipped") is not None:
+            outcome = "skipped"
+        else:
+            outcome = "passed"
+        out.append((func, first, outcome))
+    return out
+
+
+def table(cases: list[tuple[str, str, str]]) -> str:
+    columns = _module_constant("COLUMNS")
+    kernels = _module_constant("KERNELS")
+    refused = _module_constant("REFUSED")
+    names = list(dict.fromkeys(columns.values()))
+    cells: dict[tuple[str, str], list[str]] = {}
+    families = []
+    for func, family, outcome in cases:
+        if func in columns and family:
+            cells.setdefault((family, columns[func]), []).append(outcome)
+            if family not in families:
+                families.append(family)
+    refusal_ok = {family: outcome for func, family, outcome in cases if func == "test_refused_families"}
+
+    def cell(family, column):
+        got = cells.get((family, column), [])
+        if not got or all(o == "skipped" for o in got):
+            return "-"
+        if any(o == "failed" for o in got):
+            return "FAIL"
+        return "yes"
+
+    lines = [
+        "| family | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    for family in families:
+        row = []
+        for column in names:
+            c = cell(family, column)
+            if column == "kernel kept on the hot path" and c == "yes":
+                c = f"yes (`{kernels[family]}`)"
+            row.append(c)
+        lines.append(f"| {family} | " + " | ".join(row) + " |")
+    lines.append("")
+    if not refused:
+        lines.append(
+            "Refused: none of mlx-lm 0.32.2's recurrent families (the tests check that every model "
+            "module whose `make_cache()` makes an `ArraysCache` or a `CacheList` is in this table, "
+            "except deepseek_v32, longcat_flash and minimax_m3_vl, whose lists hold attention caches only). "
+            "A model whose recurrent module has no hook is refused at `Runtime(model)` with "
+            "`UnsupportedModelError` naming the layer and its cache, before anything is changed "
+            "(`test_a_family_without_a_hook_is_refused_before_anything_changes`)."
+        )
+        lines.append("")
+    if refused:
+        lines.append("Refused at `Runtime(model)` with `UnsupportedModelError`, before anything is changed:")
+        lines.append("")
+        lines.append("| family | refused (test) | why |")
+        lines.append("|---|---|---|")
+        for family, reason in refused.items():
+            ok = {"passed": "yes", "failed": "FAIL"}.get(refusal_ok.get(family, ""), "-")
+            lines.append(f"| {family} | {ok} | {reason} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+PREAMBLE = """# Compatibility
+
+Generated by `tools/compat_table.py` from the results of `tests/test_families.py`
+(do not edit by hand: run the tool). "yes" means every test of that column
+passed for that family's tiny random model built from mlx-lm 0.32.2's own
+classes:
+
+- **fork/commit/rollback**: `commit(n)` for every n is bit-identical whatever the
+  rejected tail, matches a recompute (and, fed token by token, is bit for bit
+  the tokens fed one at a time), both recurrent strategies, block and token by
+  token; rollback, nesting, clones and misuse exact; the runtime state machine;
+- **prefix store**: a prompt published and resumed bit-identically from RAM, from
+  disk and from another store handle; a longer prompt resumes and matches a
+  cold prefill;
+- **speculative target / draft**: greedy `segcache.stream_generate` (prompt
+  lookup and a draft model; or as the draft of a dense target) token-identical
+  to `mlx_lm.stream_generate`;
+- **kernel kept on the hot path**: outside a branch the family's recurrence
+  (named) gets exactly the arguments the unpatched model passes, so on Metal
+  the same kernel runs.
+
+"""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--junit", type=Path, help="JUnit XML of an earlier run of tests/test_families.py")
+    parser.add_argument("--check", action="store_true", help="exit 1 if the written files would change")
+    args = parser.parse_args()
+    if args.junit:
+        cases = results(args.junit)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            junit = Path(tmp) / "families.xml"
+            run_tests(junit)
+            cases = results(junit)
+    body = table(cases)
+    doc = PREAMBLE + body
+    readme = README.read_text()
+    if BEGIN not in readme:
+        raise SystemExit(f"README.md lacks the markers {BEGIN} ... {END}")
+    head, rest = readme.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    new_readme = f"{head}{BEGIN}\n{body}{END}{tail}"
+    if args.check:
+        stale = [p.name for p, text in ((DOC, doc), (README, new_readme)) if not p.exists() or p.read_text() != text]
+        if stale:
+            print(f"stale: {', '.join(stale)}; run python tools/compat_table.py")
+            return 1
+        return 0
+    DOC.write_text(doc)
+    README.write_text(new_readme)
+    print(body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
