@@ -19,6 +19,7 @@ from mlx_lm.models.cache import (
 
 from segcache import BranchError, InvariantError, Runtime, UnsupportedOperationError
 from segcache.layers import KVLayer, RecurrentLayer, WindowLayer
+from segcache.testing import models
 
 PROMPT = [3, 14, 15, 9, 26, 5, 35, 8, 9, 7, 9, 3]
 
@@ -312,3 +313,19 @@ def test_trims_keep_every_invariant(ops):
         rt.check()
         assert rt.offset == len(ids) == ref[0].offset
     assert rt.tokens == ids
+
+
+@pytest.mark.parametrize("fam", models.RECURRENT)
+def test_every_recurrent_family_round_trips_through_mlx_lm_files(tmp_path, fam):
+    """StateLayer and CompositeLayer save their committed state and load back into a Runtime."""
+    model = models.build(fam, seed=1)
+    rt = Runtime(model)
+    rt.forward([1, 2, 3, 4])
+    path = str(tmp_path / "cache.safetensors")
+    with rt.fork():
+        rt.forward([5, 6])  # an open branch is not saved
+        save_prompt_cache(path, rt.cache)
+    back = Runtime.from_prompt_cache(model, load_prompt_cache(path))
+    back.check()
+    assert back.offset == 4
+    assert mx.array_equal(back.forward([9]), rt.forward([9])).item()

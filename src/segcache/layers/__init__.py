@@ -1,10 +1,12 @@
 """Layer caches: one segment kind per module, each speaking mlx-lm's cache protocol."""
 
+from .compat import register_names
+from .composite import CompositeLayer
 from .kv import KVLayer
 from .recurrent import RecurrentLayer
+from .state import StateLayer
 from .window import WindowLayer
-from .compat import register_names
 
-register_names(KVLayer, RecurrentLayer, WindowLayer)  # for mlx-lm's load_prompt_cache; see its docstring
+register_names(KVLayer, RecurrentLayer, WindowLayer, StateLayer, CompositeLayer)  # for mlx-lm's load_prompt_cache; see its docstring
 
-__all__ = ["KVLayer", "RecurrentLayer", "WindowLayer"]
+__all__ = ["CompositeLayer", "KVLayer", "RecurrentLayer", "StateLayer", "WindowLayer"]

@@ -77,6 +77,21 @@ class CompositeLayer(CacheList):
     def merge(cls, caches):
         raise UnsupportedOperationError(f"CompositeLayer.merge() (mlx-lm's BatchGenerator): {BATCHING}")
 
+    @classmethod
+    def from_state(cls, state) -> "CompositeLayer":
+        """A composite of the saved children (mlx-lm's `load_prompt_cache` calls this)."""
+        from mlx_lm.models import cache as mlx_cache
+
+        children = []
+        for child_state, name in state:
+            kind = vars(mlx_cache).get(name)
+            if kind is None or not hasattr(kind, "take_trim"):
+                raise ValueError(f"load_prompt_cache: a CompositeLayer child of class {name!r} is not a segcache layer")
+            children.append(kind.from_state(child_state))
+        layer = cls(*children)
+        layer.check()
+        return layer
+
     # -- persistence protocol (layers.protocol) ------------------------------------
 
     @property

@@ -201,6 +201,40 @@ class StateLayer(MlxCompat, SnapshotBranches, ArraysCache):
         other.offset = base.offset if base else self.offset
         return other
 
+    # -- the rest of mlx-lm's cache protocol (layers.compat) -------------------------
+
+    @property
+    def state(self):
+        """(*slots, offset, size, family, strategy, states_budget_bytes, growing) of the committed state.
+
+        Not `ArraysCache`'s slot list: that loses the token count and the layer's
+        settings. `growing` travels as text ("slot:axis:most,...") since mlx-lm's
+        file keeps only arrays, numbers, strings and None.
+        """
+        slots = self.marks[0].slots if self.marks else self.cache
+        grows = ",".join(f"{i}:{axis}:{most}" for i, (axis, most) in sorted(self.growing.items()))
+        return (*slots, self.committed_offset, self.size, self.family, self.strategy, self.states_budget_bytes, grows)
+
+    @state.setter
+    def state(self, v) -> None:
+        if self.marks:
+            raise BranchError("setting state with an open branch: commit or roll it back first")
+        *slots, offset, size, self.family, self.strategy, self.states_budget_bytes, grows = v
+        if len(slots) != size:
+            raise ValueError(f"{len(slots)} slots saved for a layer of {size}")
+        self.size = size
+        self.growing = {int(i): (int(a), int(m)) for i, a, m in (g.split(":") for g in grows.split(",") if g)}
+        self.cache, self.offset = list(slots), offset
+        self.lengths = self.left_padding = None
+
+    @classmethod
+    def from_state(cls, state) -> "StateLayer":
+        """A layer holding `state` (mlx-lm's `load_prompt_cache` calls this)."""
+        size, family, strategy, budget = state[-5:-1]
+        layer = cls(int(size), family, strategy, states_budget_bytes=int(budget))
+        layer.state = state
+        return layer._checked()
+
     # Batching calls (mlx-lm's BatchGenerator on a merged cache): see layers.compat.
     def extract(self, idx):
         raise UnsupportedOperationError(f"StateLayer.extract({idx}): {BATCHING}")
