@@ -17,6 +17,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 from . import adapters
 from .errors import BranchError, InvariantError, UnsupportedModelError
 from .layers import KVLayer, RecurrentLayer, WindowLayer
+from .adapters.chunked import chunked_threshold
 from .layers.recurrent import STRATEGIES
 from .errors import StoreError
 
@@ -139,6 +140,11 @@ class Runtime:
             clones share it.
         recurrent_strategy: "auto", "replay" or "states" (see
             `default_recurrent_strategy`).
+        gdn_prefill: how Gated DeltaNet layers run blocks outside branches:
+            "native" (mlx-lm's own path, bit for bit), "chunked" (the chunked
+            recurrence for blocks of `adapters.chunked.CHUNKED_FROM` tokens or
+            more; within float rounding of native), or "auto" (chunked off
+            Metal, native on Metal; `adapters.chunked.default_gdn_prefill`).
 
     Attributes:
         model: the model.
@@ -148,14 +154,19 @@ class Runtime:
         UnsupportedModelError: a layer's cache cannot be rolled back.
     """
 
-    def __init__(self, model, *, store=None, recurrent_strategy: str = "auto"):
+    def __init__(self, model, *, store=None, recurrent_strategy: str = "auto", gdn_prefill: str = "auto"):
         if recurrent_strategy not in RECURRENT_STRATEGIES:
             raise ValueError(f"recurrent_strategy must be one of {RECURRENT_STRATEGIES}")
+        chunked_from = chunked_threshold(gdn_prefill)  # raises ValueError on a bad name
         if recurrent_strategy == "auto":
             recurrent_strategy = default_recurrent_strategy()
         self.model = model
         self.recurrent_strategy = recurrent_strategy
         self.cache = _build_layers(model, recurrent_strategy)
+        self.gdn_prefill = "native" if chunked_from is None else "chunked"
+        for layer in self.cache:
+            if isinstance(layer, RecurrentLayer):
+                layer.chunked_from = chunked_from  # clones of the layer keep it
         # _tokens[i]: the id at position i, None where the model was called on
         # rt.cache directly. Ids given as mx.arrays wait unread in _pending
         # (reading them would sync the device every step), in order after
@@ -407,6 +418,7 @@ class Runtime:
         other = object.__new__(type(self))
         other.model = self.model
         other.recurrent_strategy = self.recurrent_strategy
+        other.gdn_prefill = self.gdn_prefill
         other.cache = [layer.clone() for layer in self.cache]
         other._tokens = self._tokens[: self.committed_offset]
         other._pending, other._pending_len = [], 0

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models import gated_delta as gd
 
 CHUNK = 64  # tokens per chunk (flash-linear-attention's choice; the matrices are C x C)
@@ -175,3 +176,87 @@ def chunked_gated_delta(
         y = y[:, :T]
     state = S.swapaxes(-1, -2).reshape(B, Hv, Dv, Dk)
     return y.astype(out_dtype), state.astype(state_dtype)
+
+
+# -- the module forward outside branches ------------------------------------------
+
+GDN_PREFILL = ("auto", "chunked", "native")
+# Blocks shorter than this keep mlx-lm's path (bench/hotpath.py --crossover measures
+# where the chunked forward starts to win; see docs/benchmarks.md).
+CHUNKED_FROM = 16
+
+
+def default_gdn_prefill() -> str:
+    """"native" on Metal (mlx-lm's fused kernel), "chunked" elsewhere (CPU, CUDA).
+
+    Off Metal mlx-lm's recurrence is a per-token loop of small operations;
+    the chunked form runs in matrix products (bench/hotpath.py). On Metal the
+    fused kernel has not been measured against it: only a Mac can.
+    """
+    on_metal = mx.default_device() == mx.gpu and mx.metal.is_available()
+    return "native" if on_metal else "chunked"
+
+
+def chunked_threshold(gdn_prefill: str) -> int | None:
+    """The smallest block the chunked forward takes under `gdn_prefill`, or None (never)."""
+    if gdn_prefill not in GDN_PREFILL:
+        raise ValueError(f"gdn_prefill must be one of {GDN_PREFILL}, got {gdn_prefill!r}")
+    if gdn_prefill == "auto":
+        gdn_prefill = default_gdn_prefill()
+    return CHUNKED_FROM if gdn_prefill == "chunked" else None
+
+
+def takes_chunked(module, inputs: mx.array, cache) -> bool:
+    """Whether this (non-branch) forward of `module` on a RecurrentLayer runs chunked."""
+    return (
+        cache.chunked_from is not None
+        and inputs.shape[1] >= cache.chunked_from
+        and not module.training
+        and getattr(module, "sharding_group", None) is None  # sharded modules keep mlx-lm's path
+    )
+
+
+def chunked_forward(module, project, inputs: mx.array, mask, cache) -> mx.array:
+    """mlx-lm's Gated DeltaNet `__call__` with the chunked recurrence in place of its loop.
+
+    Everything else is the module's own computation in the same order (the
+    projections through the family's `project`, conv over the cached tail,
+    silu, split, normalize_qk, compute_g, sigmoid(b), the mask where mlx-lm
+    applies it, the gated norm, out_proj), and the cache is updated as
+    mlx-lm's module updates it.
+    """
+    B, S, _ = inputs.shape
+    qkv, z, b, a = project(module, inputs)
+    if cache[0] is not None:
+        conv_state = cache[0]
+    else:
+        conv_state = mx.zeros((B, module.conv_kernel_size - 1, module.conv_dim), dtype=inputs.dtype)
+    if mask is not None:
+        qkv = mx.where(mask[..., None], qkv, 0)
+    conv_input = mx.concatenate([conv_state, qkv], axis=1)
+    n_keep = module.conv_kernel_size - 1
+    if cache.lengths is not None:
+        ends = mx.clip(cache.lengths, 0, S)
+        positions = (ends[:, None] + mx.arange(n_keep))[..., None]
+        cache[0] = mx.take_along_axis(conv_input, positions, axis=1)
+    else:
+        cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
+    conv_out = nn.silu(module.conv1d(conv_input))
+
+    q, k, v = [
+        t.reshape(B, S, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [module.key_dim, 2 * module.key_dim], -1),
+            [module.num_k_heads, module.num_k_heads, module.num_v_heads],
+            [module.head_k_dim, module.head_k_dim, module.head_v_dim],
+        )
+    ]
+    q, k = gd.normalize_qk(q, k, inv_scale=module.head_k_dim**-0.5, eps=1e-6)
+    beta = mx.sigmoid(b)
+    g = gd.compute_g(module.A_log, a, module.dt_bias)
+    out, state = chunked_gated_delta(q, k, v, g, beta, cache[1], mask)
+    cache[1] = state
+    cache.advance(S)
+
+    out = module.norm(out, z)
+    return module.out_proj(out.reshape(B, S, -1))

@@ -91,6 +91,9 @@ class RecurrentLayer(SnapshotBranches, ArraysCache):
         self.offset = 0
         # marks[i]: state before open branch i and the steps i fed the recurrence.
         self.marks: list[_RecurrentMark] = []
+        # Blocks of at least this many tokens run the chunked recurrence outside
+        # branches (adapters.chunked); None: always mlx-lm's path. Set by Runtime.
+        self.chunked_from: int | None = None
 
     @property
     def capturing(self) -> bool:
@@ -137,6 +140,7 @@ class RecurrentLayer(SnapshotBranches, ArraysCache):
     def clone(self) -> "RecurrentLayer":
         """An independent layer holding the committed state (arrays shared, never written)."""
         other = RecurrentLayer(self.conv_tail, self.strategy)
+        other.chunked_from = self.chunked_from
         if self.marks:
             base = self.marks[0]
             other.cache, other.offset = [base.conv, base.state], base.offset
