@@ -65,11 +65,12 @@ class RuntimeMachine(RuleBasedStateMachine):
     model = None
     vocab = 64
     strategy = "auto"
+    gdn_prefill = "auto"
     max_tokens = 48  # keeps programs cheap on two cores
 
     def __init__(self):
         super().__init__()
-        self.rt = Runtime(self.model, recurrent_strategy=self.strategy)
+        self.rt = Runtime(self.model, recurrent_strategy=self.strategy, gdn_prefill=self.gdn_prefill)
         self.ref = _Reference(self.model)
         self.expected: list[int] = []  # what rt must hold
         self.bases: list[int] = []  # where each open branch began
@@ -164,12 +165,14 @@ class RuntimeMachine(RuleBasedStateMachine):
         assert [b.base_offset for b in self.branches] == self.bases
 
 
-def machine_for(model, *, strategy: str = "auto", vocab: int = 64) -> type[RuntimeMachine]:
+def machine_for(
+    model, *, strategy: str = "auto", vocab: int = 64, gdn_prefill: str = "auto"
+) -> type[RuntimeMachine]:
     """A RuntimeMachine subclass bound to `model` (use its `.TestCase` in pytest)."""
     return type(
-        f"RuntimeMachine_{type(model).__module__.rsplit('.', 1)[-1]}_{strategy}",
+        f"RuntimeMachine_{type(model).__module__.rsplit('.', 1)[-1]}_{strategy}_{gdn_prefill}",
         (RuntimeMachine,),
-        {"model": model, "strategy": strategy, "vocab": vocab},
+        {"model": model, "strategy": strategy, "vocab": vocab, "gdn_prefill": gdn_prefill},
     )
 
 
