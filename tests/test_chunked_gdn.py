@@ -6,8 +6,9 @@ mlx-lm's own modules and caches (`make_prompt_cache`) for models. Tolerances
 magnitude (observed ~2e-6); last-position logits within max relative error
 1e-3 (observed ~3e-7) with the same greedy tokens. bf16 / fp16 inputs: the
 chunked form computes in fp32 and rounds once, mlx-lm rounds each output;
-outputs within 2e-2 (bf16) and 4e-3 (fp16) of the largest magnitude, states
-within 1e-4 (both keep fp32 state).
+outputs within 5e-3 (bf16; observed 6e-4) and 1e-3 (fp16; 7e-5) of the largest
+magnitude, states within 1e-4 (both keep fp32 state); a half-precision model's
+last logits within 3e-2 (bf16; observed 6e-3) and 5e-3 (fp16; 7e-4).
 """
 
 import segcache  # noqa: F401, I001  (binds the system BLAS before mlx is imported)
@@ -109,7 +110,7 @@ def test_recurrence_from_no_state_and_with_a_vanishing_gate():
     assert rel(got_y, want_y) <= 1e-4 and rel(got_s, want_s) <= 1e-4
 
 
-@pytest.mark.parametrize("dtype, tol", [(mx.bfloat16, 2e-2), (mx.float16, 4e-3)])
+@pytest.mark.parametrize("dtype, tol", [(mx.bfloat16, 5e-3), (mx.float16, 1e-3)])
 def test_recurrence_half_precision_inputs(dtype, tol):
     q, k, v, g, beta, state = recurrence_inputs(1, 300, 2, 4, 32, seed=11, dtype=dtype)
     want_y, want_s = gd.gated_delta_ops(q, k, v, g, beta, state)
@@ -174,7 +175,7 @@ def test_module_with_masks_and_padding(hybrid, lengths, every_block):
     assert rel(ours[1], native[1]) <= 1e-4
 
 
-@pytest.mark.parametrize("dtype, tol", [(mx.bfloat16, 5e-2), (mx.float16, 1e-2)])
+@pytest.mark.parametrize("dtype, tol", [(mx.bfloat16, 3e-2), (mx.float16, 5e-3)])
 def test_half_precision_models(dtype, tol, every_block):
     # qwen3_5 only: qwen3_next's MoE gather_mm runs fp32 only on the CPU
     model = models.build("qwen3_5", seed=3)
