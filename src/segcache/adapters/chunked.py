@@ -138,6 +138,7 @@ def chunked_gated_delta(
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[-2:]
     r = Hv // Hk
+    chunk = min(chunk, 1 << max(T - 1, 1).bit_length())  # a short block pads to a power of two, not 64
     if state is None:
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
     state_dtype = (state[:0, :0, :0, :0] * g[:0, :0, :0, None]).dtype  # what gated_delta_ops returns
@@ -183,7 +184,7 @@ def chunked_gated_delta(
 GDN_PREFILL = ("auto", "chunked", "native")
 # Blocks shorter than this keep mlx-lm's path (bench/hotpath.py --crossover measures
 # where the chunked forward starts to win; see docs/benchmarks.md).
-CHUNKED_FROM = 16
+CHUNKED_FROM = 8
 
 
 def default_gdn_prefill() -> str:
