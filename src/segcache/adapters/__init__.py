@@ -3,8 +3,9 @@
 Adapting swaps one module instance's class for a subclass whose `__call__`
 runs `branch_forward` when its cache is a `RecurrentLayer` inside a branch,
 `chunked_forward` for a long enough block on a `RecurrentLayer` set to the
-chunked prefill (`Runtime(gdn_prefill=...)`), and mlx-lm's own `__call__` otherwise (native caches included), so the model
-keeps working with mlx-lm's caches and outside branches nothing changes.
+chunked prefill (`Runtime(gdn_prefill=...)`), and mlx-lm's own `__call__`
+otherwise (native caches included), so the model keeps working with mlx-lm's
+caches, and outside branches under "native" nothing changes.
 """
 
 from __future__ import annotations
