@@ -32,17 +32,24 @@ from mlx_lm.models import gated_delta as gd
 import segcache
 from segcache.adapters import chunked
 
-QWEN3_NEXT = dict(  # Qwen3-Next's linear attention, scaled down elsewhere: ~3 GDN : 1 attention
-    family="qwen3_next", hidden_size=1024, num_hidden_layers=4, full_attention_interval=4,
+# Qwen3-Next's linear attention (16 key heads, 32 value heads, 128 dims) in a
+# 4-layer hybrid, 3 GDN : 1 attention, hidden 1024; with a dense MLP (qwen3_5)
+# and with Qwen3-Next's own MoE block (2 of 8 experts).
+QWEN3_NEXT_SHAPE = dict(
+    hidden_size=1024, num_hidden_layers=4, full_attention_interval=4,
     linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
-    num_attention_heads=8, num_key_value_heads=2, head_dim=128, intermediate_size=2048,
-    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=512, shared_expert_intermediate_size=512,
-    vocab_size=8192,
+    num_attention_heads=8, num_key_value_heads=2, head_dim=128, vocab_size=8192,
 )
-LLAMA_FOR_QWEN3_NEXT = dict(  # intermediate size chosen for about the same parameter count
-    family="llama", hidden_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-    intermediate_size=8192, vocab_size=8192,
+QWEN3_NEXT_DENSE = dict(family="qwen3_5", intermediate_size=4096, **QWEN3_NEXT_SHAPE)
+QWEN3_NEXT = dict(
+    family="qwen3_next", intermediate_size=2048, num_experts=8, num_experts_per_tok=2,
+    moe_intermediate_size=512, shared_expert_intermediate_size=512, **QWEN3_NEXT_SHAPE,
 )
+# llamas of about the same parameter count (intermediate size chosen to match)
+_LLAMA = dict(family="llama", hidden_size=1024, num_hidden_layers=4, num_attention_heads=8,
+              num_key_value_heads=2, vocab_size=8192)
+LLAMA_FOR_DENSE = dict(intermediate_size=7680, **_LLAMA)
+LLAMA_FOR_MOE = dict(intermediate_size=8192, **_LLAMA)
 LLAMA_FOR_TARGET = dict(  # the shipped target's sizes, all attention
     family="llama", hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
     intermediate_size=768, vocab_size=1536, tie_word_embeddings=True,
@@ -121,28 +128,25 @@ def _prefill_side(model, mode, prompt):
 def prefill(lengths: list[int], repeats: int) -> None:
     from mlx_lm import load
 
-    target = load(str(TARGET))[0]
-    hybrid, hybrid_params = C.build(QWEN3_NEXT)
-    llama_big, llama_big_params = C.build(LLAMA_FOR_QWEN3_NEXT)
-    llama_small, llama_small_params = C.build(LLAMA_FOR_TARGET)
     from mlx.utils import tree_flatten
 
-    target_params = sum(v.size for _, v in tree_flatten(target.parameters()))
-    print(f"models: shipped target (qwen3_5) {target_params / 1e6:.1f}M vs llama {llama_small_params / 1e6:.1f}M; "
-          f"Qwen3-Next-shaped (qwen3_next, MoE 2 of 8) {hybrid_params / 1e6:.1f}M vs llama {llama_big_params / 1e6:.1f}M")
+    target = load(str(TARGET))[0]
+    pairs = [
+        ("shipped target", target, sum(v.size for _, v in tree_flatten(target.parameters())), LLAMA_FOR_TARGET),
+        ("Qwen3-Next-shaped dense", *C.build(QWEN3_NEXT_DENSE), LLAMA_FOR_DENSE),
+        ("Qwen3-Next-shaped MoE", *C.build(QWEN3_NEXT), LLAMA_FOR_MOE),
+    ]
     rows = []
-    for name, model, llama, vocab in [
-        ("shipped target", target, llama_small, LLAMA_FOR_TARGET["vocab_size"]),
-        ("Qwen3-Next-shaped", hybrid, llama_big, QWEN3_NEXT["vocab_size"]),
-    ]:
+    for name, model, params, llama_spec in pairs:
+        llama, llama_params = C.build(llama_spec)
+        vocab = llama_spec["vocab_size"]
+        print(f"{name}: {params / 1e6:.1f}M params; llama {llama_params / 1e6:.1f}M")
         for T in lengths:
             prompt = C.tokens(T, vocab, seed=3)
-            sides = {"native": _prefill_side(model, "native", prompt),
-                     "chunked": _prefill_side(model, "chunked", prompt),
-                     "llama": _prefill_side(llama, None, prompt)}
-            for side in sides:  # warm-up: compile and allocate on a short prompt
-                _prefill_side(model if side != "llama" else llama, "native" if side == "native" else None,
-                              prompt[:64])()
+            setups = {"native": (model, "native"), "chunked": (model, "chunked"), "llama": (llama, None)}
+            sides = {s: _prefill_side(m, mode, prompt) for s, (m, mode) in setups.items()}
+            for m, mode in setups.values():  # warm-up: compile and allocate on a short prompt
+                _prefill_side(m, mode, prompt[:64])()
             got = {s: [] for s in sides}
             for r in range(repeats):
                 for s in C.rotated(list(sides), r):
@@ -154,6 +158,7 @@ def prefill(lengths: list[int], repeats: int) -> None:
                 f"{med['native'] / med['chunked']:.2f}x", f"{med['llama'] / med['chunked']:.2f}x",
                 f"{mem['native']:.0f} / {mem['chunked']:.0f} / {mem['llama']:.0f}",
             ])
+            print("  " + " | ".join(str(x) for x in rows[-1]))
             C.flush()
     print(f"## prefill tok/s (steps of {STEP}, median of {repeats})")
     print(C.table(rows, ["model", "tokens", "native", "chunked", "llama", "chunked / native",

@@ -16,10 +16,10 @@ gives (rows are time; the WY / UT form of flash-linear-attention):
     S_C = G_C S_0 + K'^T D              K' = diag(G_C/G) K
 
 Everything but S_0 is independent across chunks, so it is computed for many
-chunks at once (batched matrix products); only S_0 -> S_C runs once per
-chunk, folded into one matrix product: S_C = M S_0 + N with
-M = G_C I - K'^T W and N = K'^T U. Chunks are processed in groups so the
-extra memory stays O(group * C^2) per head, whatever the prompt length.
+chunks at once (batched matrix products); only D and S_C run once per chunk,
+in order (two products each, batched over heads). Chunks are processed in
+groups so the extra memory stays O(group * C^2) per head, whatever the
+prompt length.
 
 A masked step (mlx-lm keeps the old state there) becomes g = 1, beta = 0: the
 state passes through unchanged. Outputs at masked positions are padding;
@@ -83,22 +83,19 @@ def _chunk_group(q, k, v, log_g, beta, S):
     G = mx.exp(cum)
     U = T @ (beta[..., None] * v)  # [.., C, Dv]
     W = T @ ((beta * G)[..., None] * k)  # [.., C, Dk]
-
     P = decay * (q @ kT)  # inclusive of the diagonal
-    PU = P @ U
-    QS = G[..., None] * q - P @ W  # O = PU + QS @ S_0
-
     last = cum[..., -1:]
-    Kd = k * mx.exp(last - cum)[..., None]  # rows decayed to the chunk's end
-    KdT = Kd.swapaxes(-1, -2)
-    N = KdT @ U  # [.., Dk, Dv]
-    M = mx.exp(last)[..., None] * mx.eye(k.shape[-1], dtype=k.dtype) - KdT @ W  # [.., Dk, Dk]
+    KdT = (k * mx.exp(last - cum)[..., None]).swapaxes(-1, -2)  # rows decayed to the chunk's end
+    G_end = mx.exp(last)[..., None]  # [.., m, 1, 1]
 
-    starts = []
+    # Only this loop is sequential: two products per chunk, batched over heads.
+    starts, deltas = [], []
     for j in range(q.shape[3]):
         starts.append(S)
-        S = mx.addmm(N[:, :, :, j], M[:, :, :, j], S)
-    O = PU + QS @ mx.stack(starts, axis=3)
+        D = mx.addmm(U[:, :, :, j], W[:, :, :, j], S, alpha=-1.0)  # U - W S_0
+        deltas.append(D)
+        S = mx.addmm(G_end[:, :, :, j] * S, KdT[:, :, :, j], D)  # G_C S_0 + K'^T D
+    O = (G[..., None] * q) @ mx.stack(starts, axis=3) + P @ mx.stack(deltas, axis=3)
     return O, S
 
 
