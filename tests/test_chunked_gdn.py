@@ -93,12 +93,15 @@ def test_recurrence_matches_gated_delta_ops(T, mask_kind):
     assert rel(got_s, want_s) <= 1e-4
 
 
-def test_recurrence_at_4096_tokens_and_small_chunks():
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_recurrence_at_4096_tokens_and_small_chunks(with_mask):
     q, k, v, g, beta, state = recurrence_inputs(1, 4096, 1, 2, 32, seed=7)
-    want_y, want_s = gd.gated_delta_ops(q, k, v, g, beta, state)
+    mask = masks(1, 4096, 7)["scattered"] if with_mask else None
+    live = 1.0 if mask is None else mask[..., None, None]
+    want_y, want_s = gd.gated_delta_ops(q, k, v, g, beta, state, mask)
     for chunk, group in [(64, 16), (16, 3)]:  # several groups; a ragged last group
-        got_y, got_s = chunked.chunked_gated_delta(q, k, v, g, beta, state, chunk=chunk, group=group)
-        assert rel(got_y, want_y) <= 1e-4 and rel(got_s, want_s) <= 1e-4, (chunk, group)
+        got_y, got_s = chunked.chunked_gated_delta(q, k, v, g, beta, state, mask, chunk=chunk, group=group)
+        assert rel(got_y, want_y, live) <= 1e-4 and rel(got_s, want_s) <= 1e-4, (chunk, group)
 
 
 def test_recurrence_from_no_state_and_with_a_vanishing_gate():
