@@ -113,6 +113,14 @@ def test_recurrence_from_no_state_and_with_a_vanishing_gate():
     assert rel(got_y, want_y) <= 1e-4 and rel(got_s, want_s) <= 1e-4
 
 
+@pytest.mark.parametrize("products", [False, True])  # LAPACK (CPU) / matrix products (other devices)
+def test_unit_lower_inverse(products):
+    mx.random.seed(1)
+    L = mx.tril(0.3 * mx.random.normal((3, 64, 64)), k=-1)
+    inv = chunked._unit_lower_inverse(L, products=products)
+    assert mx.abs(inv @ (mx.eye(64) + L) - mx.eye(64)).max().item() <= 1e-4
+
+
 @pytest.mark.parametrize("dtype, tol", [(mx.bfloat16, 5e-3), (mx.float16, 1e-3)])
 def test_recurrence_half_precision_inputs(dtype, tol):
     q, k, v, g, beta, state = recurrence_inputs(1, 300, 2, 4, 32, seed=11, dtype=dtype)

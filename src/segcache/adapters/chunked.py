@@ -41,17 +41,19 @@ GROUP = 16  # chunks computed together: bounds the extra memory, keeps the produ
 LOG_G_FLOOR = -80.0
 
 
-def _unit_lower_inverse(L: mx.array) -> mx.array:
+def _unit_lower_inverse(L: mx.array, products: bool | None = None) -> mx.array:
     """(I + L)^-1 for strictly lower triangular L [..., C, C], C a power of two.
 
     On the CPU, LAPACK's triangular inverse (mx.linalg, CPU only; 8x faster
     than the products below at C = 64). Elsewhere: L is nilpotent (L^C = 0), so
     (I + L)^-1 = sum_j (-L)^j = (I - L)(I + L^2)(I + L^4)... : 2 log2(C) - 1
-    batched matrix products, which any device runs.
+    batched matrix products, which any device runs (`products`: force either way).
     """
     C = L.shape[-1]
     eye = mx.eye(C, dtype=L.dtype)
-    if mx.default_device() == mx.cpu:
+    if products is None:
+        products = mx.default_device() != mx.cpu
+    if not products:
         return mx.linalg.tri_inv(eye + L, upper=False, stream=mx.cpu)
     inv = eye - L
     power = L
