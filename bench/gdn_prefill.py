@@ -137,9 +137,8 @@ def _prefill_side(model, mode, prompt):
 
 
 def prefill(lengths: list[int], repeats: int, native_repeats: int = 1, moe: bool = True) -> None:
-    from mlx_lm import load
-
     from mlx.utils import tree_flatten
+    from mlx_lm import load
 
     target = load(str(TARGET))[0]
     pairs = [

@@ -11,7 +11,7 @@ magnitude, states within 1e-4 (both keep fp32 state); a half-precision model's
 last logits within 3e-2 (bf16; observed 6e-3) and 5e-3 (fp16; 7e-4).
 """
 
-import segcache  # noqa: F401, I001  (binds the system BLAS before mlx is imported)
+import segcache  # noqa: I001  (binds the system BLAS before mlx is imported)
 
 import importlib
 import random

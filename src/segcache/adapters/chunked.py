@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
-import mlx.nn as nn
+from mlx import nn
 from mlx_lm.models import gated_delta as gd
 
 CHUNK = 64  # tokens per chunk (flash-linear-attention's choice; the matrices are C x C)
@@ -154,8 +154,9 @@ def chunked_gated_delta(
     pad = n * chunk - T
     q, k, v = q.astype(f32), k.astype(f32), v.astype(f32)
     if pad:
-        widths = lambda x: [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)  # noqa: E731
-        q, k, v, log_g, beta = (mx.pad(x, widths(x)) for x in (q, k, v, log_g, beta))
+        q, k, v, log_g, beta = (
+            mx.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in (q, k, v, log_g, beta)
+        )
 
     # Value head h belongs to key head h // r (mlx-lm repeats q and k r times).
     q = q.reshape(B, n, chunk, Hk, 1, Dk).transpose(0, 3, 4, 1, 2, 5)
@@ -224,7 +225,7 @@ def _depthwise_conv(conv: nn.Conv1d, x: mx.array) -> mx.array:
     layer at Qwen3-Next's sizes). The sum is the same; its rounding may differ.
     """
     w = conv.weight  # [C, K, 1]: out channels, taps, in channels per group
-    C, K = w.shape[0], w.shape[1]
+    C = w.shape[0]
     if w.shape[2] != 1 or conv.groups != C or x.shape[-1] != C:
         return conv(x)
     y = _shifted_sum(x, w[:, :, 0].T)
