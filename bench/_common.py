@@ -74,11 +74,14 @@ def build(spec: dict):
     return model, sum(v.size for _, v in tree_flatten(model.parameters()))
 
 
-def parse_args(doc: str) -> argparse.Namespace:
+def parse_args(doc: str, extra: list[tuple[str, str]] = ()) -> argparse.Namespace:
+    """--quick, --repeats N, and the boolean flags `extra` names: (flag, help)."""
     parser = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats (~1-2 min)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per figure")
     parser.add_argument("--models", default=None, help="comma-separated model roles to run (default: the bench's own)")
+    for flag, help in extra:
+        parser.add_argument(flag, action="store_true", help=help)
     return parser.parse_args()
 
 

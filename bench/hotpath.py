@@ -16,9 +16,17 @@ segcache / tokens/s of mlx-lm, paired per round (median [min-max]), and the
 same from the fastest sample of each side; target >= 1.00, never below 0.97.
 
 Full: P=1024, D=128, 8 prefill and 2 decode rounds. --quick: P=512, D=32,
-6 and 2 rounds.
+6 and 2 rounds. The segcache sides run Gated DeltaNet as mlx-lm does
+(gdn_prefill="native"): this measures the runtime's overhead, not the chunked
+prefill.
+
+--gdn: the chunked Gated DeltaNet prefill instead (bench/gdn_prefill.py):
+the recurrence alone and whole prefills at 512 and 4096 tokens (--long adds
+16384), chunked vs native vs a llama of the same size; --crossover adds the
+short-block timings behind CHUNKED_FROM.
 
     python bench/hotpath.py [--quick]
+    python bench/hotpath.py --gdn [--long] [--crossover] [--repeats N]
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ class Side:
 
     def reset(self) -> None:
         if self.runtime:
-            self.rt = segcache.Runtime(self.model)
+            self.rt = segcache.Runtime(self.model, gdn_prefill="native")
             self.cache = self.rt.cache
         else:
             self.cache = self.new_cache()
@@ -64,7 +72,7 @@ def sides(model, pristine) -> dict[str, Side]:
     never adapted, so its figures carry no segcache code at all."""
     return {
         "mlx-lm": Side(pristine, lambda: make_prompt_cache(pristine)),
-        "rt.cache": Side(model, lambda: segcache.Runtime(model).cache),
+        "rt.cache": Side(model, lambda: segcache.Runtime(model, gdn_prefill="native").cache),
         "rt.forward": Side(model, runtime=True),
     }
 
@@ -111,7 +119,16 @@ def measure(sides: dict[str, Side], prompt: list[int], steps: list[int], *, pref
 
 
 def main() -> None:
-    args = C.parse_args(__doc__)
+    args = C.parse_args(__doc__, extra=[
+        ("--gdn", "the chunked Gated DeltaNet prefill (bench/gdn_prefill.py)"),
+        ("--long", "with --gdn: also 16384 tokens (native takes minutes)"),
+        ("--crossover", "with --gdn: short-block timings behind CHUNKED_FROM"),
+    ])
+    if args.gdn:
+        import gdn_prefill
+
+        gdn_prefill.main(args.long, args.crossover, args.repeats)
+        return
     n_prefill, n_decode = (512, 32) if args.quick else (1024, 128)
     prefills = args.repeats or (6 if args.quick else 8)
     decodes = max(1, prefills // 3)

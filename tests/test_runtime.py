@@ -18,7 +18,7 @@ DECODE = [7, 11, 63, 0, 19, 4, 25, 33, 12, 50, 6]
 @pytest.mark.parametrize("via", ["model", "forward"])
 def test_logits_equal_mlx_lm_over_prefill_and_decode(family, via):
     model = tiny(family)
-    rt = Runtime(model)
+    rt = Runtime(model, gdn_prefill="native")  # bit for bit; "chunked": tests/test_chunked_gdn.py
     native = make_prompt_cache(model)
 
     def ours(ids):

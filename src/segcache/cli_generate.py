@@ -83,9 +83,10 @@ def run(args: argparse.Namespace) -> int:
         prompt = _prompt(tokenizer, args.prompt, getattr(args, "ignore_chat_template", False))
         response = None
         text = []
-        store = runtime = None
+        from .runtime import Runtime
+
+        store = None
         if getattr(args, "prompt_cache_dir", None):
-            from .runtime import Runtime
             from .store import open_store
 
             try:
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
                 from .errors import StoreWarning
 
                 warnings.warn(f"{exc}; generating without the prompt cache", StoreWarning, stacklevel=1)
-            runtime = Runtime(model, store=store)
+        runtime = Runtime(model, store=store, gdn_prefill="auto")  # chunked GDN prefill off Metal
         try:
             for response in stream_generate(
                 model, tokenizer, prompt,

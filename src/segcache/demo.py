@@ -213,7 +213,7 @@ def run(args) -> int:
 
         # The first request through the prefix store (it publishes prompt + reply).
         before = store.stats()
-        rt = Runtime(target, store=store)
+        rt = Runtime(target, store=store, gdn_prefill="auto")
         stored = stream_generate(target, tokenizer, prompt_ids, prompt_lookup=True, runtime=rt,
                                  num_draft_tokens=args.lookup_tokens, max_tokens=args.max_tokens)
         stored_run = _collect(stored, "through the store", args.max_tokens)
@@ -250,9 +250,9 @@ def run(args) -> int:
 
         print("\n[4] a second request continuing the first (prompt + reply + more code)")
         follow_ids = rt.tokens + tokenizer.encode(FOLLOW_UP)
-        cold_time, cold_token = _timed_first_token(Runtime(target), follow_ids)
+        cold_time, cold_token = _timed_first_token(Runtime(target, gdn_prefill="auto"), follow_ids)
         before = store.stats()
-        warm_time, warm_token = _timed_first_token(Runtime(target, store=store), follow_ids)
+        warm_time, warm_token = _timed_first_token(Runtime(target, store=store, gdn_prefill="auto"), follow_ids)
         after = store.stats()
         request2 = {"tokens": len(follow_ids), "hit_tokens": after["hit_tokens"] - before["hit_tokens"],
                     "tier": _tier(before, after), "cold_ttft": cold_time, "warm_ttft": warm_time,

@@ -15,10 +15,17 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from . import adapters
-from .errors import BranchError, InvariantError, StoreError, UnsupportedModelError, UnsupportedOperationError
+from .adapters.chunked import chunked_threshold
+from .errors import (
+    BranchError,
+    InvariantError,
+    StoreError,
+    UnsupportedModelError,
+    UnsupportedOperationError,
+)
 from .layers import registry
 from .layers.protocol import PAGES
-from .layers.recurrent import STRATEGIES
+from .layers.recurrent import STRATEGIES, RecurrentLayer
 from .layers.state import default_state_strategy
 from .tokens import TokenLedger
 
@@ -162,6 +169,12 @@ class Runtime:
             would pass its layer's share keeps no more states from then on and
             commits by replaying its inputs from the last kept state: exact
             either way, only slower. 0 means replay only.
+        gdn_prefill: how Gated DeltaNet layers run blocks outside branches:
+            "native" (the default: mlx-lm's own path, bit for bit), "chunked" (the
+            chunked recurrence for blocks of `adapters.chunked.CHUNKED_FROM` tokens
+            or more; within float rounding of native), or "auto" (chunked off
+            Metal, native on Metal; `adapters.chunked.default_gdn_prefill`; what
+            `segcache generate`, `serve` and `demo` use).
 
     Attributes:
         model: the model.
@@ -172,7 +185,13 @@ class Runtime:
     """
 
     def __init__(
-        self, model, *, store=None, recurrent_strategy: str = "auto", branch_state_bytes: int = BRANCH_STATE_BYTES
+        self,
+        model,
+        *,
+        store=None,
+        recurrent_strategy: str = "auto",
+        branch_state_bytes: int = BRANCH_STATE_BYTES,
+        gdn_prefill: str = "native",
     ):
         if recurrent_strategy not in RECURRENT_STRATEGIES:
             raise ValueError(f"recurrent_strategy must be one of {RECURRENT_STRATEGIES}")
@@ -180,6 +199,7 @@ class Runtime:
             raise ValueError(f"branch_state_bytes must be an int >= 0, got {branch_state_bytes!r}")
         # StateLayer (SSM, short conv, ...): "auto" is "replay" (layers/state.py)
         state_strategy = default_state_strategy() if recurrent_strategy == "auto" else recurrent_strategy
+        chunked_from = chunked_threshold(gdn_prefill)  # raises ValueError on a bad name
         if recurrent_strategy == "auto":
             recurrent_strategy = default_recurrent_strategy()
         self.model = model
@@ -188,6 +208,10 @@ class Runtime:
         # cache[i] is _layers[i]: mlx-lm code may replace entries of the list
         # (kv_bits); every operation checks first (_own_layers).
         self._layers = tuple(self.cache)
+        self.gdn_prefill = "native" if chunked_from is None else "chunked"
+        for layer in self.cache:
+            if isinstance(layer, RecurrentLayer):
+                layer.chunked_from = chunked_from  # clones of the layer keep it
         # ids of the cached positions; every path below goes through it (tokens.py)
         self._ledger = TokenLedger()
         # _branches[i].base_offset == every layer's mark i offset; innermost last.
@@ -499,6 +523,7 @@ class Runtime:
         other.recurrent_strategy = self.recurrent_strategy
         self._own_layers("clone")
         self._sync()
+        other.gdn_prefill = self.gdn_prefill
         other.cache = [layer.clone() for layer in self.cache]
         other._layers = tuple(other.cache)
         other._ledger = self._ledger.copy(self.committed_offset)

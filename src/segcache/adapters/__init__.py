@@ -2,13 +2,16 @@
 
 Adapting swaps one module instance's class for a subclass whose `__call__`
 runs `branch_forward` when its cache is a `RecurrentLayer` inside a branch,
-and mlx-lm's own `__call__` otherwise (native caches included), so the model
-keeps working with mlx-lm's caches and outside branches nothing changes.
+`chunked_forward` for a long enough block on a `RecurrentLayer` set to the
+chunked prefill (`Runtime(gdn_prefill=...)`), and mlx-lm's own `__call__`
+otherwise (native caches included), so the model keeps working with mlx-lm's
+caches, and outside branches under "native" nothing changes.
 """
 
 from __future__ import annotations
 
 from . import qwen3_5, qwen3_next
+from .chunked import chunked_forward, takes_chunked
 from .gated_delta import branch_forward
 
 # module class -> project(module, inputs) -> (qkv, z, b, a)
@@ -29,6 +32,8 @@ def _adapted_class(base: type, project) -> type:
         def __call__(self, inputs, mask=None, cache=None):
             if isinstance(cache, RecurrentLayer) and cache.capturing:
                 return branch_forward(self, project, inputs, mask, cache)
+            if isinstance(cache, RecurrentLayer) and takes_chunked(self, inputs, cache):
+                return chunked_forward(self, project, inputs, mask, cache)
             return original(self, inputs, mask, cache)
 
         _adapted_classes[base] = type(base.__name__, (base,), {"__call__": __call__, "segcache_adapted": True})

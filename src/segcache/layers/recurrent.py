@@ -110,6 +110,9 @@ class RecurrentLayer(MlxCompat, SnapshotBranches, ArraysCache):
         self.offset = 0
         # marks[i]: state before open branch i and the steps i fed the recurrence.
         self.marks: list[_RecurrentMark] = []
+        # Blocks of at least this many tokens run the chunked recurrence outside
+        # branches (adapters.chunked); None: always mlx-lm's path. Set by Runtime.
+        self.chunked_from: int | None = None
 
     @property
     def capturing(self) -> bool:
@@ -186,6 +189,7 @@ class RecurrentLayer(MlxCompat, SnapshotBranches, ArraysCache):
     def clone(self) -> "RecurrentLayer":
         """An independent layer holding the committed state (arrays shared, never written)."""
         other = RecurrentLayer(self.conv_tail, self.strategy, states_budget_bytes=self.states_budget_bytes)
+        other.chunked_from = self.chunked_from
         if self.marks:
             base = self.marks[0]
             other.cache, other.offset = [base.conv, base.state], base.offset

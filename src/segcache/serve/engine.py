@@ -136,7 +136,7 @@ class Engine:
         """Run each model once on a few tokens, so the first request does not pay for MLX's first calls."""
         ids = list(self.tokenizer.encode("def warm_up(self):\n    return None\n"))[:16] or [0]
         for model in filter(None, (self.model, self.draft_model)):
-            rt = Runtime(model)  # no store: nothing of this reaches the prefix cache
+            rt = Runtime(model, gdn_prefill="auto")  # no store: nothing of this reaches the prefix cache
             mx.eval(rt.forward(ids))
             mx.eval(rt.forward(ids[:1]))
 
@@ -157,10 +157,10 @@ class Engine:
             mx.random.seed(req.seed)
         sampler = make_sampler(req.temperature, top_p=req.top_p if req.top_p < 1.0 else 0.0,
                                top_k=req.top_k, min_p=req.min_p)
-        rt = Runtime(self.model, store=self.store)
+        rt = Runtime(self.model, store=self.store, gdn_prefill="auto")
         draft_rt = None
         if self.draft_model is not None:
-            draft_rt = Runtime(self.draft_model, store=self.store)
+            draft_rt = Runtime(self.draft_model, store=self.store, gdn_prefill="auto")
             if self.store is not None and len(req.ids) > 1:
                 draft_rt.prefill(req.ids[:-1], step_size=self.prefill_step)  # its own records, same store
         before = self._stats()

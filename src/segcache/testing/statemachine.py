@@ -72,11 +72,12 @@ class RuntimeMachine(RuleBasedStateMachine):
     model = None
     vocab = 64
     strategy = "auto"
+    gdn_prefill = "native"
     max_tokens = 48  # keeps programs cheap on two cores
 
     def __init__(self):
         super().__init__()
-        self.rt = Runtime(self.model, recurrent_strategy=self.strategy)
+        self.rt = Runtime(self.model, recurrent_strategy=self.strategy, gdn_prefill=self.gdn_prefill)
         self.ref = _Reference(self.model)
         self.expected: list[int | None] = []  # what rt.tokens must be: None where fed directly
         self.direct: dict[int, int] = {}  # position -> id it was fed directly (the last time)
@@ -237,12 +238,14 @@ def _fail(self, *args, **kwargs):
     raise _Failure("a decoder layer failed half-way through the model call")
 
 
-def machine_for(model, *, strategy: str = "auto", vocab: int = 64) -> type[RuntimeMachine]:
+def machine_for(
+    model, *, strategy: str = "auto", vocab: int = 64, gdn_prefill: str = "native"
+) -> type[RuntimeMachine]:
     """A RuntimeMachine subclass bound to `model` (use its `.TestCase` in pytest)."""
     return type(
-        f"RuntimeMachine_{type(model).__module__.rsplit('.', 1)[-1]}_{strategy}",
+        f"RuntimeMachine_{type(model).__module__.rsplit('.', 1)[-1]}_{strategy}_{gdn_prefill}",
         (RuntimeMachine,),
-        {"model": model, "strategy": strategy, "vocab": vocab},
+        {"model": model, "strategy": strategy, "vocab": vocab, "gdn_prefill": gdn_prefill},
     )
 
 
