@@ -130,7 +130,7 @@ def remote_section(model, prompt, work, reps, cold, disk):
     try:
         with open_store(work / "pub", ram_bytes=1 << 31, disk_bytes=BIG, remote=url) as s:
             Runtime(model, store=s).prefill(prompt)
-            s.flush()  # waits for the write-through
+            s.drain_remote()  # waits for the write-through
             written = s.stats()["remote_writes"]
         times, sent, hit = [], [], 0
         for k in range(reps):

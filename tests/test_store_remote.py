@@ -126,7 +126,7 @@ def test_the_remote_killed_mid_run_leaves_the_local_tiers_serving_and_reconnects
     model = tiny("llama")
     with open_store(tmp_path / "a", remote=redis_server.url, **OPEN) as store:
         Runtime(model, store=store).prefill(PROMPTS[0])
-        store.flush()
+        store.drain_remote()
         redis_server.stop()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -146,7 +146,7 @@ def test_the_remote_killed_mid_run_leaves_the_local_tiers_serving_and_reconnects
             assert time.monotonic() < deadline, f"no reconnect within 60 s: {store.stats()}"
             p = [(11 * k + i) % 60 + 3 for i in range(20)]
             Runtime(model, store=store).prefill(p)
-            store.flush()
+            store.drain_remote()
             k += 1
             time.sleep(0.2)
         late = [(13 * k + i) % 60 + 3 for i in range(40)]
@@ -242,11 +242,11 @@ def test_node_updates_from_two_hosts_merge_in_the_remote(tmp_path, redis_server)
     b = open_store(tmp_path / "b", remote=redis_server.url, **OPEN)
     try:
         Runtime(model, store=b).prefill(shared + own[0])
-        b.flush()
+        b.drain_remote()
         with open_store(tmp_path / "a", remote=redis_server.url, **OPEN) as a:
             Runtime(model, store=a).prefill(shared + own[1])
         Runtime(model, store=b).prefill(shared + own[2])  # B's node is its own, without A's continuation
-        b.flush()
+        b.drain_remote()
     finally:
         b.close()
     for k in range(3):

@@ -447,12 +447,18 @@ class PrefixStore:
         with self._lock:
             self._check_open()
             self._ram.mark_clean(self._suspend(self._ram.dirty()))
-            if self._remote is not None:
-                self._remote.drain()
             try:
                 self._disk.flush()
             except (lmdb.Error, StoreError) as e:
                 warnings.warn(f"segcache store: last-use times not written to {self.path}: {e}", StoreWarning, stacklevel=2)
+
+    def drain_remote(self, timeout: float = 5.0) -> bool:
+        """Wait (at most timeout seconds) until queued write-throughs were sent or dropped.
+
+        `flush` does not wait for the remote (the server's worker calls it when idle, and
+        a slow remote must not hold it); `close` waits up to 5 s. True if the queue is empty.
+        """
+        return True if self._remote is None else self._remote.drain(timeout)
 
     def evict_ram(self, target_bytes: int = 0) -> None:
         """Shrink the RAM tier to target_bytes, suspending what leaves (for memory pressure)."""
