@@ -255,3 +255,34 @@ def test_node_updates_from_two_hosts_merge_in_the_remote(tmp_path, redis_server)
             got = Runtime(model, store=c).prefill(prompt)
             assert c.stats()["hit_tokens"] == len(shared) + 5, f"continuation {k} was lost"
         assert mx.allclose(got, cold(model, prompt), atol=1e-4, rtol=1e-4).item()
+
+
+def test_a_password_protected_remote_and_a_wrong_password(tmp_path):
+    """redis://:password@host works; a wrong password is a counted error and a warning that
+    does not show the password, never an exception."""
+    srv = RedisServer(tmp_path / "redis", "--requirepass", "s3cret").start()
+    try:
+        good = f"redis://:s3cret@127.0.0.1:{srv.port}/0"
+        publish(tmp_path / "a", good, families=("llama",))
+        with open_store(tmp_path / "b", remote=good, **OPEN) as s:
+            Runtime(tiny("llama"), store=s).prefill(PROMPTS[0])
+            assert s.stats()["hit_tokens"] == len(PROMPTS[0])
+        bad = f"redis://:wrong-pw@127.0.0.1:{srv.port}/0"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with open_store(tmp_path / "c", remote=bad, **OPEN) as s:
+                Runtime(tiny("llama"), store=s).prefill(PROMPTS[0])
+                st = s.stats()
+        assert st["hit_tokens"] == 0 and st["remote_errors"] >= 1, st
+        msgs = [str(w.message) for w in caught if "remote" in str(w.message)]
+        assert msgs and not any("wrong-pw" in m for m in msgs), msgs
+    finally:
+        srv.stop()
+
+
+def test_a_malformed_url_is_refused_at_open(tmp_path):
+    from segcache.errors import StoreError
+
+    with pytest.raises(StoreError, match="redis://"):
+        open_store(tmp_path / "a", remote="http://127.0.0.1:1/0", **OPEN)
+    assert not (tmp_path / "a").exists()
