@@ -99,10 +99,6 @@ def test_a_second_process_with_its_own_disk_resumes_from_the_remote(tmp_path, re
     assert digests == want
     assert int(hit) == len(FAMILIES) * sum(len(p) for p in PROMPTS)  # every prompt resumed whole
     assert int(reads) > 0 and int(local) > 0  # from the remote, and filled the local tiers
-    # and those states are the ones computed cold (within float tolerance: the publisher's second
-    # prompt itself resumed the shared page)
-    for f, d in zip([f for f in FAMILIES for _ in PROMPTS], want):
-        pass
 
 
 def test_lookups_are_one_round_trip_per_prefill(tmp_path, redis_server):
