@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-long bench compat blas clean mlx-lm-tests
+.PHONY: demo test test-long bench compat blas redis clean mlx-lm-tests
 
 demo: $(STAMP)
 	$(VENV)/bin/segcache demo
@@ -42,7 +42,7 @@ bench: $(STAMP)
 	$(PY) bench/apc.py
 	$(PY) bench/serve.py
 
-$(STAMP): pyproject.toml | blas
+$(STAMP): pyproject.toml | blas redis
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
@@ -61,6 +61,19 @@ blas:
 			|| echo "blas: apt-get failed; continuing on the reference BLAS (slow)"; \
 	else \
 		echo "blas: cannot install OpenBLAS here (no apt-get or not root); continuing on the reference BLAS (slow)"; \
+	fi
+
+# redis-server for the remote-tier tests (tests/test_store_remote*.py start their own on a
+# free port). Installed with apt where we can; elsewhere those tests skip, saying why.
+redis:
+	@if command -v redis-server >/dev/null 2>&1 || command -v valkey-server >/dev/null 2>&1; then \
+		echo "redis: redis-server or valkey-server present"; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		echo "redis: installing redis-server with apt-get"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) \
+			|| echo "redis: apt-get failed; the remote-tier tests will be skipped"; \
+	else \
+		echo "redis: cannot install redis-server here (no apt-get or not root; try brew install redis); the remote-tier tests will be skipped"; \
 	fi
 
 clean:

@@ -6,6 +6,9 @@
 * bytes on disk for 10 prompts sharing a 4k prefix vs 10 save_prompt_cache files
 * hit rate over a multi-turn chat trace: checkpoints at prompt ends and branch
   points ("auto") vs only on the page grid ("grid")
+* the remote tier: time to first token of a host with an empty disk resuming the
+  prompt from a redis-server on loopback, next to local disk and cold, and the
+  bytes the server sent per hit (skipped without a redis-server/valkey-server)
 
 Run: .venv/bin/python bench/apc.py [--quick]
 """
@@ -19,7 +22,9 @@ import os
 import platform
 import random
 import shutil
+import socket
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -85,6 +90,72 @@ def cache_bytes(cache):
     return total
 
 
+def _hiredis() -> bool:
+    try:
+        import hiredis  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _redis(work: Path):
+    exe = shutil.which("redis-server") or shutil.which("valkey-server")
+    if exe is None:
+        return None, None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(work)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import redis
+
+    c = redis.Redis(port=port)
+    for _ in range(200):
+        try:
+            c.ping()
+            return proc, c
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    proc.kill()
+    return None, None
+
+
+def remote_section(model, prompt, work, reps, cold, disk):
+    print("\n## remote tier: a host with an empty disk resumes the prompt from redis-server on loopback")
+    proc, c = _redis(work)
+    if proc is None:
+        print("  skipped: no redis-server or valkey-server on PATH (make redis installs it with apt)")
+        return
+    url = f"redis://127.0.0.1:{c.connection_pool.connection_kwargs['port']}/0"
+    try:
+        with open_store(work / "pub", ram_bytes=1 << 31, disk_bytes=BIG, remote=url) as s:
+            Runtime(model, store=s).prefill(prompt)
+            s.drain_remote()  # waits for the write-through
+            written = s.stats()["remote_writes"]
+        times, sent, hit = [], [], 0
+        for k in range(reps):
+            s = open_store(work / f"host{k}", ram_bytes=1 << 31, disk_bytes=BIG, remote=url)
+            s.remote_info()  # a serving host keeps its connection: connect before timing
+            before = c.info("stats")["total_net_output_bytes"]
+            t0 = time.perf_counter()
+            mx.eval(Runtime(model, store=s).prefill(prompt))
+            times.append(time.perf_counter() - t0)
+            sent.append(c.info("stats")["total_net_output_bytes"] - before)
+            hit += s.stats()["hit_tokens"]
+            s.close()
+        assert hit == len(prompt) * reps, hit
+        t = (statistics.median(times), min(times), max(times))
+        used = c.info("memory")["used_memory"]
+        print(f"  published {written} records; remote holds {c.dbsize()} keys, {used / 1e6:.1f} MB")
+        print(f"  warm from remote        {fmt(t)}   {cold[0] / t[0]:7.1f}x faster than cold, {t[0] / disk[0]:.2f}x a local disk hit")
+        print(f"  bytes sent per hit      {statistics.median(sent) / 1e6:.2f} MB (server to host, incl. protocol)")
+        dt = median_of(lambda: c.mget(list(c.scan_iter(match=b"segcache:1:*"))), reps)
+        print(f"  of which one MGET       {fmt(dt)}   (redis-py{' + hiredis' if _hiredis() else ', no hiredis'})")
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats and a shorter chat trace (~1-2 min)")
@@ -144,6 +215,7 @@ def main():
         for name in stores:
             print(f"  warm from disk ({name:<4})  {fmt(disk[name])}   {cold[0] / disk[name][0]:7.1f}x faster than cold, {disk[name][0] / mlx[0]:.2f}x mlx-lm's path")
         print(f"  mlx-lm load + 1 token   {fmt(mlx)}   {cold[0] / mlx[0]:7.1f}x faster than cold")
+        remote_section(model, prompt, work, reps, cold, disk["raw"])
 
         # -- suspend / resume throughput --------------------------------------------
         print("\n## suspend / resume of the same state (raw bytes / second)")

@@ -34,6 +34,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--prompt-cache-dir", help="persistent prefix cache directory: a later run of a prompt "
                    "sharing a prefix resumes from it")
+    p.add_argument("--prompt-cache-remote", metavar="URL", help="shared prefix-cache tier on Redis/Valkey, redis://[:password@]host:port/db (rediss:// for TLS); local tiers still serve when it is down (with --prompt-cache-dir)")
     p.add_argument("--verbose", action="store_true", help="stream the text and print speculative stats")
     p.set_defaults(handler=run)
     return p
@@ -90,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
             from .store import open_store
 
             try:
-                store = open_store(args.prompt_cache_dir)
+                store = open_store(args.prompt_cache_dir, remote=getattr(args, "prompt_cache_remote", None))
             except StoreError as exc:  # a damaged or full store is a cache miss, never a failed run
                 import warnings
 

@@ -59,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="target model directory (default: the shipped hybrid demo model)")
     parser.add_argument("--draft-model", help="draft model directory (default: the shipped draft)")
     parser.add_argument("--prompt-cache-dir", help="prefix store directory (default: the user's cache directory)")
+    parser.add_argument("--prompt-cache-remote", metavar="URL", help="shared prefix-cache tier on Redis/Valkey, redis://[:password@]host:port/db (rediss:// for TLS); local tiers still serve when it is down")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens to generate per completion")
     parser.add_argument("--num-draft-tokens", type=int, default=4,
                         help="most drafts per round with the draft model (a round stops at the first unsure draft)")
@@ -183,7 +184,7 @@ def run(args) -> int:
 
     cache_dir = Path(args.prompt_cache_dir) if args.prompt_cache_dir else default_cache_dir()
     print(f"\n[2] prefix store: {shown(cache_dir)}")
-    store = open_store(cache_dir)
+    store = open_store(cache_dir, remote=args.prompt_cache_remote)
     report: dict = {"cache_dir": str(cache_dir)}
     try:
         print(f"\n[3] completing a {len(prompt_ids)}-token code prompt, {args.max_tokens} tokens, greedy")

@@ -47,6 +47,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--num-draft-tokens", type=int, default=4, help="drafts per round, at most (default 4)")
     p.add_argument("--prompt-cache-dir", help="prefix store directory (default: one per model identity under "
                    "the user's cache directory, e.g. ~/.cache/segcache/serve/<identity>)")
+    p.add_argument("--prompt-cache-remote", metavar="URL", help="shared prefix-cache tier on Redis/Valkey, redis://[:password@]host:port/db (rediss:// for TLS); local tiers still serve when it is down")
     p.add_argument("--ram-bytes", "--prompt-cache-bytes", type=parse_size, default=1 << 30,
                    help="RAM tier budget (default 1G; --prompt-cache-bytes as mlx_lm.server names it)")
     p.add_argument("--disk-bytes", type=parse_size, default=16 << 30, help="disk tier budget (default 16G)")
@@ -128,7 +129,7 @@ def _open_store(args, model):
     path = Path(args.prompt_cache_dir).expanduser() if args.prompt_cache_dir else default_cache_dir(model_identity(model))
     try:
         _private_dirs(path)
-        store = open_store(path, ram_bytes=args.ram_bytes, disk_bytes=args.disk_bytes)
+        store = open_store(path, ram_bytes=args.ram_bytes, disk_bytes=args.disk_bytes, remote=args.prompt_cache_remote)
     except (StoreError, OSError) as exc:
         warnings.warn(f"segcache serve: cannot open the prefix store at {path} ({exc}); serving without it")
         return None, path

@@ -20,17 +20,18 @@ KINDS = {"page": "KV pages", "ckpt": "checkpoints", "node": "index nodes"}  # wr
 _HUGE = 1 << 50  # CLI handles never evict on their own: only `gc` removes records
 
 
-def _open(path: str):
-    return open_store(path, ram_bytes=0, disk_bytes=_HUGE, create=False)
+def _open(path: str, remote: str | None = None):
+    return open_store(path, ram_bytes=0, disk_bytes=_HUGE, create=False, remote=remote, remote_timeout=2.0)
 
 
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
-def stats(path: str) -> int:
-    """Print entries and bytes of the store at path."""
-    with _open(path) as s:
+def stats(path: str, remote: str | None = None) -> int:
+    """Print entries and bytes of the store at path (and, with a remote, its memory and policy)."""
+    with _open(path, remote) as s:
+        info = s.remote_info() if remote else None
         st = s.stats()
         kinds: dict[str, list[int]] = {}
         for e in s.entries():
@@ -45,6 +46,10 @@ def stats(path: str) -> int:
         print(f"  {label:<26} {n:>8} entries {_mib(b):>12} {t:>12} tokens")
     if "page" in kinds:
         print("  (pages: tokens are stored K/V; checkpoints: tokens are the prompt length they resume)")
+    print("remote  " + "   ".join(f"{k[7:]} {st[k]}" for k in ("remote_reads", "remote_writes", "remote_errors", "remote_dropped", "remote_corrupt"))
+          + ("" if remote else "   (counters of this handle; pass --remote URL to probe a remote)"))
+    if info is not None:
+        print("  " + "   ".join(f"{k} {v}" for k, v in info.items()))
     return 0
 
 
@@ -93,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     helps = {"stats": "entries and bytes per kind", "ls": "one line per entry", "verify": "check every record, delete bad ones (exit 1 if any)"}
     for name, text in helps.items():
         sub.add_parser(name, help=text, description=text).add_argument("path", help="store directory")
+    sub.choices["stats"].add_argument("--remote", metavar="URL", help="also probe this Redis/Valkey (keys, memory, eviction policy)")
     g = sub.add_parser("gc", help="evict records (leaves first) until the store holds at most --max-bytes")
     g.add_argument("path", help="store directory")
     g.add_argument("--max-bytes", type=_bytes, required=True, help="bytes the store may keep, >= 0")
@@ -104,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.cmd == "gc":
             return gc(a.path, a.max_bytes)
-        return {"stats": stats, "ls": ls, "verify": verify}[a.cmd](a.path)
+        if a.cmd == "stats":
+            return stats(a.path, a.remote)
+        return {"ls": ls, "verify": verify}[a.cmd](a.path)
     except StoreError as e:
         print(f"segcache store {a.cmd}: {e}", file=sys.stderr)
         return 1

@@ -147,6 +147,11 @@ class PrefixCache:
         L, P = len(ids), lay.page_tokens
         ix = self._prompt(rt, ids)
         m = L // P
+        # A remote tier answers the prompt's pages and nodes in one round trip; what
+        # follows then reads the local tiers (a checkpoint past them may take one more).
+        pages = list(range(1, m + 1)) if lay.paged else []
+        store.prefetch([ix.page_key(j) for j in pages] + [ix.node_key(j) for j in range(m + 1)],
+                       [ix.rows_spec(P)] * len(pages) + [ix.node_spec()] * (m + 1))
         j_max = 0
         if lay.paged:
             while j_max < m and store.contains(ix.page_key(j_max + 1)):

@@ -1,9 +1,12 @@
-"""`PrefixStore`: the two tiers behind one key -> Record API.
+"""`PrefixStore`: the tiers (RAM -> LMDB -> optional remote) behind one key -> Record API.
 
 RAM holds decoded records and takes writes without copying or compressing.
 What RAM evicts, and everything still dirty at `flush`/`close`, is encoded
 (compressed where it pays) and written to LMDB in a few large transactions.
-A RAM miss reads disk and promotes the record to RAM.
+A RAM miss reads disk and promotes the record to RAM. With a remote tier
+(`remote.py`), puts and node updates are also written through in the background,
+and a miss in both local tiers asks the remote, checks the value exactly as a disk
+value is checked, and fills RAM (from where it reaches disk like any record).
 """
 
 from __future__ import annotations
@@ -31,9 +34,12 @@ from .codec import Expect
 from .disk import MAX_KEY, DiskTier, Entry
 from .policy import safe_cost
 from .ram import RamTier
+from .remote import RemoteTier
 from .record import Record
 
 _BATCH_BYTES = 256 << 20  # encoded bytes per LMDB write transaction when suspending
+_ABSENT_SECONDS = 1.0  # a key the remote just lacked is not asked again for this long (one prefill)
+_ABSENT_MAX = 8192
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,7 @@ class PrefixStore:
         compress: bool = False,
         create: bool = True,
         max_readers: int = 126,
+        remote: RemoteTier | None = None,
     ):
         self.path = os.fspath(path)
         self.page_tokens = int(page_tokens)  # for key derivation by callers; the store itself is key-agnostic
@@ -129,6 +136,10 @@ class PrefixStore:
         self._errors = 0  # store failures degraded to a miss or a skipped publish
         self._ram_reads = 0  # records served from the RAM tier
         self._disk_reads = 0  # records read from disk (and promoted to RAM)
+        self._remote = remote
+        self._remote_corrupt = 0  # remote values that failed the record checks (a miss, never served)
+        self._remote_warned = False
+        self._absent: dict[bytes, float] = {}  # key -> monotonic time the remote lacked it
         self._closed = False
         if create:  # inspection handles (create=False) do not know the writer's parameters
             try:
@@ -202,6 +213,10 @@ class PrefixStore:
             mx.eval(list(record.arrays.values()))
             self._disk.renew(key)
             self._ram.put(key, record)
+            if self._remote is not None:
+                self._absent.pop(key, None)
+                compress = self.compress
+                self._remote.put(key, lambda: codec.encode(record, key=key, compress=compress))
 
     def get(self, key: bytes, *, count: bool = True, expect: Expect | None = None) -> Record | None:
         """Return the record at key, or None. RAM first; a disk hit is promoted to RAM.
@@ -257,6 +272,10 @@ class PrefixStore:
                         self._disk_reads += 1
                         self._ram.put(keys[i], rec, dirty=False)
                         out[i] = rec
+                todo = [i for i in todo if out[i] is None]
+            if todo and self._remote is not None:
+                for i, rec in zip(todo, self._from_remote([keys[i] for i in todo], [exp[i] for i in todo])):
+                    out[i] = rec
             if count:
                 for rec in out:
                     if rec is None:
@@ -265,6 +284,53 @@ class PrefixStore:
                         self._hits += 1
                         self._hit_tokens += rec.tokens
             return out
+
+    def prefetch(self, keys: Sequence[bytes], expects: Sequence[Expect | None] | None = None) -> int:
+        """Bring the keys that neither local tier holds from the remote, in ONE round trip.
+
+        What the remote returns is checked like a disk read (codec, CRCs, key, layout)
+        and fills RAM; keys it lacks are not asked again for a moment, so the lookups
+        that follow stay local. Without a remote this does nothing. Returns the count
+        of records brought.
+        """
+        with self._lock:
+            self._check_open()
+            if self._remote is None:
+                return 0
+            exp = list(expects) if expects is not None else [None] * len(keys)
+            todo = [(k, e) for k, e in zip(keys, exp) if k not in self._ram and not self._disk.contains(k)]
+            got = self._from_remote([k for k, _ in todo], [e for _, e in todo])
+            return sum(r is not None for r in got)
+
+    def _from_remote(self, keys: list[bytes], expects: list[Expect | None]) -> list[Record | None]:
+        """Read keys from the remote (one round trip), check them, and fill RAM with the good ones."""
+        now = time.monotonic()
+        ask = [i for i, k in enumerate(keys) if now - self._absent.get(k, -1e9) > _ABSENT_SECONDS]
+        out: list[Record | None] = [None] * len(keys)
+        if not ask:
+            return out
+        values = self._remote.get_many([keys[i] for i in ask])
+        if len(self._absent) > _ABSENT_MAX:
+            self._absent.clear()
+        items, where = [], []
+        for i, v in zip(ask, values):
+            if v is None:
+                if self._remote.up:
+                    self._absent[keys[i]] = now
+            else:
+                items.append((v, keys[i], expects[i]))
+                where.append(i)
+        for i, rec in zip(where, codec.decode_many(items)):
+            if isinstance(rec, Exception):
+                self._remote_corrupt += 1
+                if not self._remote_warned:
+                    self._remote_warned = True
+                    warnings.warn(f"segcache store: remote record {keys[i].hex()[:16]} rejected ({rec}); "
+                                  f"treated as a miss (further rejects only counted in remote_corrupt)", StoreWarning, stacklevel=4)
+                continue
+            self._ram.put(keys[i], rec)  # dirty: it reaches this host's disk like a local record
+            out[i] = rec
+        return out
 
     def _drop_misfit(self, key: bytes, expect: Expect) -> None:
         """A RAM record that does not fit the caller's layout: drop it like a corrupt disk record."""
@@ -316,7 +382,28 @@ class PrefixStore:
                 self._ram.pop(key)
             else:
                 self._ram.put(key, rec, dirty=False)
+                if self._remote is not None:
+                    self._remote.merge(key, self._remote_merge(key, checked))
             return rec
+
+    def _remote_merge(self, key: bytes, fn: Callable[[Record | None], Record | None]) -> Callable[[bytes | None], bytes | None]:
+        """fn over the remote's value (runs on the writer thread): the same merge as on disk.
+
+        Hosts merge into the remote value with an optimistic transaction, so concurrent
+        updates of one key keep each other's changes; a value that fails the checks
+        counts as absent and is rewritten whole.
+        """
+        compress = self.compress
+
+        def on_bytes(value: bytes | None) -> bytes | None:
+            current = None
+            if value is not None:
+                r = codec.decode_many([(value, key, None)])[0]
+                current = None if isinstance(r, Exception) else r
+            new = fn(current)
+            return None if new is None else codec.encode(new, key=key, compress=compress)
+
+        return on_bytes
 
     def note_prefill(self, tokens: int, hit_tokens: int) -> None:
         """Count one prefill of `tokens` tokens that resumed `hit_tokens` of them from the store."""
@@ -365,6 +452,14 @@ class PrefixStore:
             except (lmdb.Error, StoreError) as e:
                 warnings.warn(f"segcache store: last-use times not written to {self.path}: {e}", StoreWarning, stacklevel=2)
 
+    def drain_remote(self, timeout: float = 5.0) -> bool:
+        """Wait (at most timeout seconds) until queued write-throughs were sent or dropped.
+
+        `flush` does not wait for the remote (the server's worker calls it when idle, and
+        a slow remote must not hold it); `close` waits up to 5 s. True if the queue is empty.
+        """
+        return True if self._remote is None else self._remote.drain(timeout)
+
     def evict_ram(self, target_bytes: int = 0) -> None:
         """Shrink the RAM tier to target_bytes, suspending what leaves (for memory pressure)."""
         with self._lock:
@@ -380,6 +475,11 @@ class PrefixStore:
         prefills and their prompt tokens; ``errors`` store failures that a
         prefill or publish turned into a miss; ``ram_reads``/``disk_reads`` the
         records each tier served (a disk read is promoted to RAM).
+        ``remote_reads``/``remote_writes`` the records the remote served and
+        stored, ``remote_errors`` its failed round trips (down, slow, full),
+        ``remote_dropped`` write-throughs given up (queue full, too large, remote
+        down; the record stays local), ``remote_corrupt`` remote values that failed
+        the checks (a miss, never served). All 0 without a remote.
         """
         with self._lock:
             self._check_open()
@@ -407,7 +507,19 @@ class PrefixStore:
             "disk_bytes": self._disk.used_bytes(),
             "disk_entries": self._disk.count(),
             "entries": self._disk.count() + ram_only,
+            **self._remote_stats(),
         }
+
+    def _remote_stats(self) -> dict:
+        r = self._remote.stats() if self._remote is not None else {}
+        return {name: r.get(name, 0) for name in ("remote_reads", "remote_writes", "remote_errors", "remote_dropped")} | {
+            "remote_corrupt": self._remote_corrupt}
+
+    def remote_info(self) -> dict | None:
+        """The remote's reachability, keys under this namespace, memory and eviction policy (None without one)."""
+        with self._lock:
+            self._check_open()
+            return None if self._remote is None else self._remote.info()
 
     def entries(self) -> list[EntryInfo]:
         """Every stored key with tokens, bytes, kind and last use (disk entries and RAM-only ones)."""
@@ -465,6 +577,8 @@ class PrefixStore:
                     warnings.warn(f"segcache store: {len(dirty) - len(written)} records lost at close of {self.path}", StoreWarning, stacklevel=2)
             finally:
                 self._closed = True
+                if self._remote is not None:
+                    self._remote.close()
                 self._disk.close()
                 atexit.unregister(self._atexit)
 
@@ -496,6 +610,12 @@ def open_store(
     compress: bool = False,
     create: bool = True,
     max_readers: int = 126,
+    remote: str | None = None,
+    remote_timeout: float = 0.05,
+    remote_ttl: float | None = None,
+    remote_max_value: int = 64 << 20,
+    remote_queue: int = 256,
+    remote_namespace: bytes | str = b"segcache:1:",
 ) -> PrefixStore:
     """Open (or create) the prefix store at path.
 
@@ -521,6 +641,15 @@ def open_store(
             maintenance) raises StoreError("no store at ...") instead, creates nothing,
             and skips the page_tokens/salt check.
         max_readers: LMDB reader slots (concurrent read transactions across processes).
+        remote: Optional shared tier, ``redis://[:password@]host:port/db`` (``rediss://``
+            for TLS), Redis or Valkey. Publishes are written through in the background;
+            local misses ask it (checked like disk reads). Down or slow, it is skipped
+            with backoff: a StoreWarning and the ``remote_*`` counters, never an error.
+        remote_timeout: Seconds per remote round trip (a lookup waits at most this).
+        remote_ttl: Optional expiry of remote records, in seconds.
+        remote_max_value: Records larger than this many encoded bytes stay local.
+        remote_queue: Records waiting for write-through; beyond it they stay local (remote_dropped).
+        remote_namespace: Prefix of every remote key (separate deployments sharing a database).
 
     Raises:
         StoreError: No usable store at path (see above), it is already open in this
@@ -529,7 +658,16 @@ def open_store(
     """
     if ram_bytes < 0 or disk_bytes <= 0 or page_tokens <= 0 or max_readers <= 0:
         raise StoreError(f"need ram_bytes >= 0, disk_bytes > 0, page_tokens > 0, max_readers > 0; got {ram_bytes}, {disk_bytes}, {page_tokens}, {max_readers}")
-    return PrefixStore(
-        path, ram_bytes=ram_bytes, disk_bytes=disk_bytes, page_tokens=page_tokens, salt=salt, compress=compress,
-        create=create, max_readers=max_readers,
-    )
+    tier = None
+    if remote:
+        ns = remote_namespace.encode() if isinstance(remote_namespace, str) else bytes(remote_namespace)
+        tier = RemoteTier(remote, timeout=remote_timeout, ttl=remote_ttl, max_value=remote_max_value, queue_size=remote_queue, namespace=ns)
+    try:
+        return PrefixStore(
+            path, ram_bytes=ram_bytes, disk_bytes=disk_bytes, page_tokens=page_tokens, salt=salt, compress=compress,
+            create=create, max_readers=max_readers, remote=tier,
+        )
+    except BaseException:
+        if tier is not None:
+            tier.close(0)
+        raise

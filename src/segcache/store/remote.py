@@ -1,0 +1,306 @@
+"""The remote tier: one Redis / Valkey shared by the prefix stores of several hosts.
+
+The remote is an accelerator, never a dependency:
+
+* reads are one pipelined round trip (MGET) per call, bounded by a short socket
+  timeout (``timeout``, 50 ms by default); a failure marks the remote down for a
+  backoff (0.25 s doubling to ``backoff_max``) during which reads and writes skip
+  it without any network call, so a dead or slow remote costs at most one timeout
+  per backoff window, and the store keeps serving from its local tiers;
+* writes go through a bounded queue to one background thread (never the caller's);
+  a full queue, a value over ``max_value`` or a remote that is down drop the write
+  (the record stays local) and count it in ``dropped``;
+* values are the codec's records, byte for byte what LMDB holds: the store checks
+  them (codec, CRCs, key in the header, the caller's layout) before anything is
+  served, so this module moves bytes and keeps counters only.
+
+Keys are the store's content-chained keys under ``namespace``. One warning per
+outage (StoreWarning), not one per request.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import warnings
+from typing import Callable, Sequence
+from urllib.parse import urlsplit, urlunsplit
+
+from ..errors import StoreError, StoreWarning
+
+DEFAULT_TIMEOUT = 0.05  # seconds per round trip (the issue's per-lookup budget)
+DEFAULT_MAX_VALUE = 64 << 20  # bytes; larger records stay local
+DEFAULT_QUEUE = 256  # records waiting for write-through
+DEFAULT_NAMESPACE = b"segcache:1:"  # the "1" follows the codec's key scheme; bump it to start afresh
+_BACKOFF_MIN = 0.25
+_WRITE_BATCH = 32  # records per write pipeline
+_WATCH_RETRIES = 4  # optimistic merges of one node before the update is dropped
+
+
+def redact(url: str) -> str:
+    """The URL without its password (for messages)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username + ':' if parts.username else ':'}***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+class RemoteTier:
+    """Bytes under namespaced keys in Redis / Valkey, with backoff and background writes.
+
+    Counters (since open): ``reads`` values returned, ``writes`` values stored,
+    ``errors`` failed round trips (down, timeout, full, refused), ``dropped``
+    writes given up (queue full, too large, remote down or failing).
+
+    Invariant: ``_down_until[path] > now`` exactly while that path ("read" or "write")
+    backs off; during that time no call of that path reaches the network.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        ttl: float | None = None,
+        max_value: int = DEFAULT_MAX_VALUE,
+        queue_size: int = DEFAULT_QUEUE,
+        namespace: bytes = DEFAULT_NAMESPACE,
+        backoff_max: float = 30.0,
+    ):
+        try:
+            import redis
+        except ImportError:
+            raise StoreError("remote prefix cache needs redis-py: pip install 'redis>=5' (or drop remote=)") from None
+        scheme = urlsplit(url).scheme
+        if scheme not in ("redis", "rediss", "unix"):
+            raise StoreError(f"remote={redact(url)!r}: expected redis://[:password@]host:port/db or rediss:// (TLS)")
+        if timeout <= 0 or max_value <= 0 or queue_size <= 0 or (ttl is not None and ttl <= 0):
+            raise StoreError(f"remote needs timeout > 0, max_value > 0, queue_size > 0 and ttl None or > 0; got {timeout}, {max_value}, {queue_size}, {ttl}")
+        self._redis = redis
+        self.url = redact(url)
+        self.timeout, self.ttl, self.max_value = float(timeout), ttl, int(max_value)
+        self.namespace = bytes(namespace)
+        self.backoff_max = float(backoff_max)
+        self._client = redis.Redis.from_url(  # lookups: a request waits on these
+            url, socket_timeout=timeout, socket_connect_timeout=timeout, retry_on_timeout=False, health_check_interval=0,
+        )
+        # Writes run on the writer thread, which no request waits for: a slower remote
+        # still takes them, and a slow lookup does not cost the writes (nor the reverse).
+        wt = max(1.0, 20 * timeout)
+        self._wclient = redis.Redis.from_url(
+            url, socket_timeout=wt, socket_connect_timeout=wt, retry_on_timeout=False, health_check_interval=0,
+        )
+        self._lock = threading.Lock()  # counters and backoff state
+        self.reads = self.writes = self.errors = self.dropped = 0
+        self._down_until = {"read": 0.0, "write": 0.0}  # per path: reads and writes back off apart
+        self._backoff = {"read": 0.0, "write": 0.0}
+        self._warned = False  # one warning per outage
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._closed = False
+        self._stop = threading.Event()
+        self._worker = threading.Thread(target=self._run, name="segcache-remote", daemon=True)
+        self._worker.start()
+
+    # -- health --
+
+    def _ok(self, path: str = "read") -> bool:
+        return time.monotonic() >= self._down_until[path]
+
+    def _failed(self, what: str, exc: BaseException, path: str = "read") -> None:
+        with self._lock:
+            self.errors += 1
+            self._backoff[path] = min(self.backoff_max, max(_BACKOFF_MIN, self._backoff[path] * 2))
+            self._down_until[path] = time.monotonic() + self._backoff[path]
+            warn, self._warned = not self._warned, True
+        if warn:
+            warnings.warn(
+                f"segcache store: remote {self.url} failed on {what} ({type(exc).__name__}: {exc}); serving from the local "
+                f"tiers and retrying with backoff (up to {self.backoff_max:g} s); see remote_errors in stats",
+                StoreWarning, stacklevel=4,
+            )
+
+    def _succeeded(self, path: str = "read") -> None:
+        if self._backoff[path]:
+            with self._lock:
+                self._backoff[path] = 0.0
+                self._warned = any(self._backoff.values())
+
+    @property
+    def up(self) -> bool:
+        """False while backing off after a failure."""
+        return self._ok()
+
+    # -- reads --
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """The values at keys in ONE round trip (None where absent); all None if the remote is down."""
+        if not keys or not self._ok():
+            return [None] * len(keys)
+        try:
+            vals = self._client.mget([self.namespace + k for k in keys])
+        except self._redis.RedisError as e:
+            self._failed("a lookup", e)
+            return [None] * len(keys)
+        self._succeeded()
+        out = [v if isinstance(v, bytes) and len(v) <= self.max_value else None for v in vals]
+        with self._lock:
+            self.reads += sum(v is not None for v in out)
+        return out
+
+    # -- writes (background) --
+
+    def put(self, key: bytes, encode: Callable[[], bytes]) -> bool:
+        """Queue a write of ``encode()`` under key (encoded on the writer thread); False if dropped."""
+        return self._offer(("put", key, encode))
+
+    def merge(self, key: bytes, fn: Callable[[bytes | None], bytes | None]) -> bool:
+        """Queue ``value = fn(current value)`` under key, atomically (WATCH/MULTI); False if dropped."""
+        return self._offer(("merge", key, fn))
+
+    def _offer(self, item) -> bool:
+        if self._closed or not self._ok("write"):
+            self._count_dropped(1)
+            return False
+        try:
+            self._queue.put_nowait(item)
+            return True
+        except queue.Full:
+            self._count_dropped(1)
+            return False
+
+    def _count_dropped(self, n: int) -> None:
+        with self._lock:
+            self.dropped += n
+
+    def _run(self) -> None:
+        while not (self._stop.is_set() and self._queue.empty()):
+            try:
+                batch = [self._queue.get(timeout=0.05)]
+            except queue.Empty:
+                continue
+            while len(batch) < _WRITE_BATCH:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                self._write(batch)
+            except Exception as e:  # never let the writer die: a cache loses writes, nothing else
+                self._count_dropped(len(batch))
+                warnings.warn(f"segcache store: remote write failed: {type(e).__name__}: {e}", StoreWarning, stacklevel=2)
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
+
+    def _write(self, batch: list) -> None:
+        if not self._ok("write"):
+            self._count_dropped(len(batch))
+            return
+        puts = []
+        for op, key, arg in batch:
+            if op == "merge":
+                self._merge(key, arg)
+                continue
+            try:
+                value = arg()
+            except StoreError:
+                self._count_dropped(1)
+                continue
+            if len(value) > self.max_value:
+                self._count_dropped(1)
+            else:
+                puts.append((key, value))
+        if not puts or not self._ok("write"):
+            self._count_dropped(len(puts))
+            return
+        try:
+            pipe = self._wclient.pipeline(transaction=False)
+            for key, value in puts:
+                pipe.set(self.namespace + key, value, ex=self._ex())
+            pipe.execute()
+        except self._redis.RedisError as e:  # OOM under noeviction, down, timeout
+            self._count_dropped(len(puts))
+            self._failed("a write", e, "write")
+            return
+        self._succeeded("write")
+        with self._lock:
+            self.writes += len(puts)
+
+    def _ex(self) -> int | None:
+        return None if self.ttl is None else max(1, int(round(self.ttl)))
+
+    def _merge(self, key: bytes, fn: Callable[[bytes | None], bytes | None]) -> None:
+        name = self.namespace + key
+        try:
+            with self._wclient.pipeline(transaction=True) as pipe:
+                for _ in range(_WATCH_RETRIES):
+                    try:
+                        pipe.watch(name)
+                        cur = pipe.get(name)
+                        new = fn(cur if isinstance(cur, bytes) else None)
+                        if new is None or len(new) > self.max_value:
+                            pipe.unwatch()
+                            self._count_dropped(new is not None)
+                            return
+                        pipe.multi()
+                        pipe.set(name, new, ex=self._ex())
+                        pipe.execute()
+                        break
+                    except self._redis.WatchError:
+                        continue  # another host changed the node: merge again on its value
+                else:
+                    self._count_dropped(1)  # a lost continuation only loses a hint
+                    return
+        except self._redis.RedisError as e:
+            self._count_dropped(1)
+            self._failed("a node merge", e, "write")
+            return
+        self._succeeded("write")
+        with self._lock:
+            self.writes += 1
+
+    def drain(self, timeout: float = 5.0) -> bool:
+        """Wait (at most timeout seconds) until every queued write was sent or dropped."""
+        end = time.monotonic() + timeout
+        while self._queue.unfinished_tasks:
+            if time.monotonic() >= end or not self._worker.is_alive():
+                return False
+            time.sleep(0.002)
+        return True
+
+    def info(self) -> dict:
+        """One probe: reachable, keys under the namespace (bounded scan), used/max memory, policy."""
+        try:
+            mem = self._client.info("memory")
+            n = 0
+            for n, _ in enumerate(self._client.scan_iter(match=self.namespace + b"*", count=1000), 1):
+                if n >= 100_000:
+                    break
+        except self._redis.RedisError as e:
+            self._failed("a probe", e)
+            return {"reachable": False, "error": f"{type(e).__name__}: {e}"}
+        self._succeeded()
+        return {"reachable": True, "keys": n, "used_memory": mem.get("used_memory_human"),
+                "maxmemory": mem.get("maxmemory_human"), "maxmemory_policy": mem.get("maxmemory_policy")}
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"remote_reads": self.reads, "remote_writes": self.writes, "remote_errors": self.errors,
+                    "remote_dropped": self.dropped, "remote_queued": self._queue.qsize()}
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued (bounded by timeout), stop the writer, close connections; idempotent."""
+        if self._closed:
+            return
+        self.drain(timeout)
+        self._closed = True
+        self._stop.set()
+        self._worker.join(timeout)
+        for c in (self._client, self._wclient):
+            try:
+                c.close()
+            except Exception:
+                pass
