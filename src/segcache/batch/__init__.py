@@ -1,0 +1,5 @@
+"""Continuous batching on segcache's runtime (issue 11): B rows, one forward per step."""
+
+from .runtime import BatchRuntime
+
+__all__ = ["BatchRuntime"]
