@@ -52,11 +52,10 @@ class Scheduler:
     is in at most one of them; every running job has its generator.
     """
 
-    max_running = 1
-
-    def __init__(self, engine: Engine, max_queue: int = 64):
+    def __init__(self, engine: Engine, max_queue: int = 64, max_running: int = 1):
         self.engine = engine
         self.max_queue = max_queue
+        self.max_running = max_running  # > 1 with a BatchEngine (serve/batching.py)
         self.waiting: collections.deque[Job] = collections.deque()
         self.running: list[Job] = []
         self._cond = threading.Condition()
@@ -94,6 +93,7 @@ class Scheduler:
                 job = self.waiting.popleft()
                 if not job.cancelled:  # a client gone while waiting costs nothing
                     self.running.append(job)
+        self.engine.begin_step()
         for job in list(self.running):
             if job.steps is None:
                 job.steps = self.engine.generate(job.request)
@@ -113,6 +113,8 @@ class Scheduler:
             log.exception("%s failed", job.request.id)
             self._drop(job)
             job.deliver(Failure(f"generation failed: {type(exc).__name__}: {exc}"))
+            return
+        if event is None:  # no token for this job in this step (it waits to join the batch)
             return
         if isinstance(event, Finish):
             self._drop(job)
