@@ -214,6 +214,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         engine = Engine(model, tokenizer, **options)
     scheduler = Scheduler(engine, max_queue=args.max_queue, max_running=running)
+    if running > 1:
+        scheduler.begin_step = engine.begin_step
     worker = Worker(scheduler)
     server = Server(settings, Prompter(tokenizer, template), scheduler, worker, store)
 

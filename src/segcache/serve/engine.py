@@ -140,9 +140,6 @@ class Engine:
             mx.eval(rt.forward(ids))
             mx.eval(rt.forward(ids[:1]))
 
-    def begin_step(self) -> None:
-        """The scheduler starts a step (a batching engine resets its per-step budget here)."""
-
     def flush(self) -> None:
         """Write published records to disk, so a crash after this loses none of them."""
         if self._dirty and self.store is not None and not self.store.closed:

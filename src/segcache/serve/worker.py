@@ -52,10 +52,12 @@ class Scheduler:
     is in at most one of them; every running job has its generator.
     """
 
-    def __init__(self, engine: Engine, max_queue: int = 64, max_running: int = 1):
+    def __init__(self, engine: Engine, max_queue: int = 64, max_running: int = 1,
+                 begin_step: Callable[[], None] = lambda: None):
         self.engine = engine
         self.max_queue = max_queue
         self.max_running = max_running  # > 1 with a BatchEngine (serve/batching.py)
+        self.begin_step = begin_step  # called before each step advances the running jobs
         self.waiting: collections.deque[Job] = collections.deque()
         self.running: list[Job] = []
         self._cond = threading.Condition()
@@ -93,7 +95,7 @@ class Scheduler:
                 job = self.waiting.popleft()
                 if not job.cancelled:  # a client gone while waiting costs nothing
                     self.running.append(job)
-        self.engine.begin_step()
+        self.begin_step()
         for job in list(self.running):
             if job.steps is None:
                 job.steps = self.engine.generate(job.request)
