@@ -92,14 +92,15 @@ class BatchDecoder:
             self.batch.fork()
         try:
             logits = self.batch.forward([[p] + d for p, d in zip(pending, drafts)])
+            logprobs = normalize(logits)  # [B, S, V]
+            rows = [logprobs[i, : 1 + len(d)] for i, d in enumerate(drafts)]
+            choices = [s.acceptor.choices(lp) for s, lp in zip(states, rows)]
+            mx.eval(logprobs, *[c for cs in choices for c in cs])  # one sync for every row
             out, keep = {}, []
-            for i, (rid, s, d) in enumerate(zip(ids, states, drafts)):
-                logprobs = normalize(logits[i, : 1 + len(d)])
-                choices = s.acceptor.choices(logprobs)
-                mx.eval(logprobs, *choices)
-                n, nxt = s.acceptor.accept(logprobs, d, None, choices)
+            for rid, s, d, lp, cs in zip(ids, states, drafts, rows, choices):
+                n, nxt = s.acceptor.accept(lp, d, None, cs)
                 keep.append(1 + n)
-                out[rid] = [(t, logprobs[j], True) for j, t in enumerate(d[:n])] + [(nxt, logprobs[n], False)]
+                out[rid] = [(t, lp[j], True) for j, t in enumerate(d[:n])] + [(nxt, lp[n], False)]
                 self._advance(s, d, n, nxt)
         except BaseException:
             if branch:
