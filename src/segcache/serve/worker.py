@@ -4,10 +4,10 @@
                                                                              │ step(): one token each
     client stream <── loop.call_soon_threadsafe(deliver, event) <────────────┘
 
-Today `max_running` is 1: a request runs alone from its first step to its
-last, and the next waits in arrival order. Continuous batching (issue 11)
-admits several and makes `step()` run one batched forward over the running
-rows; nothing outside `step()` changes. Cancellation (a client gone) is a
+With `max_running` 1 (the default) a request runs alone from its first step
+to its last, and the next waits in arrival order. With --decode-concurrency N
+it admits N, and a `BatchEngine` (batching.py) makes each step run one
+batched forward over the running rows (`begin_step` marks the step). Cancellation (a client gone) is a
 flag read at the next step: the job's generator is closed there, which
 settles and publishes its runtime and frees it.
 """
