@@ -9,7 +9,7 @@ unchanged but for `begin_step` and "no event yet"): it prefills its prompt
 alone on a store-backed Runtime (resuming from the prefix store), joins the
 batch as a row, and yields one Chunk per token from its buffer. The first
 job of a scheduler step whose buffer is empty runs the batched step for
-all. At most M prompts are prefilled per scheduler step, between decode
+all; a job sends every token its row has in one Chunk. At most M prompts are prefilled per scheduler step, between decode
 steps. Closing a job's generator (finished, or a client gone) removes its row
 at once and publishes prompt + completion.
 """
@@ -95,30 +95,31 @@ class BatchEngine(Engine):
                 if not buffer:
                     yield None  # this step's forward ran before this row joined
                     continue
-                token, logprobs, _ = buffer.popleft()
-                if n == 0:
-                    ttft = time.perf_counter() - req.arrival
-                n += 1
-                done = None
-                if token in eos:
-                    detok.finalize()
-                    done = "stop"
-                else:
-                    emitted.append(token)
-                    detok.add_token(token)
-                    if n == req.max_tokens:
+                # Every token this row has (a round may emit several) goes out in one chunk.
+                texts, logprobs_out, done = [], [], None
+                while buffer and done is None and not stop.stopped:
+                    token, logprobs, _ = buffer.popleft()
+                    if n == 0:
+                        ttft = time.perf_counter() - req.arrival
+                    n += 1
+                    if token in eos:
                         detok.finalize()
-                        done = "length"
-                text = stop.feed(detok.last_segment)
-                if done is not None:
-                    finish = done
-                    text += stop.flush()
-                if stop.stopped:
-                    finish = "stop"
-                logprobs_out = []
-                if req.top_logprobs >= 0 and token not in eos:
-                    logprobs_out.append(self._logprob(token, logprobs, req.top_logprobs))
-                yield Chunk(text, logprobs_out)
+                        done = "stop"
+                    else:
+                        emitted.append(token)
+                        detok.add_token(token)
+                        if n == req.max_tokens:
+                            detok.finalize()
+                            done = "length"
+                    texts.append(stop.feed(detok.last_segment))
+                    if done is not None:
+                        finish = done
+                        texts.append(stop.flush())
+                    if stop.stopped:
+                        finish = "stop"
+                    if req.top_logprobs >= 0 and token not in eos:
+                        logprobs_out.append(self._logprob(token, logprobs, req.top_logprobs))
+                yield Chunk("".join(texts), logprobs_out)
                 if stop.stopped or done is not None:
                     break
             outcome = finish
