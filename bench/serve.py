@@ -1,6 +1,7 @@
 """Replay an agent-style trace against `segcache serve` and `mlx_lm.server`; TTFT per phase.
 
     python bench/serve.py [--model DIR] [--tokens 24] [--mlx-blas same|wheel]
+    python bench/serve.py --sweep [--sweep-tokens 64] [--streams 1,2,4,8]
 
 Both servers run the same model (the shipped hybrid target by default) as
 subprocesses on 127.0.0.1, driven by the official `openai` client with
@@ -18,6 +19,14 @@ Time to first token is measured at the client (request sent -> first text
 chunk). Where both servers compute a turn cold, their texts must match.
 By default mlx_lm.server runs with the same OpenBLAS segcache binds
 (LD_PRELOAD); `--mlx-blas wheel` runs it on the mlx[cpu] wheel's own BLAS.
+
+`--sweep` instead measures continuous batching: for N in --streams, N clients
+at once (distinct prompts, greedy, --sweep-tokens each), against a fresh
+server started with `--decode-concurrency N --prompt-concurrency N`:
+segcache plain, segcache with prompt lookup, segcache with the draft model
+(not batched: one at a time), mlx_lm.server; and segcache one at a time
+(--decode-concurrency 1) as the baseline. Reports aggregate generated tok/s
+(completion tokens over the wall time) and mean TTFT.
 """
 
 from __future__ import annotations
@@ -158,12 +167,89 @@ def replay(server: Proc, context: str, tokens: int) -> dict:
         server.stop()
 
 
+def streamed(client: openai.OpenAI, prompt: str, tokens: int) -> tuple[float, int]:
+    """(seconds to the first token, completion tokens) of one streamed greedy completion."""
+    tic = time.perf_counter()
+    ttft, n = None, 0
+    for ev in client.completions.create(model="default_model", prompt=prompt, max_tokens=tokens, temperature=0.0,
+                                        stream=True, stream_options={"include_usage": True}):
+        if ev.choices and ttft is None:
+            ttft = time.perf_counter() - tic
+        if ev.usage is not None:
+            n = ev.usage.completion_tokens
+    return (ttft if ttft is not None else time.perf_counter() - tic), n
+
+
+def burst(server: Proc, prompts: list[str], tokens: int) -> tuple[float, float]:
+    """Start `server`, warm it, run all prompts at once; (aggregate tok/s, mean TTFT s)."""
+    server.start()
+    try:
+        streamed(server.client(), "def warm_up():\n", 4)
+        out = [None] * len(prompts)
+        clients = [server.client() for _ in prompts]
+
+        def one(i):
+            out[i] = streamed(clients[i], prompts[i], tokens)
+
+        tic = time.perf_counter()
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - tic
+        return sum(o[1] for o in out) / wall, sum(o[0] for o in out) / len(out)
+    finally:
+        server.stop()
+
+
+def sweep(args, env, mlx_env, work: Path) -> int:
+    text = (MODELS / "heldout_stdlib.txt").read_text()
+    streams = [int(x) for x in args.streams.split(",")]
+    prompts = [text[i * 2000 : i * 2000 + 400] for i in range(max(streams))]
+    ours = [sys.executable, "-m", "segcache.cli", "serve", "--model", args.model, "--log-level", "WARNING"]
+    configs = {
+        "segcache": (ours, env),
+        "segcache lookup": (ours + ["--prompt-lookup"], env),
+        "segcache draft": (ours + ["--draft-model", str(MODELS / "draft")], env),
+        "mlx_lm.server": ([sys.executable, "-m", "mlx_lm.server", "--model", args.model, "--log-level", "WARNING"],
+                          mlx_env),
+    }
+    rows = {}
+    for name, (cmd, e) in configs.items():
+        for n in streams:
+            port = _port()
+            full = cmd + ["--port", str(port), "--decode-concurrency", str(n), "--prompt-concurrency", str(n)]
+            if name.startswith("segcache"):
+                full += ["--prompt-cache-dir", str(work / f"store-{name.replace(' ', '-')}-{n}")]
+            rows[(name, n)] = burst(Proc(name, full, e, port, work / f"{name.replace(' ', '-')}.log"),
+                                    prompts[:n], args.sweep_tokens)
+            print(f"  {name:<16} N={n}: {rows[(name, n)][0]:7.1f} tok/s, TTFT {rows[(name, n)][1] * 1000:7.0f} ms",
+                  flush=True)
+    port = _port()
+    one = ours + ["--port", str(port), "--decode-concurrency", "1", "--prompt-cache-dir", str(work / "store-one")]
+    base = burst(Proc("segcache 1-at-a-time", one, env, port, work / "one.log"), prompts[: max(streams)],
+                 args.sweep_tokens)
+    print(f"\naggregate generated tok/s (TTFT ms), {args.sweep_tokens} tokens per stream")
+    print(f"{'N':>3}" + "".join(f"{name:>22}" for name in configs) + f"{'vs mlx_lm':>11}")
+    for n in streams:
+        cells = "".join(f"{rows[(c, n)][0]:>12.1f} ({rows[(c, n)][1] * 1000:>6.0f})" for c in configs)
+        print(f"{n:>3}{cells}{rows[('segcache', n)][0] / rows[('mlx_lm.server', n)][0]:>10.2f}x")
+    top = max(streams)
+    print(f"segcache one at a time, N={top}: {base[0]:.1f} tok/s; batched N={top}: "
+          f"{rows[('segcache', top)][0] / base[0]:.2f}x of it")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(MODELS / "target"))
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--context-chars", type=int, default=6000)
     ap.add_argument("--mlx-blas", choices=["same", "wheel"], default="same")
+    ap.add_argument("--sweep", action="store_true", help="the concurrency sweep instead of the trace")
+    ap.add_argument("--sweep-tokens", type=int, default=64)
+    ap.add_argument("--streams", default="1,2,4,8")
     args = ap.parse_args()
     context = (MODELS / "heldout_other.txt").read_text()[: args.context_chars]
     work = Path(tempfile.mkdtemp(prefix="segcache-bench-serve-"))
@@ -174,6 +260,9 @@ def main() -> int:
     if args.mlx_blas == "same" and libs and sys.platform.startswith("linux"):
         mlx_env.update(LD_PRELOAD=libs[0], OPENBLAS_THREAD_TIMEOUT="4")
         blas = f"OpenBLAS, LD_PRELOAD={libs[0]}"
+    if args.sweep:
+        print(f"mlx_lm.server on {blas}; logs in {work}")
+        return sweep(args, env, mlx_env, work)
     p1, p2 = _port(), _port()
     ours = Proc("segcache serve", [sys.executable, "-m", "segcache.cli", "serve", "--model", args.model,
                                    "--port", str(p1), "--prompt-cache-dir", str(work / "store"),

@@ -34,6 +34,8 @@ _LAZY = {
     "Sampler": "sampling",
     "make_sampler": "sampling",
     "PromptLookup": "lookup",
+    "BatchRuntime": "batch",
+    "BatchDecoder": "batch",
 }
 
 __all__ = [

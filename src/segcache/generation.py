@@ -30,21 +30,20 @@ from typing import Iterator, List, Optional, Sequence, Union
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .acceptors import Acceptor, make_acceptor
+from .drafters import NO_DRAFT, DraftModel, Drafter, Lookup
+from .drafters import eval_cache as _eval_cache
+from .drafters import feed as _feed
+from .drafters import normalize as _normalize
 from .errors import BranchError
 from .lookup import PromptLookup
 from .runtime import Runtime
-from .sampling import Sampler, match_accept, speculative_accept
 
 # The default `draft_min_prob` (see stream_generate). The shipped draft's
 # greedy token matched the target's 95-100% of the time when it gave it
 # p >= 0.3 and 50-68% below; 0.25 was among the fastest settings on
 # held-out code prompts with 4 drafts per round (docs/benchmarks.md).
 DRAFT_MIN_PROB = 0.25
-
-# A gap (tokens the target committed that the draft has not seen) up to this
-# long rides along in the draft's first forward of a round; longer gaps are
-# fed outside the fork first, so a branch never holds a long prefill.
-_GAP_IN_FORK = 8
 
 
 @dataclass
@@ -147,22 +146,6 @@ class GenerationResponse:
     stats: Optional[GenerationStats] = None
 
 
-def _eval_cache(rt: Runtime) -> None:
-    mx.eval([layer.state for layer in rt.cache])
-
-
-def _feed(rt: Runtime, tokens: Sequence[int], step: int) -> None:
-    """Forward `tokens` through `rt` outside any branch, in chunks of `step`."""
-    for i in range(0, len(tokens), step):
-        rt.forward(tokens[i : i + step])
-        _eval_cache(rt)
-        mx.clear_cache()
-
-
-def _normalize(logits: mx.array) -> mx.array:
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-
 class _Speculator:
     """The round loop. `tokens()` yields (token, logprobs, from_draft) forever.
 
@@ -170,15 +153,14 @@ class _Speculator:
     open branches up to what was emitted (`_settle`).
     """
 
-    def __init__(self, target, draft, lookup, prompt, *, width, max_tokens, sampler, prefill_step, stats,
-                 adaptive=True, draft_min_prob=0.0, prefill_checkpoints=()):
-        self.target: Runtime = target
-        self.draft: Optional[Runtime] = draft
-        self.lookup: Optional[PromptLookup] = lookup
+    def __init__(self, target: Runtime, drafter: Optional[Drafter], acceptor: Acceptor, prompt, *,
+                 width, max_tokens, prefill_step, stats, adaptive=True, prefill_checkpoints=()):
+        self.target = target
+        self.drafter = drafter
+        self.acceptor = acceptor
         self.prompt = prompt
         self.width = width
         self.max_tokens = max_tokens
-        self.sampler = sampler
         self.prefill_step = prefill_step
         self.stats = stats
         self.prefill_checkpoints = tuple(prefill_checkpoints)
@@ -186,23 +168,15 @@ class _Speculator:
         # is `pending`, the last emitted token, not yet fed to the target.
         self.history: list = target.tokens + list(prompt)
         self.pending_fed = False
-        # The open round: branches and how many target-branch tokens were emitted.
+        # The open round: the target's branch and how many of its tokens were emitted.
         self._tbr = None
-        self._dbr = None
-        self._gap_in_fork = 0
         self._keep = 0
-        # With `adaptive` and a draft model, a round stops drafting after the
-        # first draft the draft model itself gives less than `draft_min_prob`
-        # (that draft is still verified: even unsure drafts are often right).
-        # Otherwise (prompt lookup, or draft_min_prob 0) the width halves after
-        # a round that accepted nothing and doubles after one that accepted
-        # everything (1..width): a miss costs a wider verify, even for free drafts.
-        self.adaptive = adaptive
-        self.gate = adaptive and draft is not None and draft_min_prob > 0
-        self.draft_min_prob = draft_min_prob
+        # Unless the drafter sizes its own rounds (a gated draft model), the
+        # width halves after a round that accepted nothing and doubles after
+        # one that accepted everything (1..width): a miss costs a wider
+        # verify, even for free drafts.
+        self.adaptive = adaptive and drafter is not None and not drafter.gated
         self._cap = width
-
-    # -- cleanup ------------------------------------------------------------------
 
     def _settle(self) -> None:
         """Commit the open branches to the emitted tokens (0 if nothing emitted)."""
@@ -212,128 +186,81 @@ class _Speculator:
                 self._tbr.commit(min(self._keep, self._tbr.length))
         finally:
             self._tbr = None
-            if self._dbr is not None and self._dbr.open:
-                self._dbr.commit(min(self._dbr.length, self._gap_in_fork + self._keep))
-            self._dbr = None
+            if self.drafter is not None:
+                self.drafter.settle(self._keep)
             self._keep = 0
             self.stats.commit_time += time.perf_counter() - tic
 
-    # -- drafting -----------------------------------------------------------------
-
-    def _draft_model(self, pending: int, width: int):
-        """Open a draft fork and draft `width` tokens; returns (lazy drafts [width], q or None)."""
-        draft = self.draft
-        gap = self.history[draft.offset : self.target.offset]
-        if len(gap) > _GAP_IN_FORK:
-            _feed(draft, gap, self.prefill_step)
-            gap = []
-        self._gap_in_fork = len(gap)
-        self._dbr = draft.fork()
-        tokens, qs = [], []
-        step = gap + [pending]
-        # The drafts stay lazy: each feeds the next forward as an array. Without
-        # the gate the whole chain is evaluated with the verify (one device sync
-        # per round); with it, each draft but the last is read to decide
-        # whether to go on (a sync per draft, cheap next to a wasted draft).
-        for i in range(width):  # the last draft is not fed: the next round's gap holds it if accepted
-            logprobs = _normalize(draft.forward(step)[0, -1])
-            if isinstance(self.sampler, Sampler):
-                q = self.sampler.probs(logprobs)
-                tok = mx.random.categorical(mx.log(q))
-                qs.append(q)
-            elif self.sampler is None:
-                tok = mx.argmax(logprobs, axis=-1)
+    def _prefill(self) -> None:
+        target = self.target
+        if len(self.prompt) > 1:
+            if target.store is not None:  # resume from the prefix store, publish the prompt
+                target.prefill(self.history[:-1], step_size=self.prefill_step,
+                               checkpoints=self.prefill_checkpoints)
             else:
-                tok = self.sampler(logprobs[None])[0]
-            tokens.append(tok)
-            if self.gate and i + 1 < width:
-                # How sure the draft is of its token: under the distribution
-                # it was drawn from (a Sampler's), else the model's own.
-                sure = qs[-1][tok] if qs else mx.exp(logprobs[tok])
-                if sure.item() < self.draft_min_prob:
-                    break
-            step = tok.reshape(1)
-        drafts = mx.stack(tokens)
-        # Start on the drafts not read yet while the verify graph is built.
-        mx.async_eval(drafts)
-        return drafts, (mx.stack(qs) if qs else None)
+                _feed(target, self.prompt[:-1], self.prefill_step)
+        if self.drafter is not None:
+            self.drafter.catch_up(self.history, target.offset)
 
-    # -- the loop -----------------------------------------------------------------
+    def _round(self, pending: int, width: int) -> tuple:
+        """Draft, verify in one target forward (in a fork when there are drafts),
+        accept. Returns (drafts, n accepted, next token, logprobs [K+1, V])."""
+        t0 = time.perf_counter()
+        draft = self.drafter.draft(self.history, self.target.offset, pending, width) if width else NO_DRAFT
+        t1 = time.perf_counter()
+        if len(draft):
+            self._tbr = self.target.fork()
+        # A draft model's chain (what its gate has not read) and the verify run as one graph.
+        logprobs = _normalize(self.target.forward(draft.verify_input(pending))[0])
+        choices = self.acceptor.choices(logprobs)
+        mx.eval(draft.tokens if draft.lazy else (), logprobs, *choices)
+        drafts = draft.ids()
+        n, nxt = self.acceptor.accept(logprobs, drafts, draft.q, choices)
+        self.pending_fed = True
+        self._keep = 1
+        s = self.stats
+        s.draft_time += t1 - t0
+        s.verify_time += time.perf_counter() - t1
+        s.rounds += 1
+        s.drafted += len(drafts)
+        s.accepted += n
+        s.drafted_per_round.append(len(drafts))
+        s.accepted_per_round.append(n)
+        if self.adaptive and drafts:
+            if n == 0:
+                self._cap = max(1, self._cap // 2)
+            elif n == len(drafts):
+                self._cap = min(self.width, 2 * self._cap)
+        return drafts, n, nxt, logprobs
+
+    def _emit(self, token: int) -> None:
+        self.history.append(token)
+        if self.drafter is not None:
+            self.drafter.extend([token])
 
     def tokens(self) -> Iterator[tuple]:
-        target, stats = self.target, self.stats
         emitted = 0
         clean = False
         try:
-            if len(self.prompt) > 1:
-                if target.store is not None:  # resume from the prefix store, publish the prompt
-                    target.prefill(self.history[:-1], step_size=self.prefill_step,
-                                   checkpoints=self.prefill_checkpoints)
-                else:
-                    _feed(target, self.prompt[:-1], self.prefill_step)
-            if self.draft is not None:
-                lag = self.history[self.draft.offset : target.offset]
-                _feed(self.draft, lag, self.prefill_step)
+            self._prefill()
             pending = self.history[-1]
-            if self.draft is None and self.lookup is None:
+            if self.drafter is None:
                 yield from self._plain(pending)
             while True:
                 remaining = self.width if self.max_tokens < 0 else self.max_tokens - emitted - 1
-                drafting = self.draft is not None or self.lookup is not None
-                width = max(0, min(self.width, self._cap, remaining)) if drafting else 0
-                drafts, lazy, q = [], None, None
+                width = max(0, min(self.width, self._cap, remaining))
                 try:
-                    t0 = time.perf_counter()
-                    if width and self.draft is not None:
-                        lazy, q = self._draft_model(pending, width)
-                    elif width:
-                        drafts = self.lookup.draft(width)
-                    t1 = time.perf_counter()
-                    if lazy is not None:
-                        # Verify the unevaluated drafts: the draft chain (what
-                        # the gate has not read of it) and the verify forward
-                        # run as one graph, evaluated with the target's choices.
-                        self._tbr = target.fork()
-                        head = mx.array([pending], dtype=lazy.dtype)
-                        logprobs = _normalize(target.forward(mx.concatenate([head, lazy]))[0])
-                        choices = self._choices(logprobs)
-                        mx.eval(lazy, logprobs, *choices)
-                        drafts = lazy.tolist()
-                    else:
-                        if drafts:
-                            self._tbr = target.fork()
-                        logprobs = _normalize(target.forward([pending] + drafts)[0])
-                        choices = self._choices(logprobs)
-                    n, nxt = self._accept(logprobs, drafts, q, choices)
-                    self.pending_fed = True
-                    self._keep = 1
-                    t2 = time.perf_counter()
-                    stats.draft_time += t1 - t0
-                    stats.verify_time += t2 - t1
-                    stats.rounds += 1
-                    stats.drafted += len(drafts)
-                    stats.accepted += n
-                    stats.drafted_per_round.append(len(drafts))
-                    stats.accepted_per_round.append(n)
-                    if self.adaptive and not self.gate and drafts:
-                        if n == 0:
-                            self._cap = max(1, self._cap // 2)
-                        elif n == len(drafts):
-                            self._cap = min(self.width, 2 * self._cap)
+                    drafts, n, nxt, logprobs = self._round(pending, width)
                     for i in range(n):
                         self._keep += 1
                         emitted += 1
-                        self.history.append(drafts[i])
-                        if self.lookup is not None:
-                            self.lookup.extend(drafts[i : i + 1])
+                        self._emit(drafts[i])
                         yield drafts[i], logprobs[i], True
                 finally:
                     self._settle()
                 pending = nxt
                 self.pending_fed = False
-                self.history.append(nxt)
-                if self.lookup is not None:
-                    self.lookup.extend([nxt])
+                self._emit(nxt)
                 emitted += 1
                 yield nxt, logprobs[n], False
         except GeneratorExit:
@@ -343,15 +270,19 @@ class _Speculator:
             try:
                 self._settle()
             finally:
-                # Feed the last emitted token only on a normal stop: after an
-                # error no further forward is attempted (the runtime then holds
-                # one token less than was emitted; rt.tokens says so).
-                if clean and not self.pending_fed:
-                    target.forward([self.history[-1]])
-                    _eval_cache(target)
-                    self.pending_fed = True
-                if clean and target.store is not None:
-                    target.publish()  # the next turn resumes from prompt + reply
+                self._finish(clean)
+
+    def _finish(self, clean: bool) -> None:
+        # Feed the last emitted token only on a normal stop: after an error no
+        # further forward is attempted (the runtime then holds one token less
+        # than was emitted; rt.tokens says so).
+        target = self.target
+        if clean and not self.pending_fed:
+            target.forward([self.history[-1]])
+            _eval_cache(target)
+            self.pending_fed = True
+        if clean and target.store is not None:
+            target.publish()  # the next turn resumes from prompt + reply
 
     def _plain(self, pending: int) -> Iterator[tuple]:
         """Plain decoding, pipelined as mlx-lm's generate_step: the forward of
@@ -362,7 +293,7 @@ class _Speculator:
 
         def step(tokens: mx.array):
             logprobs = _normalize(target.forward(tokens)[0, -1])
-            token = self._sample(logprobs)
+            token = self.acceptor.sample(logprobs)
             mx.async_eval(token, logprobs)
             return token, logprobs
 
@@ -381,31 +312,6 @@ class _Speculator:
             if ahead is None:
                 return
             token, logprobs = ahead
-
-    def _sample(self, logprobs: mx.array) -> mx.array:
-        """The next token from logprobs [V], unevaluated (as `_accept` draws it without drafts)."""
-        sampler = self.sampler
-        if sampler is None:
-            return mx.argmax(logprobs, axis=-1)
-        if isinstance(sampler, Sampler):
-            return mx.random.categorical(mx.log(sampler.probs(logprobs).astype(mx.float32)))
-        return sampler(logprobs[None])[0]
-
-    def _choices(self, logprobs: mx.array) -> tuple:
-        """The target's tokens at every verified position, unevaluated (match
-        rule); nothing for a `Sampler`, whose acceptance draws its own."""
-        if isinstance(self.sampler, Sampler):
-            return ()
-        if self.sampler is None:
-            return (mx.argmax(logprobs, axis=-1),)
-        return (self.sampler(logprobs),)
-
-    def _accept(self, logprobs: mx.array, drafts: list, q, choices: tuple) -> tuple[int, int]:
-        if isinstance(self.sampler, Sampler):
-            return speculative_accept(self.sampler.probs(logprobs), q, drafts)
-        targets = choices[0].tolist()
-        n = match_accept(drafts, targets)
-        return n, targets[n]
 
 
 def _prompt_ids(tokenizer: TokenizerWrapper, prompt) -> list[int]:
@@ -540,11 +446,17 @@ def stream_generate(
 
     mode = "draft" if draft is not None else "lookup" if lookup is not None else "plain"
     stats = GenerationStats(mode=mode, prompt_tokens=len(ids))
+    acceptor = make_acceptor(sampler)
+    drafter: Optional[Drafter] = None
+    if draft is not None:
+        drafter = DraftModel(draft, acceptor, prefill_step=prefill_step_size,
+                             min_prob=draft_min_prob if adaptive else 0.0)
+    elif lookup is not None:
+        drafter = Lookup(lookup)
     speculator = _Speculator(
-        runtime, draft, lookup, ids,
-        width=num_draft_tokens, max_tokens=max_tokens, sampler=sampler,
-        prefill_step=prefill_step_size, stats=stats, adaptive=adaptive, draft_min_prob=draft_min_prob,
-        prefill_checkpoints=prefill_checkpoints,
+        runtime, drafter, acceptor, ids,
+        width=num_draft_tokens, max_tokens=max_tokens, prefill_step=prefill_step_size,
+        stats=stats, adaptive=adaptive, prefill_checkpoints=prefill_checkpoints,
     )
     return _responses(speculator, tokenizer, max_tokens, stats)
 

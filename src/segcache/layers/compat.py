@@ -17,7 +17,8 @@ mlx-lm's helpers reach past `update_and_fetch`:
   `to_quantized`; segcache cannot branch over quantized KV, so it raises
   before anything is swapped.
 * `BatchGenerator` calls `merge` / `extract`: a Runtime holds one sequence,
-  and batching on the runtime is issue 11, so they raise.
+  so they raise; batching on the runtime is `segcache.BatchRuntime` (its
+  rows join from Runtimes and leave as Runtimes).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ import warnings
 from ..errors import InvariantError, UnsupportedOperationError
 
 BATCHING = (
-    "a Runtime's layer caches hold one sequence; continuous batching on the runtime is issue 11 "
-    "(not built yet). Batch mlx-lm's own caches (make_prompt_cache(model)), or run one Runtime per sequence"
+    "a Runtime's layer caches hold one sequence. Batch runtimes with segcache.BatchRuntime (issue 11) "
+    "(join(row_id, runtime) adds a Runtime as a row), or batch mlx-lm's own caches (make_prompt_cache(model))"
 )
 
 

@@ -67,6 +67,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="comma-separated origins allowed by CORS (default: none, CORS off)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting at most; more get 429 (default 64)")
     p.add_argument("--max-body-bytes", type=parse_size, default=8 << 20, help="largest request body (default 8M)")
+    p.add_argument("--decode-concurrency", type=int, default=1,
+                   help="requests decoded together in one batched forward (default 1; not with --draft-model)")
+    p.add_argument("--prompt-concurrency", type=int, default=1,
+                   help="prompts prefilled between two batched decode steps, at most (default 1)")
     p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill forward")
     p.add_argument("--checkpoint-interval", type=int, default=256,
                    help="checkpoint a long prompt every N tokens, so another prompt sharing only its start "
@@ -157,8 +161,9 @@ def run(args: argparse.Namespace) -> int:
     """Run `segcache serve` until SIGINT/SIGTERM; returns the process exit code."""
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(message)s")
     if (args.num_draft_tokens < 1 or args.max_tokens < 1 or args.prefill_step_size < 1 or args.max_queue < 0
-            or args.checkpoint_interval < 0):
-        print("segcache serve: --num-draft-tokens, --max-tokens and --prefill-step-size must be >= 1, "
+            or args.checkpoint_interval < 0 or args.decode_concurrency < 1 or args.prompt_concurrency < 1):
+        print("segcache serve: --num-draft-tokens, --max-tokens, --prefill-step-size, --decode-concurrency and "
+              "--prompt-concurrency must be >= 1, "
               "--max-queue and --checkpoint-interval >= 0", file=sys.stderr)
         return 2
     try:
@@ -194,10 +199,24 @@ def run(args: argparse.Namespace) -> int:
     store, path = _open_store(args, model)
     settings = _settings(args, model, tokenizer)
     name = settings.served_name
-    engine = Engine(model, tokenizer, store=store, draft_model=draft, prompt_lookup=args.prompt_lookup,
-                    num_draft_tokens=args.num_draft_tokens, prefill_step=args.prefill_step_size,
-                    checkpoint_interval=args.checkpoint_interval)
-    scheduler = Scheduler(engine, max_queue=args.max_queue)
+    options = dict(store=store, draft_model=draft, prompt_lookup=args.prompt_lookup,
+                   num_draft_tokens=args.num_draft_tokens, prefill_step=args.prefill_step_size,
+                   checkpoint_interval=args.checkpoint_interval)
+    running = args.decode_concurrency
+    if running > 1 and draft is not None:
+        log.warning("--decode-concurrency %d with --draft-model: a draft model is not batched yet; "
+                    "serving one request at a time", running)
+        running = 1
+    if running > 1:
+        from .batching import BatchEngine
+
+        engine = BatchEngine(model, tokenizer, decode_concurrency=running,
+                             prompt_concurrency=args.prompt_concurrency, **options)
+    else:
+        engine = Engine(model, tokenizer, **options)
+    scheduler = Scheduler(engine, max_queue=args.max_queue, max_running=running)
+    if running > 1:
+        scheduler.begin_step = engine.begin_step
     worker = Worker(scheduler)
     server = Server(settings, Prompter(tokenizer, template), scheduler, worker, store)
 

@@ -4,10 +4,10 @@
                                                                              │ step(): one token each
     client stream <── loop.call_soon_threadsafe(deliver, event) <────────────┘
 
-Today `max_running` is 1: a request runs alone from its first step to its
-last, and the next waits in arrival order. Continuous batching (issue 11)
-admits several and makes `step()` run one batched forward over the running
-rows; nothing outside `step()` changes. Cancellation (a client gone) is a
+With `max_running` 1 (the default) a request runs alone from its first step
+to its last, and the next waits in arrival order. With --decode-concurrency N
+it admits N, and a `BatchEngine` (batching.py) makes each step run one
+batched forward over the running rows (`begin_step` marks the step). Cancellation (a client gone) is a
 flag read at the next step: the job's generator is closed there, which
 settles and publishes its runtime and frees it.
 """
@@ -52,11 +52,12 @@ class Scheduler:
     is in at most one of them; every running job has its generator.
     """
 
-    max_running = 1
-
-    def __init__(self, engine: Engine, max_queue: int = 64):
+    def __init__(self, engine: Engine, max_queue: int = 64, max_running: int = 1,
+                 begin_step: Callable[[], None] = lambda: None):
         self.engine = engine
         self.max_queue = max_queue
+        self.max_running = max_running  # > 1 with a BatchEngine (serve/batching.py)
+        self.begin_step = begin_step  # called before each step advances the running jobs
         self.waiting: collections.deque[Job] = collections.deque()
         self.running: list[Job] = []
         self._cond = threading.Condition()
@@ -94,6 +95,7 @@ class Scheduler:
                 job = self.waiting.popleft()
                 if not job.cancelled:  # a client gone while waiting costs nothing
                     self.running.append(job)
+        self.begin_step()
         for job in list(self.running):
             if job.steps is None:
                 job.steps = self.engine.generate(job.request)
@@ -113,6 +115,8 @@ class Scheduler:
             log.exception("%s failed", job.request.id)
             self._drop(job)
             job.deliver(Failure(f"generation failed: {type(exc).__name__}: {exc}"))
+            return
+        if event is None:  # no token for this job in this step (it waits to join the batch)
             return
         if isinstance(event, Finish):
             self._drop(job)

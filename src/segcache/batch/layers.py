@@ -1,0 +1,282 @@
+"""Batched segment kinds: B rows in one cache, each with its own length and branch.
+
+KV keeps per-row lengths in one buffer; a row's tokens sit at [0, length):
+
+    row 0  [ a a a a a . . . ]      lengths = [5, 3]
+    row 1  [ b b b . . . . . ]      a forward of S writes row i at [L_i, L_i + S)
+                                    and query t of row i sees keys j <= L_i + t
+
+so rows never shift and RoPE takes the per-row offsets (as mlx-lm's
+BatchKVCache does with left padding). Recurrent layers hold [B, ...] conv
+tails and states; an empty row holds zeros, which is what mlx-lm's module
+starts from when its cache holds None, so merging empty and populated rows
+keeps every row exactly.
+
+Rows of a ragged forward are padded on the right, and only inside a branch:
+padding never reaches a committed state, because `commit_rows` rebuilds each
+row from exactly its first n_i recorded tokens (KV: the length; recurrent:
+the conv inputs and recurrence inputs recorded per row, sliced to n_i).
+One branch level (what a speculative round needs).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+
+from ..errors import BranchError, InvariantError
+from ..layers.recurrent import RecurrentLayer, Steps, _first_steps, _RecurrentMark
+
+
+def _take(a, idx: mx.array):
+    return None if a is None else a[idx]
+
+
+class BatchKVLayer:
+    """Full attention over B rows with per-row lengths (mlx-lm's cache protocol for the model)."""
+
+    step = 256
+
+    def __init__(self, rows: int = 0):
+        self.keys = None  # [B, H, T, D]; row i valid on [0, lengths[i])
+        self.values = None
+        self.lengths: list[int] = [0] * rows
+        # marks[i]: row i's length when the open branch began (None: no branch).
+        self.marks: list[int] | None = None
+
+    # -- the protocol the model speaks ----------------------------------------------
+
+    @property
+    def offset(self) -> mx.array:
+        """Per-row positions, [B] (RoPE offsets the rows by them)."""
+        return mx.array(self.lengths, dtype=mx.int32)
+
+    def __bool__(self) -> bool:  # models test `if cache`
+        return True
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs) -> mx.array:
+        if window_size is not None:
+            raise NotImplementedError("sliding-window attention is not batched yet")
+        T = max(self.lengths) + N
+        q = mx.array(self.lengths, dtype=mx.int32)[:, None, None] + mx.arange(N)[None, :, None]
+        return (mx.arange(T)[None, None, :] <= q)[:, None]  # [B, 1, N, T]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        B, H, S, _ = keys.shape
+        end = max(self.lengths) + S
+        if self.keys is None or end > self.keys.shape[2]:
+            self._grow(B, H, end, keys, values)
+        if len(set(self.lengths)) == 1:
+            L = self.lengths[0]
+            self.keys[..., L : L + S, :] = keys
+            self.values[..., L : L + S, :] = values
+        else:
+            for i, L in enumerate(self.lengths):
+                self.keys[i : i + 1, :, L : L + S, :] = keys[i : i + 1]
+                self.values[i : i + 1, :, L : L + S, :] = values[i : i + 1]
+        self.lengths = [L + S for L in self.lengths]
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def _grow(self, B, H, end, keys, values) -> None:
+        size = (end + self.step - 1) // self.step * self.step
+        k = mx.zeros((B, H, size, keys.shape[3]), keys.dtype)
+        v = mx.zeros((B, H, size, values.shape[3]), values.dtype)
+        if self.keys is not None:
+            T = self.keys.shape[2]
+            k[..., :T, :] = self.keys
+            v[..., :T, :] = self.values
+        self.keys, self.values = k, v
+
+    # -- branches ---------------------------------------------------------------------
+
+    def fork(self) -> None:
+        self.marks = list(self.lengths)
+
+    def commit_rows(self, ns: Sequence[int]) -> None:
+        self.lengths = [m + n for m, n in zip(self.marks, ns)]
+        self.marks = None
+
+    def rollback(self) -> None:
+        self.lengths, self.marks = self.marks, None
+
+    # -- rows ----------------------------------------------------------------------
+
+    def take(self, rows: Sequence[int]) -> None:
+        """Keep `rows` (in that order), their branch marks included."""
+        idx = mx.array(list(rows), dtype=mx.int32)
+        self.lengths = [self.lengths[i] for i in rows]
+        if self.marks is not None:
+            self.marks = [self.marks[i] for i in rows]
+        if self.keys is not None:
+            if not rows:
+                self.keys = self.values = None
+            else:
+                self.keys, self.values = self.keys[idx], self.values[idx]
+
+    def row_state(self, i: int) -> tuple:
+        """(keys, values) of row i's first `lengths[i]` tokens, [1, H, L, D] copies, or (None, None)."""
+        L = self.lengths[i]
+        if self.keys is None or L == 0:
+            return None, None
+        return self.keys[i : i + 1, :, :L, :] * 1, self.values[i : i + 1, :, :L, :] * 1
+
+    def add_row(self, keys: mx.array | None, values: mx.array | None) -> None:
+        """Append a row holding `keys`/`values` ([1, H, L, D]) or nothing; outside a branch."""
+        L = 0 if keys is None else keys.shape[2]
+        if keys is not None:
+            B = len(self.lengths)
+            if self.keys is None:
+                size = (L + self.step) // self.step * self.step
+                self.keys = mx.zeros((B, keys.shape[1], size, keys.shape[3]), keys.dtype)
+                self.values = mx.zeros((B, values.shape[1], size, values.shape[3]), values.dtype)
+            self._fit(L)
+            row_k = mx.zeros((1, *self.keys.shape[1:]), keys.dtype)
+            row_v = mx.zeros((1, *self.values.shape[1:]), values.dtype)
+            row_k[..., :L, :] = keys
+            row_v[..., :L, :] = values
+            self.keys = mx.concatenate([self.keys, row_k])
+            self.values = mx.concatenate([self.values, row_v])
+        elif self.keys is not None:
+            self.keys = mx.concatenate([self.keys, mx.zeros((1, *self.keys.shape[1:]), self.keys.dtype)])
+            self.values = mx.concatenate([self.values, mx.zeros((1, *self.values.shape[1:]), self.values.dtype)])
+        self.lengths.append(L)
+
+    def _fit(self, L: int) -> None:
+        if L > self.keys.shape[2]:
+            extra = (L - self.keys.shape[2] + self.step - 1) // self.step * self.step
+            pad = lambda a: mx.concatenate([a, mx.zeros((*a.shape[:2], extra, a.shape[3]), a.dtype)], axis=2)
+            self.keys, self.values = pad(self.keys), pad(self.values)
+
+    def check(self) -> None:
+        where = f"BatchKVLayer(lengths={self.lengths}, marks={self.marks})"
+        if any(L < 0 for L in self.lengths):
+            raise InvariantError(f"{where}: negative length")
+        if self.marks is not None and (
+            len(self.marks) != len(self.lengths) or any(m > L for m, L in zip(self.marks, self.lengths))
+        ):
+            raise InvariantError(f"{where}: a branch begins past its row's end")
+        if self.keys is None:
+            if any(self.lengths):
+                raise InvariantError(f"{where}: tokens counted but no buffer")
+            return
+        if self.keys.shape[0] != len(self.lengths) or max(self.lengths, default=0) > self.keys.shape[2]:
+            raise InvariantError(f"{where}: buffer {self.keys.shape} does not hold the rows")
+
+
+class BatchRecurrentLayer(RecurrentLayer):
+    """A Gated DeltaNet cache over B rows: conv tails [B, k-1, C], states [B, ...].
+
+    It is a `RecurrentLayer`, so the family adapter records each branch
+    forward's inputs here (`Steps` over all B rows), and `commit_rows` cuts
+    them per row.
+    """
+
+    # -- branches --------------------------------------------------------------------
+
+    def fork(self) -> None:
+        self.marks.append(_RecurrentMark(0, self.cache[0], self.cache[1]))
+
+    def rollback(self) -> None:
+        mark = self.marks.pop()
+        self.cache = [mark.conv, mark.state]
+
+    def commit(self, n: int) -> None:
+        raise BranchError("a batched recurrent layer commits per row: commit_rows(ns)")
+
+    def commit_rows(self, ns: Sequence[int]) -> None:
+        """Keep the first ns[i] recorded tokens of row i and close the branch."""
+        mark = self.marks.pop()
+        convs, states = [], []
+        for i, n in enumerate(ns):
+            conv, state = self._row_prefix(mark, i, n)
+            convs.append(conv)
+            states.append(state)
+        if all(c is None for c in convs):
+            self.cache = [None, None]
+            return
+        like = next(c for c in convs if c is not None), next(s for s in states if s is not None)
+        fill = lambda a, ref: mx.zeros((1, *ref.shape[1:]), ref.dtype) if a is None else a
+        self.cache = [
+            mx.concatenate([fill(c, like[0]) for c in convs]),
+            mx.concatenate([fill(s, like[1]) for s in states]),
+        ]
+
+    def _row_prefix(self, mark: _RecurrentMark, i: int, n: int) -> tuple:
+        """Row i's (conv tail, state) after its first n branch tokens, [1, ...] each."""
+        conv0 = None if mark.conv is None else mark.conv[i : i + 1]
+        state = None if mark.state is None else mark.state[i : i + 1]
+        if n == 0:
+            return conv0, state
+        records = [_row_steps(s, i) for s in mark.records]
+        kept = _first_steps(records, n)
+        rows = [s.conv_rows for s in records]
+        if conv0 is None:
+            conv0 = mx.zeros((1, self.conv_tail, rows[0].shape[2]), rows[0].dtype)
+        conv_inputs = mx.concatenate([conv0, *rows], axis=1)
+        conv = mx.contiguous(conv_inputs[:, n : n + self.conv_tail, :])
+        start = 0
+        for j, steps in enumerate(kept):
+            if steps.states:
+                start, state = j + 1, steps.states[-1]
+        for steps in kept[start:]:
+            state = steps.replay(steps.inputs, state)
+        return conv, state
+
+    # -- rows -------------------------------------------------------------------------
+
+    def take(self, rows: Sequence[int]) -> None:
+        """Keep `rows` (in that order), their branch records included."""
+        idx = mx.array(list(rows), dtype=mx.int32)
+        if not rows:
+            self.cache = [None, None]
+            self.marks = [_RecurrentMark(0, None, None) for _ in self.marks]
+            return
+        self.cache = [_take(a, idx) for a in self.cache]
+        for mark in self.marks:
+            mark.conv, mark.state = _take(mark.conv, idx), _take(mark.state, idx)
+            mark.records = [_take_steps(s, idx) for s in mark.records]
+
+    def row_state(self, i: int) -> tuple:
+        """(conv, state) of row i, [1, ...], or (None, None) for a batch that saw nothing."""
+        conv, state = self.cache
+        return (None, None) if conv is None else (conv[i : i + 1], state[i : i + 1])
+
+    def add_row(self, conv, state, rows_before: int) -> None:
+        """Append a row holding (conv, state) or nothing (zeros); outside a branch."""
+        have, _ = self.cache
+        if have is None and conv is None:
+            return
+        ref_c, ref_s = (conv, state) if conv is not None else self.cache
+        if have is None:
+            have_c = mx.zeros((rows_before, *ref_c.shape[1:]), ref_c.dtype)
+            have_s = mx.zeros((rows_before, *ref_s.shape[1:]), ref_s.dtype)
+        else:
+            have_c, have_s = self.cache
+        if conv is None:
+            conv = mx.zeros((1, *ref_c.shape[1:]), ref_c.dtype)
+            state = mx.zeros((1, *ref_s.shape[1:]), ref_s.dtype)
+        self.cache = [mx.concatenate([have_c, conv]), mx.concatenate([have_s, state])]
+
+    def check(self) -> None:
+        conv, state = self.cache
+        where = f"BatchRecurrentLayer(depth={len(self.marks)})"
+        if (conv is None) != (state is None):
+            raise InvariantError(f"{where}: conv tail and state present together")
+        if conv is not None and (conv.shape[1] != self.conv_tail or conv.shape[0] != state.shape[0]):
+            raise InvariantError(f"{where}: conv {conv.shape} / state {state.shape} do not line up")
+        if len(self.marks) > 1:
+            raise InvariantError(f"{where}: one branch level at most")
+
+
+def _row_steps(s: Steps, i: int) -> Steps:
+    sl = slice(i, i + 1)
+    inputs = {k: (None if v is None else v[sl]) for k, v in s.inputs.items()}
+    states = None if s.states is None else [a[sl] for a in s.states]
+    return Steps(s.conv_rows[sl], inputs, s.replay, states)
+
+
+def _take_steps(s: Steps, idx: mx.array) -> Steps:
+    inputs = {k: _take(v, idx) for k, v in s.inputs.items()}
+    states = None if s.states is None else [a[idx] for a in s.states]
+    return Steps(s.conv_rows[idx], inputs, s.replay, states)

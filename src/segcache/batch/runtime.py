@@ -1,0 +1,295 @@
+"""BatchRuntime: B rows of one model, one forward per step, a branch per row.
+
+    br = BatchRuntime(model)
+    br.join("a", rt_a); br.join("b", rt_b)      # rows prefilled alone (store resume), merged in
+    br.forward([[y_a], [y_b]])                    # one decode step for every row
+    br.fork()                                     # a branch on every row
+    br.forward([[y_a, d1, d2], [y_b]])            # ragged: row b padded on the right
+    br.commit([3, 1])                             # each row keeps its own count
+    br.leave("a")                                 # the others are untouched
+
+Rules that keep padding out of committed state: a forward whose rows differ
+in length must run inside the branch and is its last forward (the branch is
+then sealed); each row commits at most the tokens it really fed. Rolling one
+row back is committing 0 for it. One branch level.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+from .. import adapters
+from ..errors import BranchError, InvariantError, UnsupportedModelError
+from ..layers import registry
+from ..runtime import Runtime, default_recurrent_strategy
+from .layers import BatchKVLayer, BatchRecurrentLayer
+
+
+@dataclass
+class Row:
+    """One sequence of the batch.
+
+    Invariants: base is None iff no branch is open; 0 <= base <= len(tokens);
+    fed_in_branch == len(tokens) - base inside a branch.
+    """
+
+    id: Hashable
+    tokens: list = field(default_factory=list)  # ids at positions 0..length-1 (real tokens only)
+    base: int | None = None  # len(tokens) when the branch began
+
+    @property
+    def branch_length(self) -> int:
+        return 0 if self.base is None else len(self.tokens) - self.base
+
+
+def _build(model, strategy: str) -> list:
+    native = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
+    layers = []
+    for i, (cache, layer) in enumerate(zip(native, model.layers)):
+        if type(cache) is KVCache:
+            layers.append(BatchKVLayer())
+        elif type(cache) is ArraysCache and (found := registry.match(cache, layer)) is not None:
+            module, base = found[1]
+            adapters.adapt(module, base)
+            layers.append(BatchRecurrentLayer(module.conv_kernel_size - 1, strategy))
+        else:
+            raise UnsupportedModelError(
+                f"layer {i} uses {type(cache).__name__}; batching supports KVCache and the Gated DeltaNet "
+                "ArraysCache (sliding-window attention is not batched yet)"
+            )
+    return layers
+
+
+class BatchRuntime:
+    """Rows of one model in shared batched layer caches.
+
+    Args:
+        model: an mlx-lm model with full-attention and/or Gated DeltaNet layers.
+        recurrent_strategy: "auto", "replay" or "states", as for `Runtime`.
+
+    Raises:
+        UnsupportedModelError: a layer kind that is not batched (sliding window).
+    """
+
+    def __init__(self, model, *, recurrent_strategy: str = "auto"):
+        if recurrent_strategy == "auto":
+            recurrent_strategy = default_recurrent_strategy()
+        self.model = model
+        self.recurrent_strategy = recurrent_strategy
+        self.cache = _build(model, recurrent_strategy)
+        self.rows: list[Row] = []  # row i of every layer is rows[i]
+        self.branch_open = False
+        self.sealed = False  # a ragged forward ran in the open branch: no more forwards in it
+
+    # -- rows -------------------------------------------------------------------------
+
+    @property
+    def ids(self) -> list:
+        return [r.id for r in self.rows]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def index(self, row_id) -> int:
+        for i, r in enumerate(self.rows):
+            if r.id == row_id:
+                return i
+        raise KeyError(f"no row {row_id!r} in the batch (rows: {self.ids})")
+
+    def tokens(self, row_id) -> list:
+        return list(self.rows[self.index(row_id)].tokens)
+
+    def join(self, row_id, runtime: Runtime | None = None) -> None:
+        """Add a row holding `runtime`'s committed state (empty if None); between steps.
+
+        Raises:
+            BranchError: a branch is open here or in `runtime`; nothing changed.
+            ValueError: the id is taken or the runtime is of another model.
+        """
+        if self.branch_open:
+            raise BranchError(f"join({row_id!r}) with a branch open: commit or roll it back first")
+        if any(r.id == row_id for r in self.rows):
+            raise ValueError(f"join({row_id!r}): a row with that id is already in the batch")
+        tokens: list = []
+        states = [None] * len(self.cache)
+        if runtime is not None:
+            if runtime.model is not self.model:
+                raise ValueError("join(): the runtime is of another model")
+            if runtime.depth:
+                raise BranchError(f"join({row_id!r}): the runtime has {runtime.depth} open branch(es)")
+            tokens = runtime.tokens
+            states = [layer.state for layer in runtime.cache]
+        B = len(self.rows)
+        for layer, state in zip(self.cache, states):
+            if isinstance(layer, BatchKVLayer):
+                keys, values = (None, None) if state is None or not state[2] else (state[0][..., : state[2], :], state[1][..., : state[2], :])
+                layer.add_row(keys, values)
+            else:
+                conv, st = (None, None) if state is None else state[:2]
+                layer.add_row(conv, st, B)
+        self.rows.append(Row(row_id, tokens))
+
+    def leave(self, *row_ids) -> None:
+        """Drop rows (finished or cancelled); the others keep their state and branch."""
+        gone = {self.index(r) for r in row_ids}
+        self.filter([i for i in range(len(self.rows)) if i not in gone])
+
+    def filter(self, keep: Sequence[int]) -> None:
+        """Keep the rows at `keep` (indices, in that order), branch records included."""
+        keep = list(keep)
+        if len(set(keep)) != len(keep) or any(not 0 <= i < len(self.rows) for i in keep):
+            raise ValueError(f"filter({keep}): indices must be distinct, in 0..{len(self.rows) - 1}")
+        for layer in self.cache:
+            layer.take(keep)
+        self.rows = [self.rows[i] for i in keep]
+
+    def extract(self, row_id) -> "BatchRuntime":
+        """A new one-row batch with this row's state and branch records; the row leaves this batch."""
+        i = self.index(row_id)
+        other = BatchRuntime.__new__(BatchRuntime)
+        other.model, other.recurrent_strategy = self.model, self.recurrent_strategy
+        other.branch_open, other.sealed = self.branch_open, self.sealed
+        other.cache = []
+        for layer in self.cache:
+            clone = _shallow(layer)
+            clone.take([i])
+            other.cache.append(clone)
+        other.rows = [Row(self.rows[i].id, list(self.rows[i].tokens), self.rows[i].base)]
+        self.leave(row_id)
+        return other
+
+    def to_runtime(self, row_id) -> Runtime:
+        """A single-sequence Runtime holding the row's committed state (copies); outside a branch."""
+        if self.branch_open:
+            raise BranchError("to_runtime() with a branch open: commit or roll it back first")
+        i = self.index(row_id)
+        rt = Runtime(self.model, recurrent_strategy=self.recurrent_strategy)
+        tokens = self.rows[i].tokens
+        states = []
+        for layer in self.cache:
+            a, b = layer.row_state(i)
+            if isinstance(layer, BatchKVLayer):
+                states.append((a, b, len(tokens)) if a is not None else None)
+            else:
+                states.append((a, b, len(tokens)))
+        if tokens:
+            rt.restore(tokens, states)
+        return rt
+
+    # -- forward ------------------------------------------------------------------------
+
+    def forward(self, tokens: Sequence[Sequence[int]]) -> mx.array:
+        """One model call over every row: `tokens[i]` for row i (non-empty).
+
+        Rows of different lengths are padded on the right; that needs an open
+        branch and seals it (its last forward). Returns logits [B, S_max, V];
+        row i's are valid at [:len(tokens[i])].
+
+        Raises:
+            ValueError: wrong number of rows or an empty row; nothing changed.
+            BranchError: ragged outside a branch, or a forward in a sealed branch.
+        """
+        if len(tokens) != len(self.rows) or not self.rows or any(len(t) == 0 for t in tokens):
+            raise ValueError(f"forward(): one non-empty token list per row ({len(self.rows)} rows)")
+        if self.sealed:
+            raise BranchError("forward() after a ragged forward in this branch: commit or roll it back first")
+        S = max(len(t) for t in tokens)
+        ragged = any(len(t) != S for t in tokens)
+        if ragged and not self.branch_open:
+            raise BranchError("rows of different lengths forward only inside a branch (padding is never committed)")
+        x = mx.array([list(t) + [0] * (S - len(t)) for t in tokens], dtype=mx.uint32)
+        logits = self.model(x, cache=self.cache)
+        for row, t in zip(self.rows, tokens):
+            row.tokens.extend(int(v) for v in t)
+        self.sealed = ragged
+        return logits
+
+    # -- branches -----------------------------------------------------------------------
+
+    def fork(self) -> None:
+        """Open a branch on every row."""
+        if self.branch_open:
+            raise BranchError("fork(): a branch is open already (batches keep one level)")
+        for layer in self.cache:
+            layer.fork()
+        for row in self.rows:
+            row.base = len(row.tokens)
+        self.branch_open = True
+
+    def commit(self, ns: Sequence[int] | dict) -> None:
+        """Keep the first ns[i] tokens of row i's branch (a dict: by row id; missing rows keep 0).
+
+        Raises:
+            BranchError: no branch, or some n outside 0..what the row fed; nothing changed.
+        """
+        if not self.branch_open:
+            raise BranchError("commit() with no open branch: fork() first")
+        if isinstance(ns, dict):
+            unknown = set(ns) - set(self.ids)
+            if unknown:
+                raise BranchError(f"commit(): no rows {sorted(map(repr, unknown))}")
+            ns = [ns.get(r.id, 0) for r in self.rows]
+        ns = list(ns)
+        if len(ns) != len(self.rows) or any(
+            not isinstance(n, int) or not 0 <= n <= r.branch_length for n, r in zip(ns, self.rows)
+        ):
+            raise BranchError(
+                f"commit({ns}): one n per row, each in 0..its branch length {[r.branch_length for r in self.rows]}"
+            )
+        for layer in self.cache:
+            layer.commit_rows(ns)
+        for row, n in zip(self.rows, ns):
+            del row.tokens[row.base + n :]
+            row.base = None
+        self.branch_open = self.sealed = False
+
+    def rollback(self) -> None:
+        """Drop the branch on every row (one row: commit 0 for it)."""
+        if not self.branch_open:
+            raise BranchError("rollback() with no open branch")
+        for layer in self.cache:
+            layer.rollback()
+        for row in self.rows:
+            del row.tokens[row.base :]
+            row.base = None
+        self.branch_open = self.sealed = False
+
+    def check(self) -> None:
+        """Every layer's invariants, and rows, lengths and branches in agreement."""
+        for layer in self.cache:
+            layer.check()
+        for row in self.rows:
+            if (row.base is None) == self.branch_open:
+                raise InvariantError(f"row {row.id!r}: branch base {row.base} but branch_open={self.branch_open}")
+        for layer in self.cache:
+            if isinstance(layer, BatchKVLayer):
+                want = [len(r.tokens) for r in self.rows]
+                if not self.sealed and layer.lengths != want:
+                    raise InvariantError(f"KV lengths {layer.lengths} but rows hold {want} tokens")
+                if self.branch_open and layer.marks != [r.base for r in self.rows]:
+                    raise InvariantError(f"KV marks {layer.marks} but rows branched at {[r.base for r in self.rows]}")
+            else:
+                conv = layer.cache[0]
+                if conv is not None and conv.shape[0] != len(self.rows):
+                    raise InvariantError(f"recurrent layer holds {conv.shape[0]} rows, batch has {len(self.rows)}")
+                if len(layer.marks) != int(self.branch_open):
+                    raise InvariantError("recurrent branch depth disagrees with the batch")
+
+    def __repr__(self) -> str:
+        return f"BatchRuntime(rows={[(r.id, len(r.tokens)) for r in self.rows]}, branch={self.branch_open})"
+
+
+def _shallow(layer):
+    """A layer object sharing `layer`'s arrays (arrays are never written through a taken copy)."""
+    clone = type(layer).__new__(type(layer))
+    vars(clone).update({k: (list(v) if isinstance(v, list) else v) for k, v in vars(layer).items()})
+    if isinstance(layer, BatchRecurrentLayer):
+        clone.marks = [
+            type(m)(m.offset, m.conv, m.state, list(m.records), m.kept, m.replaying) for m in layer.marks
+        ]
+        clone.cache = list(layer.cache)
+    return clone

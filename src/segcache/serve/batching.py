@@ -1,0 +1,151 @@
+"""Continuous batching for `segcache serve --decode-concurrency N --prompt-concurrency M`.
+
+    job generators ──next()──> buffer empty? ──> BatchEngine.step(): one BatchDecoder.step
+         ^                                       (one forward for every running row)
+         └──── tokens of this row ─────────────── per-row buffers
+
+Each request is still a generator the scheduler advances (worker.py is
+unchanged but for `begin_step` and "no event yet"): it prefills its prompt
+alone on a store-backed Runtime (resuming from the prefix store), joins the
+batch as a row, and yields one Chunk per token from its buffer. The first
+job of a scheduler step whose buffer is empty runs the batched step for
+all; a job sends every token its row has in one Chunk. At most M prompts are prefilled per scheduler step, between decode
+steps. Closing a job's generator (finished, or a client gone) removes its row
+at once and publishes prompt + completion.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Iterator
+
+from ..acceptors import make_acceptor
+from ..batch.decoder import BatchDecoder
+from ..runtime import Runtime
+from ..sampling import make_sampler
+from .engine import Chunk, Engine, Finish, GenRequest, Usage
+from .text import StopText
+
+
+class BatchEngine(Engine):
+    """An Engine whose requests share one batched forward per step.
+
+    Args:
+        decode_concurrency: rows decoding together at most (the scheduler's max_running).
+        prompt_concurrency: prompts prefilled per scheduler step at most.
+        Others as `Engine` (a draft model is not batched: use `Engine`).
+    """
+
+    def __init__(self, model, tokenizer, *, decode_concurrency: int, prompt_concurrency: int, **kwargs):
+        super().__init__(model, tokenizer, **kwargs)
+        if self.draft_model is not None:
+            raise ValueError("a draft model is not batched; serve it with decode_concurrency 1")
+        self.decode_concurrency = decode_concurrency
+        self.prompt_concurrency = prompt_concurrency
+        width = self.num_draft_tokens if self.prompt_lookup else 0
+        self.decoder = BatchDecoder(model, num_draft_tokens=width)
+        self._buffers: dict[str, collections.deque] = {}
+        self._prefills = 0  # prompts prefilled in this scheduler step
+        self._stepped = False  # the batched step of this scheduler step has run
+
+    def begin_step(self) -> None:
+        self._prefills = 0
+        self._stepped = False
+
+    def _step(self) -> None:
+        if self._stepped or not len(self.decoder):
+            return
+        self._stepped = True
+        for rid, emitted in self.decoder.step().items():
+            self._buffers[rid].extend(emitted)
+
+    def generate(self, req: GenRequest) -> Iterator[object]:
+        """Yield None until admitted to the batch, then a Chunk per token and one Finish."""
+        while self._prefills >= self.prompt_concurrency:
+            yield None  # another step: this one has prefilled enough prompts
+        self._prefills += 1
+        before = self._stats()
+        rt = Runtime(self.model, store=self.store)
+        if len(req.ids) > 1:
+            if self.store is not None:
+                rt.prefill(req.ids[:-1], step_size=self.prefill_step, checkpoints=self._checkpoints(req))
+            else:
+                rt.forward(req.ids[:-1])
+        if req.seed is not None:
+            import mlx.core as mx
+
+            mx.random.seed(req.seed)
+        sampler = make_sampler(req.temperature, top_p=req.top_p if req.top_p < 1.0 else 0.0,
+                               top_k=req.top_k, min_p=req.min_p)
+        self.decoder.add(req.id, rt, req.ids[-1], acceptor=make_acceptor(sampler), max_tokens=req.max_tokens)
+        self._buffers[req.id] = buffer = collections.deque()
+        after = self._stats()
+        cached = after["hit_tokens"] - before["hit_tokens"]
+        tok = self.tokenizer
+        detok = tok.detokenizer
+        eos = tok.eos_token_ids
+        stop = StopText(req.stops)
+        n, ttft, finish, outcome = 0, 0.0, "length", "cancelled"
+        emitted = []
+        try:
+            while True:
+                if not buffer:
+                    self._step()
+                if not buffer:
+                    yield None  # this step's forward ran before this row joined
+                    continue
+                # Every token this row has (a round may emit several) goes out in one chunk.
+                texts, logprobs_out, done = [], [], None
+                while buffer and done is None and not stop.stopped:
+                    token, logprobs, _ = buffer.popleft()
+                    if n == 0:
+                        ttft = time.perf_counter() - req.arrival
+                    n += 1
+                    if token in eos:
+                        detok.finalize()
+                        done = "stop"
+                    else:
+                        emitted.append(token)
+                        detok.add_token(token)
+                        if n == req.max_tokens:
+                            detok.finalize()
+                            done = "length"
+                    texts.append(stop.feed(detok.last_segment))
+                    if done is not None:
+                        finish = done
+                        texts.append(stop.flush())
+                    if stop.stopped:
+                        finish = "stop"
+                    if req.top_logprobs >= 0 and token not in eos:
+                        logprobs_out.append(self._logprob(token, logprobs, req.top_logprobs))
+                yield Chunk("".join(texts), logprobs_out)
+                if stop.stopped or done is not None:
+                    break
+            outcome = finish
+            self._leave(req, emitted)
+            yield Finish(finish, Usage(len(req.ids), n, cached))
+        finally:
+            self._leave(req, emitted)
+            self._log(req, n, cached, "-", ttft, None, outcome)
+
+    def _leave(self, req: GenRequest, emitted: list) -> None:
+        """Free the row now; publish prompt + what the client received."""
+        if req.id not in self._buffers:
+            return
+        del self._buffers[req.id]
+        try:
+            if self.store is not None:
+                held = req.ids + emitted
+                row = self.decoder.batch.tokens(req.id)
+                if len(row) <= len(held) and row == held[: len(row)]:
+                    rt = self.decoder.batch.to_runtime(req.id)
+                    rt.store = self.store
+                    if len(row) < len(held):
+                        rt.forward(held[len(row) :])
+                    rt.publish()
+                else:  # the row ran ahead of the client (drafts buffered, not sent): recompute from the store
+                    Runtime(self.model, store=self.store).prefill(held, step_size=self.prefill_step)
+                self._dirty = True
+        finally:
+            self.decoder.remove(req.id)

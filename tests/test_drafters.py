@@ -1,0 +1,38 @@
+"""The drafter and acceptor protocols on their own (the round loop is covered by test_generate*.py)."""
+
+import mlx.core as mx
+
+from segcache.acceptors import ExactSpeculative, GreedyMatch, SamplerMatch, make_acceptor
+from segcache.drafters import Draft, Lookup
+from segcache.lookup import PromptLookup
+from segcache.sampling import Sampler
+
+
+def test_make_acceptor_picks_the_rule_by_sampler():
+    assert isinstance(make_acceptor(None), GreedyMatch)
+    assert isinstance(make_acceptor(Sampler(0.7)), ExactSpeculative)
+    assert isinstance(make_acceptor(lambda x: mx.argmax(x, axis=-1)), SamplerMatch)
+
+
+def test_greedy_match_accepts_the_common_prefix_then_the_targets_token():
+    logprobs = mx.log(mx.array([[0.1, 0.9, 0.0], [0.8, 0.1, 0.1], [0.1, 0.1, 0.8]]) + 1e-9)
+    rule = GreedyMatch()
+    choices = rule.choices(logprobs)  # argmax: 1, 0, 2
+    assert rule.accept(logprobs, [1, 0], None, choices) == (2, 2)
+    assert rule.accept(logprobs, [1, 2], None, choices) == (1, 0)
+    assert rule.accept(logprobs, [0, 0], None, choices) == (0, 1)
+
+
+def test_lookup_drafter_follows_emitted_tokens():
+    drafter = Lookup(PromptLookup())
+    drafter.extend([5, 6, 7, 8, 5, 6])
+    assert drafter.draft([], 0, 6, 2).tokens == [7, 8]
+    drafter.extend([9])
+    assert len(drafter.draft([], 0, 9, 2)) == 0
+
+
+def test_draft_verify_input_for_ids_and_lazy_chains():
+    assert Draft([3, 4]).verify_input(1) == [1, 3, 4]
+    lazy = Draft(mx.array([3, 4], dtype=mx.uint32))
+    assert lazy.lazy and len(lazy) == 2
+    assert lazy.verify_input(1).tolist() == [1, 3, 4] and lazy.ids() == [3, 4]

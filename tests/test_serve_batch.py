@@ -1,0 +1,70 @@
+"""`segcache serve --decode-concurrency 8`: 8 concurrent clients in one batch, plain and
+with prompt lookup, each answer equal to the request served alone (mlx-lm's generate);
+a client that disconnects frees its row at once."""
+
+import segcache  # noqa: F401, I001  (binds the system BLAS before mlx loads)
+
+import threading
+import time
+
+import httpx
+import mlx_lm
+import pytest
+
+from serve_util import TARGET, Server
+
+TEXT = open(TARGET.parent / "heldout_stdlib.txt").read()
+PROMPTS = [TEXT[i * 1500 : i * 1500 + 200 + 60 * i] for i in range(8)]
+N = 24
+
+
+@pytest.fixture(scope="module")
+def ref():
+    model, tok = mlx_lm.load(str(TARGET))
+    return [mlx_lm.generate(model, tok, prompt=tok.encode(p), max_tokens=N) for p in PROMPTS]
+
+
+def _stream(url, prompt, out, i):
+    body = {"prompt": prompt, "max_tokens": N, "stream": True}
+    text = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                import json
+
+                choice = json.loads(line[6:])["choices"]
+                if choice:
+                    text.append(choice[0]["text"])
+    out[i] = "".join(text)
+
+
+@pytest.mark.parametrize("drafting", ([], ["--prompt-lookup"]))
+def test_eight_clients_in_one_batch_each_as_alone(tmp_path, ref, drafting):
+    srv = Server(tmp_path / "store", "--decode-concurrency", "8", "--prompt-concurrency", "2", *drafting,
+                 log_path=tmp_path / "serve.log").start()
+    try:
+        out = [None] * len(PROMPTS)
+        left = {}
+
+        def leaver():
+            body = {"prompt": TEXT[20000:20300], "max_tokens": 1000, "stream": True}
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=120) as r:
+                left["chunks"] = [x for x, _ in zip((x for x in r.iter_lines() if x.startswith("data: ")), range(3))]
+
+        threads = [threading.Thread(target=leaver)]
+        threads += [threading.Thread(target=_stream, args=(srv.url, p, out, i)) for i, p in enumerate(PROMPTS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert not any(t.is_alive() for t in threads)
+        assert out == ref
+        deadline = time.monotonic() + 60
+        while httpx.get(srv.url + "/stats", timeout=30).json()["pending"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        cancelled = [line for line in srv.log().splitlines() if line.endswith(", cancelled")]
+        assert len(cancelled) == 1, srv.log()[-3000:]
+        generated = int(cancelled[0].split("generated ")[1].split(" tok")[0])
+        assert generated < 200  # freed when the client left, not run on to max_tokens
+    finally:
+        srv.stop()
