@@ -31,7 +31,7 @@ import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .acceptors import Acceptor, make_acceptor
-from .drafters import NO_DRAFT, DraftModel, Drafter, Lookup
+from .drafters import NO_DRAFT, Drafter, DraftModel, Lookup
 from .drafters import eval_cache as _eval_cache
 from .drafters import feed as _feed
 from .drafters import normalize as _normalize

@@ -26,7 +26,8 @@ from typing import Sequence
 import mlx.core as mx
 
 from ..errors import BranchError, InvariantError
-from ..layers.recurrent import RecurrentLayer, Steps, _first_steps, _RecurrentMark
+from ..layers.kept_states import first_records
+from ..layers.recurrent import RecurrentLayer, Steps, _RecurrentMark
 
 
 def _take(a, idx: mx.array):
@@ -209,7 +210,7 @@ class BatchRecurrentLayer(RecurrentLayer):
         if n == 0:
             return conv0, state
         records = [_row_steps(s, i) for s in mark.records]
-        kept = _first_steps(records, n)
+        kept = first_records(records, n)
         rows = [s.conv_rows for s in records]
         if conv0 is None:
             conv0 = mx.zeros((1, self.conv_tail, rows[0].shape[2]), rows[0].dtype)

@@ -66,6 +66,22 @@ class MlxCompat:
         raise UnsupportedOperationError(f"{cls.__name__}.merge() (mlx-lm's BatchGenerator): {BATCHING}")
 
 
+class BatchingRefused:
+    """Mixin for ArraysCache kinds: mlx-lm's per-row batching calls raise (a layer holds one sequence)."""
+
+    def extract(self, idx):
+        raise UnsupportedOperationError(f"{type(self).__name__}.extract({idx}): {BATCHING}")
+
+    def filter(self, batch_indices):
+        raise UnsupportedOperationError(f"{type(self).__name__}.filter(): {BATCHING}")
+
+    def extend(self, other):
+        raise UnsupportedOperationError(f"{type(self).__name__}.extend(): {BATCHING}")
+
+    def prepare(self, lengths=None, **kwargs):
+        raise UnsupportedOperationError(f"{type(self).__name__}.prepare(lengths=...): {BATCHING}")
+
+
 class QuantizeRefused:
     """Mixin for attention kinds: `to_quantized` raises instead of handing mlx-lm a replacement."""
 

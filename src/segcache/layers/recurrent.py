@@ -32,8 +32,9 @@ from typing import Callable
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
-from ..errors import BranchError, InvariantError, UnsupportedOperationError
-from .compat import BATCHING, MlxCompat
+from ..errors import BranchError, InvariantError
+from .compat import BatchingRefused, MlxCompat
+from .kept_states import KeptStates, first_records
 from .protocol import CHECKPOINT
 from .snapshots import SnapshotBranches
 
@@ -84,7 +85,7 @@ class _RecurrentMark:
         return sum(s.length for s in self.records)
 
 
-class RecurrentLayer(MlxCompat, SnapshotBranches, ArraysCache):
+class RecurrentLayer(MlxCompat, BatchingRefused, KeptStates, SnapshotBranches, ArraysCache):
     """mlx-lm's two-slot `ArraysCache` plus a token count and a branch stack.
 
     Args:
@@ -123,39 +124,6 @@ class RecurrentLayer(MlxCompat, SnapshotBranches, ArraysCache):
         super().advance(N)
         self.offset += N
 
-    def keeps_states(self, steps: int, state_bytes: int) -> bool:
-        """Whether a forward of `steps` tokens inside the branch keeps its per-token states.
-
-        True with "states" while the open branches' kept states plus these stay
-        within the budget; once a forward does not fit, its branch replays.
-        """
-        if self.strategy != "states" or self.marks[-1].replaying:
-            return False
-        return (self.kept_states + steps) * state_bytes <= self.states_budget_bytes
-
-    @property
-    def kept_states(self) -> int:
-        """Per-token states the open branches keep (their bytes are within the budget)."""
-        return sum(m.kept for m in self.marks)
-
-    @property
-    def kept_bytes(self) -> int:
-        """Bytes of the per-token states the open branches keep."""
-        return sum(a.nbytes for m in self.marks for s in m.records if s.states for a in s.states)
-
-    def record(self, steps: Steps) -> None:
-        self._extend(self.marks[-1], [steps])
-
-    def _extend(self, mark: _RecurrentMark, records: list[Steps]) -> None:
-        mark.records.extend(records)
-        mark.kept += sum(len(s.states) for s in records if s.states)
-        mark.replaying = mark.replaying or any(s.states is None for s in records)
-
-    def _truncate(self, mark: _RecurrentMark, count: int) -> None:
-        del mark.records[count:]
-        mark.kept = sum(len(s.states) for s in mark.records if s.states)
-        mark.replaying = any(s.states is None for s in mark.records)
-
     def _snapshot(self) -> _RecurrentMark:
         return _RecurrentMark(self.offset, self.cache[0], self.cache[1])
 
@@ -167,7 +135,7 @@ class RecurrentLayer(MlxCompat, SnapshotBranches, ArraysCache):
         if n == 0:
             self._restore(mark)
             return
-        kept = _first_steps(mark.records, n)
+        kept = first_records(mark.records, n)
         rows = [s.conv_rows for s in mark.records]
         before = mark.conv
         if before is None:
@@ -225,19 +193,6 @@ class RecurrentLayer(MlxCompat, SnapshotBranches, ArraysCache):
         layer.state = state
         return layer._checked()
 
-    # Batching calls (mlx-lm's BatchGenerator on a merged cache): see layers.compat.
-    def extract(self, idx):
-        raise UnsupportedOperationError(f"RecurrentLayer.extract({idx}): {BATCHING}")
-
-    def filter(self, batch_indices):
-        raise UnsupportedOperationError(f"RecurrentLayer.filter(): {BATCHING}")
-
-    def extend(self, other):
-        raise UnsupportedOperationError(f"RecurrentLayer.extend(): {BATCHING}")
-
-    def prepare(self, lengths=None, **kwargs):
-        raise UnsupportedOperationError(f"RecurrentLayer.prepare(lengths=...): {BATCHING}")
-
     # -- persistence protocol (layers.protocol) ------------------------------------
 
     resumes_from = CHECKPOINT
@@ -292,25 +247,5 @@ class RecurrentLayer(MlxCompat, SnapshotBranches, ArraysCache):
         if conv is not None and conv.shape[1] != self.conv_tail:
             raise InvariantError(f"{where}: conv tail has {conv.shape[1]} rows, expected {self.conv_tail}")
         self._check_marks(where)
-        for mark in self.marks:
-            if any(s.states is not None and len(s.states) != s.length for s in mark.records):
-                raise InvariantError(f"{where}: a step record keeps states for only some of its tokens")
-            if self.strategy == "replay" and any(s.states is not None for s in mark.records):
-                raise InvariantError(f"{where}: a replay branch kept per-token states")
-            if mark.kept != sum(len(s.states) for s in mark.records if s.states):
-                raise InvariantError(f"{where}: the count of kept states is off")
-            if mark.replaying != any(s.states is None for s in mark.records):
-                raise InvariantError(f"{where}: the replaying flag disagrees with the records")
-        if self.kept_bytes > self.states_budget_bytes:
-            raise InvariantError(f"{where}: {self.kept_bytes} B of kept states, budget {self.states_budget_bytes} B")
+        self._check_kept(where)
 
-
-def _first_steps(steps: list[Steps], n: int) -> list[Steps]:
-    out = []
-    for s in steps:
-        if n <= 0:
-            break
-        take = min(n, s.length)
-        out.append(s.first(take))
-        n -= take
-    return out

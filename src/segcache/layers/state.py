@@ -31,10 +31,11 @@ from typing import Callable
 
 from mlx_lm.models.cache import ArraysCache
 
-from ..errors import BranchError, InvariantError, UnsupportedOperationError
+from ..errors import BranchError, InvariantError
+from .compat import BatchingRefused, MlxCompat
+from .kept_states import KeptStates, first_records
 from .protocol import CHECKPOINT
 from .recurrent import STRATEGIES
-from .compat import BATCHING, MlxCompat
 from .snapshots import SnapshotBranches
 
 
@@ -85,7 +86,7 @@ class _StateMark:
         return sum(c.length for c in self.records)
 
 
-class StateLayer(MlxCompat, SnapshotBranches, ArraysCache):
+class StateLayer(MlxCompat, BatchingRefused, KeptStates, SnapshotBranches, ArraysCache):
     """mlx-lm's `ArraysCache(size)` plus a token count and a branch stack.
 
     Args:
@@ -133,39 +134,9 @@ class StateLayer(MlxCompat, SnapshotBranches, ArraysCache):
 
     # -- what a branch keeps -----------------------------------------------------
 
-    def keeps_states(self, steps: int, state_bytes: int) -> bool:
-        """Whether a call of `steps` tokens keeps its per-token slots (see RecurrentLayer)."""
-        if self.strategy != "states" or self.marks[-1].replaying:
-            return False
-        return (self.kept_states + steps) * state_bytes <= self.states_budget_bytes
-
-    @property
-    def kept_states(self) -> int:
-        return sum(m.kept for m in self.marks)
-
-    @property
-    def kept_bytes(self) -> int:
-        """Bytes of the per-token slots the open branches keep."""
-        return sum(
-            a.nbytes for m in self.marks for c in m.records if c.states for s in c.states for a in s if a is not None
-        )
-
     def state_bytes(self) -> int:
         """Bytes of one set of slots (what keeping one token's state costs)."""
         return sum(a.nbytes for a in self.cache if a is not None)
-
-    def record(self, call: Call) -> None:
-        self._extend(self.marks[-1], [call])
-
-    def _extend(self, mark: _StateMark, records: list[Call]) -> None:
-        mark.records.extend(records)
-        mark.kept += sum(len(c.states) for c in records if c.states)
-        mark.replaying = mark.replaying or any(c.states is None for c in records)
-
-    def _truncate(self, mark: _StateMark, count: int) -> None:
-        del mark.records[count:]
-        mark.kept = sum(len(c.states) for c in mark.records if c.states)
-        mark.replaying = any(c.states is None for c in mark.records)
 
     def _snapshot(self) -> _StateMark:
         return _StateMark(self.offset, list(self.cache))
@@ -178,7 +149,7 @@ class StateLayer(MlxCompat, SnapshotBranches, ArraysCache):
         if n == 0:
             self._restore(mark)
             return
-        kept = _first_calls(mark.records, n)
+        kept = first_records(mark.records, n)
         # the last call that kept its slots (cut calls keep the states of their first tokens)
         start, slots = 0, list(mark.slots)
         for i, call in enumerate(kept):
@@ -234,19 +205,6 @@ class StateLayer(MlxCompat, SnapshotBranches, ArraysCache):
         layer = cls(int(size), family, strategy, states_budget_bytes=int(budget))
         layer.state = state
         return layer._checked()
-
-    # Batching calls (mlx-lm's BatchGenerator on a merged cache): see layers.compat.
-    def extract(self, idx):
-        raise UnsupportedOperationError(f"StateLayer.extract({idx}): {BATCHING}")
-
-    def filter(self, batch_indices):
-        raise UnsupportedOperationError(f"StateLayer.filter(): {BATCHING}")
-
-    def extend(self, other):
-        raise UnsupportedOperationError(f"StateLayer.extend(): {BATCHING}")
-
-    def prepare(self, lengths=None, **kwargs):
-        raise UnsupportedOperationError(f"StateLayer.prepare(lengths=...): {BATCHING}")
 
     # -- persistence protocol (layers.protocol) ------------------------------------
 
@@ -305,25 +263,5 @@ class StateLayer(MlxCompat, SnapshotBranches, ArraysCache):
         if self.offset > 0 and all(a is None for a in self.cache):
             raise InvariantError(f"{where}: tokens were seen but the slots are empty")
         self._check_marks(where)
-        for mark in self.marks:
-            if any(c.states is not None and len(c.states) != c.length for c in mark.records):
-                raise InvariantError(f"{where}: a call record keeps states for only some of its tokens")
-            if self.strategy == "replay" and any(c.states is not None for c in mark.records):
-                raise InvariantError(f"{where}: a replay branch kept per-token states")
-            if mark.kept != sum(len(c.states) for c in mark.records if c.states):
-                raise InvariantError(f"{where}: the count of kept states is off")
-            if mark.replaying != any(c.states is None for c in mark.records):
-                raise InvariantError(f"{where}: the replaying flag disagrees with the records")
-        if self.kept_bytes > self.states_budget_bytes:
-            raise InvariantError(f"{where}: {self.kept_bytes} B of kept states, budget {self.states_budget_bytes} B")
+        self._check_kept(where)
 
-
-def _first_calls(calls: list[Call], n: int) -> list[Call]:
-    out = []
-    for c in calls:
-        if n <= 0:
-            break
-        take = min(n, c.length)
-        out.append(c.first(take))
-        n -= take
-    return out

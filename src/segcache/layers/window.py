@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
-from ..errors import BranchError, InvariantError
-from ..errors import UnsupportedOperationError
+from ..errors import BranchError, InvariantError, UnsupportedOperationError
 from .compat import MlxCompat, QuantizeRefused
 from .protocol import CHECKPOINT
 from .snapshots import SnapshotBranches

@@ -28,14 +28,14 @@ import mlx.core as mx
 import msgpack
 
 from ..errors import StoreError, StoreWarning
-from . import codec
 from ..spec import conforms
+from . import codec
 from .codec import Expect
 from .disk import MAX_KEY, DiskTier, Entry
 from .policy import safe_cost
 from .ram import RamTier
-from .remote import RemoteTier
 from .record import Record
+from .remote import RemoteTier
 
 _BATCH_BYTES = 256 << 20  # encoded bytes per LMDB write transaction when suspending
 _ABSENT_SECONDS = 1.0  # a key the remote just lacked is not asked again for this long (one prefill)

@@ -14,7 +14,13 @@ from __future__ import annotations
 
 import mlx.core as mx
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..batch import BatchRuntime
