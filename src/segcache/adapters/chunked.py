@@ -34,6 +34,8 @@ import mlx.core as mx
 from mlx import nn
 from mlx_lm.models import gated_delta as gd
 
+from .gated_delta import conv_inputs
+
 CHUNK = 64  # tokens per chunk (flash-linear-attention's choice; the matrices are C x C)
 GROUP = 16  # chunks computed together: bounds the extra memory, keeps the products large
 # log g below this is taken as this: exp(-80) ~ 2e-35 is a reset in fp32 already, and a
@@ -255,14 +257,7 @@ def chunked_forward(module, project, inputs: mx.array, mask, cache) -> mx.array:
     mlx-lm's module updates it.
     """
     B, S, _ = inputs.shape
-    qkv, z, b, a = project(module, inputs)
-    if cache[0] is not None:
-        conv_state = cache[0]
-    else:
-        conv_state = mx.zeros((B, module.conv_kernel_size - 1, module.conv_dim), dtype=inputs.dtype)
-    if mask is not None:
-        qkv = mx.where(mask[..., None], qkv, 0)
-    conv_input = mx.concatenate([conv_state, qkv], axis=1)
+    qkv, z, b, a, conv_input = conv_inputs(module, project, inputs, mask, cache)
     n_keep = module.conv_kernel_size - 1
     if cache.lengths is not None:
         ends = mx.clip(cache.lengths, 0, S)

@@ -43,6 +43,19 @@ def _replay(recurrence, inputs: dict, state):
     return state
 
 
+def conv_inputs(module, project, inputs: mx.array, mask, cache):
+    """(qkv, z, b, a, conv input) as mlx-lm's module derives them: [cached tail | masked qkv rows]."""
+    B = inputs.shape[0]
+    qkv, z, b, a = project(module, inputs)
+    if cache[0] is not None:
+        conv_state = cache[0]
+    else:
+        conv_state = mx.zeros((B, module.conv_kernel_size - 1, module.conv_dim), dtype=inputs.dtype)
+    if mask is not None:
+        qkv = mx.where(mask[..., None], qkv, 0)
+    return qkv, z, b, a, mx.concatenate([conv_state, qkv], axis=1)
+
+
 def branch_forward(module, project, inputs: mx.array, mask, cache: RecurrentLayer) -> mx.array:
     """One GDN forward inside a branch; records its `Steps` in `cache`."""
     if getattr(module, "sharding_group", None) is not None:
@@ -53,15 +66,7 @@ def branch_forward(module, project, inputs: mx.array, mask, cache: RecurrentLaye
     if cache.lengths is not None or cache.left_padding is not None:
         raise BranchError("batched (padded) recurrent caches cannot be forwarded inside a branch")
     B, S, _ = inputs.shape
-    qkv, z, b, a = project(module, inputs)
-
-    if cache[0] is not None:
-        conv_state = cache[0]
-    else:
-        conv_state = mx.zeros((B, module.conv_kernel_size - 1, module.conv_dim), dtype=inputs.dtype)
-    if mask is not None:
-        qkv = mx.where(mask[..., None], qkv, 0)
-    conv_input = mx.concatenate([conv_state, qkv], axis=1)
+    qkv, z, b, a, conv_input = conv_inputs(module, project, inputs, mask, cache)
     cache[0] = mx.contiguous(conv_input[:, -(module.conv_kernel_size - 1) :, :])
     conv_out = nn.silu(module.conv1d(conv_input))
 
