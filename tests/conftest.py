@@ -21,3 +21,15 @@ def family(request):
 @pytest.fixture(params=models.HYBRID)
 def hybrid(request):
     return request.param
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A redis-server (or valkey-server) on a free loopback port, stopped after the test."""
+    from redis_util import RedisServer
+
+    srv = RedisServer(tmp_path / "redis").start()
+    try:
+        yield srv
+    finally:
+        srv.stop()

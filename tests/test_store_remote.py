@@ -30,15 +30,6 @@ FAMILIES = ("llama", "qwen3_5", "gemma3_text")  # dense, hybrid, sliding window
 OPEN = dict(ram_bytes=1 << 26, disk_bytes=1 << 28, page_tokens=16, remote_timeout=2.0)
 
 
-@pytest.fixture
-def redis_server(tmp_path):
-    srv = RedisServer(tmp_path / "redis").start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
 def digest(a) -> str:
     return hashlib.sha256(np.asarray(a.astype(mx.float32)).tobytes()).hexdigest()
 

@@ -6,22 +6,11 @@ import segcache  # noqa: F401, I001  (binds the system BLAS before mlx loads)
 import time
 
 import mlx_lm
-import pytest
 from mlx_lm.server import convert_chat
 
-from redis_util import RedisServer
 from serve_util import TARGET, Server
 
 SYSTEM = open(TARGET.parent / "heldout_other.txt").read()[:1200]
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    srv = RedisServer(tmp_path / "redis").start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
 
 
 def _settled(srv, timeout=30.0) -> int:

@@ -34,7 +34,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx_lm.models import gated_delta as gd
 
-from .gated_delta import conv_inputs
+from .gated_delta import conv_inputs, heads
 
 CHUNK = 64  # tokens per chunk (flash-linear-attention's choice; the matrices are C x C)
 GROUP = 16  # chunks computed together: bounds the extra memory, keeps the products large
@@ -267,15 +267,7 @@ def chunked_forward(module, project, inputs: mx.array, mask, cache) -> mx.array:
         cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
     conv_out = nn.silu(_depthwise_conv(module.conv1d, conv_input))
 
-    q, k, v = [
-        t.reshape(B, S, h, d)
-        for t, h, d in zip(
-            mx.split(conv_out, [module.key_dim, 2 * module.key_dim], -1),
-            [module.num_k_heads, module.num_k_heads, module.num_v_heads],
-            [module.head_k_dim, module.head_k_dim, module.head_v_dim],
-        )
-    ]
-    q, k = gd.normalize_qk(q, k, inv_scale=module.head_k_dim**-0.5, eps=1e-6)
+    q, k, v = heads(module, conv_out)
     beta = mx.sigmoid(b)
     g = gd.compute_g(module.A_log, a, module.dt_bias)
     out, state = chunked_gated_delta(q, k, v, g, beta, cache[1], mask)

@@ -56,6 +56,21 @@ def conv_inputs(module, project, inputs: mx.array, mask, cache):
     return qkv, z, b, a, mx.concatenate([conv_state, qkv], axis=1)
 
 
+def heads(module, conv_out: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """q, k, v per head from the conv output, q and k normalized as mlx-lm's module does."""
+    B, S, _ = conv_out.shape
+    q, k, v = [
+        t.reshape(B, S, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [module.key_dim, 2 * module.key_dim], -1),
+            [module.num_k_heads, module.num_k_heads, module.num_v_heads],
+            [module.head_k_dim, module.head_k_dim, module.head_v_dim],
+        )
+    ]
+    q, k = gd.normalize_qk(q, k, inv_scale=module.head_k_dim**-0.5, eps=1e-6)
+    return q, k, v
+
+
 def branch_forward(module, project, inputs: mx.array, mask, cache: RecurrentLayer) -> mx.array:
     """One GDN forward inside a branch; records its `Steps` in `cache`."""
     if getattr(module, "sharding_group", None) is not None:
@@ -70,16 +85,8 @@ def branch_forward(module, project, inputs: mx.array, mask, cache: RecurrentLaye
     cache[0] = mx.contiguous(conv_input[:, -(module.conv_kernel_size - 1) :, :])
     conv_out = nn.silu(module.conv1d(conv_input))
 
-    q, k, v = [
-        t.reshape(B, S, h, d)
-        for t, h, d in zip(
-            mx.split(conv_out, [module.key_dim, 2 * module.key_dim], -1),
-            [module.num_k_heads, module.num_k_heads, module.num_v_heads],
-            [module.head_k_dim, module.head_k_dim, module.head_v_dim],
-        )
-    ]
+    q, k, v = heads(module, conv_out)
     state = cache[1]
-    q, k = gd.normalize_qk(q, k, inv_scale=module.head_k_dim**-0.5, eps=1e-6)
 
     # As gated_delta_update does, but keeping g and beta: the replay must see
     # the very values the forward used.
