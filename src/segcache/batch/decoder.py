@@ -1,9 +1,22 @@
 """Batched decoding on a BatchRuntime: one forward per step for every row, speculative or plain.
 
-    step():   every row drafts (prompt lookup, its own history)
+    step():   every row drafts (prompt lookup in its own history, or the batched draft model)
               no row drafted  -> forward [[y_i]]                        (no branch)
               else            -> fork, forward [[y_i] + drafts_i] ragged, commit [1 + n_i]
               each row emits drafts_i[:n_i] + [t_i]; t_i becomes its pending y_i
+
+With a draft model, a second BatchRuntime holds the same rows of the draft:
+
+    draft batch:   fork ─ [[y_i]] ─ [[d1_i]] ... ─ [[d(J-1)_i]] (─ [[dJ_i]])  ─ commit [1 + n_i]
+    target batch:                                 fork ─ [[y_i] + drafts_i] ─ commit [1 + n_i]
+
+Every draft forward is one token per row (rows never pad in the draft), one
+sync per draft forward for all rows. Row i keeps its first k_i proposals
+(its room, or up to the first the draft gives less than `draft_min_prob`);
+the proposals past k_i are fed but never committed. The last forward
+([[dJ_i]]) runs only when some row accepted all J drafts, so that row's draft
+holds them. After a step both batches hold each row's history but the
+pending token.
 
 As `generation._Speculator` for one sequence: a row's runtime holds its
 history but the last emitted token (`pending`, fed by the next step). A row
@@ -18,7 +31,8 @@ from typing import Hashable, Optional
 import mlx.core as mx
 
 from ..acceptors import Acceptor, GreedyMatch
-from ..drafters import normalize
+from ..drafters import feed, normalize
+from ..errors import InvariantError
 from ..lookup import PromptLookup
 from ..runtime import Runtime
 from .runtime import BatchRuntime
@@ -28,7 +42,8 @@ from .runtime import BatchRuntime
 class RowState:
     """One row's generation state.
 
-    Invariant: the batch row holds exactly `history[:-1]`; history[-1] is `pending`.
+    Invariant: the batch row (and the draft batch row, with a draft model)
+    holds exactly `history[:-1]`; history[-1] is `pending`.
     """
 
     acceptor: Acceptor
@@ -39,7 +54,7 @@ class RowState:
     drafted: int = 0
     accepted: int = 0
     rounds: int = 0
-    per_round: list = field(default_factory=list)
+    per_round: list = field(default_factory=list)  # drafts accepted in each round that drafted
 
 
 class BatchDecoder:
@@ -47,25 +62,70 @@ class BatchDecoder:
 
     Args:
         model: the target model.
-        num_draft_tokens: drafts per row per round by prompt lookup (0: plain decoding).
-        recurrent_strategy: as for `Runtime`.
+        num_draft_tokens: drafts per row per round (0: plain decoding), by
+            prompt lookup, or by `draft_model` when one is given.
+        recurrent_strategy: as for `Runtime` (both batches).
+        draft_model: a draft model sharing the target's vocabulary (dense or
+            hybrid), batched in a BatchRuntime of its own; None: prompt lookup.
+        draft_min_prob: with a draft model, a row drafts no further after a
+            draft its draft model gives less than this (that draft is still
+            verified), as `stream_generate`'s; the round ends when every row stopped.
+        prefill_step: tokens per forward when a joining row's draft runtime is
+            brought up to the target's tokens.
     """
 
-    def __init__(self, model, *, num_draft_tokens: int = 0, recurrent_strategy: str = "auto"):
+    def __init__(self, model, *, num_draft_tokens: int = 0, recurrent_strategy: str = "auto",
+                 draft_model=None, draft_min_prob: float = 0.0, prefill_step: int = 2048):
+        if draft_model is not None and num_draft_tokens < 1:
+            raise ValueError(f"a draft model needs num_draft_tokens >= 1, got {num_draft_tokens}")
+        if not 0.0 <= draft_min_prob <= 1.0:
+            raise ValueError(f"draft_min_prob must be a probability in [0, 1], got {draft_min_prob}")
         self.batch = BatchRuntime(model, recurrent_strategy=recurrent_strategy)
+        self.draft = None if draft_model is None else BatchRuntime(draft_model, recurrent_strategy=recurrent_strategy)
         self.width = num_draft_tokens
+        self.min_prob = draft_min_prob if draft_model is not None else 0.0
+        self.prefill_step = prefill_step
         self.rows: dict[Hashable, RowState] = {}
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def add(self, row_id, runtime: Runtime, pending: int, *, acceptor: Acceptor | None = None,
-            max_tokens: int = -1) -> None:
-        """Add a row whose `runtime` holds its prompt but the last token `pending`."""
+            max_tokens: int = -1, draft_runtime: Runtime | None = None) -> None:
+        """Add a row whose `runtime` holds its prompt but the last token `pending`.
+
+        With a draft model, `draft_runtime` (of the draft model) holds a prefix
+        of those tokens, e.g. resumed from the prefix store; the rest is fed to
+        it here. None: a fresh draft runtime fed all of them.
+
+        Raises:
+            ValueError: the draft runtime holds tokens that are not a prefix of
+                the target's, or is of another model; nothing changed.
+        """
+        drt = None
+        if self.draft is not None:
+            drt = draft_runtime if draft_runtime is not None else Runtime(self.draft.model)
+            if drt.model is not self.draft.model:
+                raise ValueError(f"add({row_id!r}): the draft runtime is not of the draft model")
+            held, want = drt.tokens, runtime.tokens
+            if len(held) > len(want) or held != want[: len(held)] or None in want:
+                raise ValueError(
+                    f"add({row_id!r}): the draft runtime holds {len(held)} tokens that are not a prefix of "
+                    f"the target runtime's {len(want)} known tokens"
+                )
+            feed(drt, want[len(held):], self.prefill_step)
+        elif draft_runtime is not None:
+            raise ValueError(f"add({row_id!r}): a draft runtime without a draft model")
         self.batch.join(row_id, runtime)
+        if drt is not None:
+            try:
+                self.draft.join(row_id, drt)
+            except BaseException:
+                self.batch.leave(row_id)
+                raise
         history = runtime.tokens + [pending]
         lookup = None
-        if self.width:
+        if self.width and self.draft is None:
             lookup = PromptLookup()
             lookup.extend(history)
         self.rows[row_id] = RowState(acceptor or GreedyMatch(), history, lookup, self.width, max_tokens)
@@ -73,6 +133,8 @@ class BatchDecoder:
     def remove(self, row_id) -> None:
         """The row leaves (finished or cancelled); the others keep their state."""
         self.batch.leave(row_id)
+        if self.draft is not None:
+            self.draft.leave(row_id)
         del self.rows[row_id]
 
     def runtime(self, row_id) -> Runtime:
@@ -85,36 +147,105 @@ class BatchDecoder:
         """One forward for every row; returns {row id: [(token, logprobs [V], from_draft), ...]}."""
         ids = self.batch.ids
         states = [self.rows[r] for r in ids]
-        drafts = [self._draft(s) for s in states]
         pending = [s.history[-1] for s in states]
-        branch = any(drafts)
-        if branch:
-            self.batch.fork()
+        widths = [self._room(s) for s in states]
+        qs, last, branch = [None] * len(states), None, False
         try:
+            if self.draft is None:
+                drafts = [s.lookup.draft(w) if s.lookup is not None and w > 0 else [] for s, w in zip(states, widths)]
+            else:
+                drafts, qs, last = self._draft_model(states, pending, widths)
+            branch = any(drafts)
+            if branch:
+                self.batch.fork()
             logits = self.batch.forward([[p] + d for p, d in zip(pending, drafts)])
             logprobs = normalize(logits)  # [B, S, V]
             rows = [logprobs[i, : 1 + len(d)] for i, d in enumerate(drafts)]
             choices = [s.acceptor.choices(lp) for s, lp in zip(states, rows)]
             mx.eval(logprobs, *[c for cs in choices for c in cs])  # one sync for every row
             out, keep = {}, []
-            for rid, s, d, lp, cs in zip(ids, states, drafts, rows, choices):
-                n, nxt = s.acceptor.accept(lp, d, None, cs)
+            for rid, s, d, q, lp, cs in zip(ids, states, drafts, qs, rows, choices):
+                n, nxt = s.acceptor.accept(lp, d, q, cs)
                 keep.append(1 + n)
                 out[rid] = [(t, lp[j], True) for j, t in enumerate(d[:n])] + [(nxt, lp[n], False)]
                 self._advance(s, d, n, nxt)
-        except BaseException:
-            if branch:
+            if self.draft is not None:
+                self._settle_draft(branch, pending, drafts, keep, last)
+        except BaseException:  # a failed step changes nothing
+            if self.batch.branch_open:
                 self.batch.rollback()
+            if self.draft is not None and self.draft.branch_open:
+                self.draft.rollback()
             raise
         if branch:
             self.batch.commit(keep)
         return out
 
-    def _draft(self, s: RowState) -> list:
-        if s.lookup is None:
-            return []
-        room = s.cap if s.remaining < 0 else min(s.cap, s.remaining - 1)
-        return s.lookup.draft(room) if room > 0 else []
+    def check(self) -> None:
+        """Both batches' invariants, and each row holding its history but the pending token."""
+        self.batch.check()
+        if set(self.rows) != set(self.batch.ids):
+            raise InvariantError(f"decoder rows {list(self.rows)} but batch rows {self.batch.ids}")
+        batches = [self.batch] if self.draft is None else [self.batch, self.draft]
+        if self.draft is not None:
+            self.draft.check()
+            if self.draft.ids != self.batch.ids:
+                raise InvariantError(f"draft rows {self.draft.ids} but target rows {self.batch.ids}")
+        if self.batch.branch_open:
+            return
+        for b in batches:
+            for row in b.rows:
+                if row.tokens != self.rows[row.id].history[:-1]:
+                    raise InvariantError(f"row {row.id!r} holds {len(row.tokens)} tokens, not its history but the pending token")
+
+    def _room(self, s: RowState) -> int:
+        """Drafts row s may propose this round (never past its max_tokens)."""
+        if not self.width:
+            return 0
+        return s.cap if s.remaining < 0 else max(0, min(s.cap, s.remaining - 1))
+
+    def _draft_model(self, states: list, pending: list, widths: list) -> tuple:
+        """Every row drafts by one-token forwards of the draft batch, in a fork.
+
+        Returns (drafts per row, q [k_i, V] per row or None, the last forward's
+        proposals per row, not fed: the settle feeds them if a row needs them)."""
+        J = max(widths)
+        drafts = [[] for _ in states]
+        if J == 0:
+            return drafts, [None] * len(states), None
+        qs = [[] for _ in states]
+        live = [w > 0 for w in widths]
+        self.draft.fork()
+        step = [[p] for p in pending]
+        for j in range(J):
+            lp = normalize(self.draft.forward(step)[:, -1])  # [B, V]
+            props = [s.acceptor.propose(lp[i]) for i, s in enumerate(states)]
+            toks = mx.stack([t for t, _ in props])
+            dists = [q for _, q in props]
+            sure = mx.stack([q[t] if q is not None else mx.exp(lp[i, t]) for i, (t, q) in enumerate(props)])
+            mx.eval(toks, sure, *filter(None, dists))  # one sync per draft forward, all rows
+            ids, sure = toks.tolist(), sure.tolist()
+            for i in range(len(states)):
+                if live[i]:
+                    drafts[i].append(ids[i])
+                    if dists[i] is not None:
+                        qs[i].append(dists[i])
+                    live[i] = len(drafts[i]) < widths[i] and sure[i] >= self.min_prob
+            step = [[t] for t in ids]
+            if not any(live):
+                break
+        return drafts, [mx.stack(q) if q else None for q in qs], step
+
+    def _settle_draft(self, branch: bool, pending: list, drafts: list, keep: list, last) -> None:
+        """Bring the draft batch to each row's history but the new pending token."""
+        draft = self.draft
+        if not draft.branch_open:  # no row drafted: the plain step feeds the pending tokens here too
+            draft.forward([[p] for p in pending])
+            return
+        fed = draft.rows[0].branch_length  # every row fed as many
+        if any(k > fed for k in keep):  # a row accepted all its drafts, the last of which is not fed yet
+            draft.forward(last)
+        draft.commit(keep)
 
     def _advance(self, s: RowState, drafts: list, n: int, nxt: int) -> None:
         emitted = drafts[:n] + [nxt]
@@ -127,8 +258,10 @@ class BatchDecoder:
             s.rounds += 1
             s.drafted += len(drafts)
             s.accepted += n
-            # as stream_generate's adaptive width for prompt lookup
-            if n == 0:
-                s.cap = max(1, s.cap // 2)
-            elif n == len(drafts):
-                s.cap = min(self.width, 2 * s.cap)
+            s.per_round.append(n)
+            # as stream_generate's adaptive width (a gated draft model sizes its own rounds)
+            if not self.min_prob:
+                if n == 0:
+                    s.cap = max(1, s.cap // 2)
+                elif n == len(drafts):
+                    s.cap = min(self.width, 2 * s.cap)
