@@ -223,7 +223,7 @@ class BatchDecoder:
             toks = mx.stack([t for t, _ in props])
             dists = [q for _, q in props]
             sure = mx.stack([q[t] if q is not None else mx.exp(lp[i, t]) for i, (t, q) in enumerate(props)])
-            mx.eval(toks, sure, *filter(None, dists))  # one sync per draft forward, all rows
+            mx.eval(toks, sure, *[q for q in dists if q is not None])  # one sync per draft forward, all rows
             ids, sure = toks.tolist(), sure.tolist()
             for i in range(len(states)):
                 if live[i]:
