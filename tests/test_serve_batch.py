@@ -1,5 +1,5 @@
-"""`segcache serve --decode-concurrency 8`: 8 concurrent clients in one batch, plain and
-with prompt lookup, each answer equal to the request served alone (mlx-lm's generate);
+"""`segcache serve --decode-concurrency 8`: 8 concurrent clients in one batch, plain, with
+prompt lookup and with a draft model, each answer equal to the request served alone (mlx-lm's generate);
 a client that disconnects frees its row at once."""
 
 import segcache  # noqa: F401, I001  (binds the system BLAS before mlx loads)
@@ -11,7 +11,7 @@ import httpx
 import mlx_lm
 import pytest
 
-from serve_util import TARGET, Server
+from serve_util import DRAFT, TARGET, Server
 
 TEXT = open(TARGET.parent / "heldout_stdlib.txt").read()
 PROMPTS = [TEXT[i * 1500 : i * 1500 + 200 + 60 * i] for i in range(8)]
@@ -38,11 +38,12 @@ def _stream(url, prompt, out, i):
     out[i] = "".join(text)
 
 
-@pytest.mark.parametrize("drafting", ([], ["--prompt-lookup"]))
+@pytest.mark.parametrize("drafting", ([], ["--prompt-lookup"], ["--draft-model", DRAFT]), ids=("plain", "lookup", "draft"))
 def test_eight_clients_in_one_batch_each_as_alone(tmp_path, ref, drafting):
     srv = Server(tmp_path / "store", "--decode-concurrency", "8", "--prompt-concurrency", "2", *drafting,
                  log_path=tmp_path / "serve.log").start()
     try:
+        assert httpx.get(srv.url + "/stats", timeout=30).json()["max_running"] == 8  # batched, not one at a time
         out = [None] * len(PROMPTS)
         left = {}
 
@@ -66,5 +67,12 @@ def test_eight_clients_in_one_batch_each_as_alone(tmp_path, ref, drafting):
         assert len(cancelled) == 1, srv.log()[-3000:]
         generated = int(cancelled[0].split("generated ")[1].split(" tok")[0])
         assert generated < 200  # freed when the client left, not run on to max_tokens
+        done = [line for line in srv.log().splitlines() if ", ttft " in line and line.endswith((", length", ", stop"))]
+        assert len(done) == len(PROMPTS), srv.log()[-3000:]
+        # the batched rows' log lines carry their rate and, speculative, their acceptance
+        assert all(" tok/s" in line and ", -, " not in line for line in done), done
+        if drafting:
+            mode = "draft" if "--draft-model" in drafting else "lookup"
+            assert all(f", {mode} accepted " in line for line in done), done
     finally:
         srv.stop()

@@ -151,7 +151,8 @@ class Server:
     async def stats(self, request: Request) -> Response:
         """The queue and the prefix store: counters, sizes and budgets (segcache's own route)."""
         self._authorize(request)
-        body = {"pending": self.scheduler.pending(), "max_queue": self.scheduler.max_queue, "store": None}
+        body = {"pending": self.scheduler.pending(), "max_queue": self.scheduler.max_queue,
+                "max_running": self.scheduler.max_running, "store": None}
         store = self.store
         if store is not None and not store.closed:
             # off the loop: the store's lock may be held by the worker's flush

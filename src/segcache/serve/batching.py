@@ -21,7 +21,8 @@ import time
 from typing import Iterator
 
 from ..acceptors import make_acceptor
-from ..batch.decoder import BatchDecoder
+from ..batch.decoder import BatchDecoder, RowState
+from ..generation import DRAFT_MIN_PROB, GenerationStats
 from ..runtime import Runtime
 from ..sampling import make_sampler
 from .engine import Chunk, Engine, Finish, GenRequest, Usage
@@ -34,17 +35,19 @@ class BatchEngine(Engine):
     Args:
         decode_concurrency: rows decoding together at most (the scheduler's max_running).
         prompt_concurrency: prompts prefilled per scheduler step at most.
-        Others as `Engine` (a draft model is not batched: use `Engine`).
+        Others as `Engine`; a draft model is batched too (a second batch of the
+        draft's rows, see batch/decoder.py).
     """
 
     def __init__(self, model, tokenizer, *, decode_concurrency: int, prompt_concurrency: int, **kwargs):
         super().__init__(model, tokenizer, **kwargs)
-        if self.draft_model is not None:
-            raise ValueError("a draft model is not batched; serve it with decode_concurrency 1")
         self.decode_concurrency = decode_concurrency
         self.prompt_concurrency = prompt_concurrency
-        width = self.num_draft_tokens if self.prompt_lookup else 0
-        self.decoder = BatchDecoder(model, num_draft_tokens=width)
+        drafting = self.prompt_lookup or self.draft_model is not None
+        self.mode = "draft" if self.draft_model is not None else "lookup" if self.prompt_lookup else "plain"
+        self.decoder = BatchDecoder(model, num_draft_tokens=self.num_draft_tokens if drafting else 0,
+                                    draft_model=self.draft_model, prefill_step=self.prefill_step,
+                                    draft_min_prob=DRAFT_MIN_PROB if self.draft_model is not None else 0.0)
         self._buffers: dict[str, collections.deque] = {}
         self._prefills = 0  # prompts prefilled in this scheduler step
         self._stepped = False  # the batched step of this scheduler step has run
@@ -78,7 +81,9 @@ class BatchEngine(Engine):
             mx.random.seed(req.seed)
         sampler = make_sampler(req.temperature, top_p=req.top_p if req.top_p < 1.0 else 0.0,
                                top_k=req.top_k, min_p=req.min_p)
-        self.decoder.add(req.id, rt, req.ids[-1], acceptor=make_acceptor(sampler), max_tokens=req.max_tokens)
+        self.decoder.add(req.id, rt, req.ids[-1], acceptor=make_acceptor(sampler), max_tokens=req.max_tokens,
+                         draft_runtime=self._draft_runtime(req))
+        row = self.decoder.rows[req.id]
         self._buffers[req.id] = buffer = collections.deque()
         after = self._stats()
         cached = after["hit_tokens"] - before["hit_tokens"]
@@ -127,7 +132,24 @@ class BatchEngine(Engine):
             yield Finish(finish, Usage(len(req.ids), n, cached))
         finally:
             self._leave(req, emitted)
-            self._log(req, n, cached, "-", ttft, None, outcome)
+            self._log(req, n, cached, "-", ttft, self._row_stats(row, n, req.arrival + ttft), outcome)
+
+    def _draft_runtime(self, req: GenRequest) -> Runtime | None:
+        """The draft's runtime for a joining row: resumed from the prefix store (its own
+        records) and prefilled to the prompt but its last token; None without a draft model
+        or a store (the decoder feeds a fresh one)."""
+        if self.draft_model is None or self.store is None:
+            return None
+        drt = Runtime(self.draft_model, store=self.store)
+        if len(req.ids) > 1:
+            drt.prefill(req.ids[:-1], step_size=self.prefill_step)
+        return drt
+
+    def _row_stats(self, row: RowState, n: int, first: float) -> GenerationStats:
+        """The log line's figures for a row: tokens per second since its first token, drafts accepted."""
+        elapsed = time.perf_counter() - first if n else 0.0
+        return GenerationStats(mode=self.mode, generation_tokens=n, generation_time=elapsed, rounds=row.rounds,
+                               drafted=row.drafted, accepted=row.accepted)
 
     def _leave(self, req: GenRequest, emitted: list) -> None:
         """Free the row now; publish prompt + what the client received."""

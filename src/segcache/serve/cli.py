@@ -68,7 +68,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting at most; more get 429 (default 64)")
     p.add_argument("--max-body-bytes", type=parse_size, default=8 << 20, help="largest request body (default 8M)")
     p.add_argument("--decode-concurrency", type=int, default=1,
-                   help="requests decoded together in one batched forward (default 1; not with --draft-model)")
+                   help="requests decoded together in one batched forward (default 1), with or without a drafter")
     p.add_argument("--prompt-concurrency", type=int, default=1,
                    help="prompts prefilled between two batched decode steps, at most (default 1)")
     p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill forward")
@@ -203,10 +203,6 @@ def run(args: argparse.Namespace) -> int:
                    num_draft_tokens=args.num_draft_tokens, prefill_step=args.prefill_step_size,
                    checkpoint_interval=args.checkpoint_interval)
     running = args.decode_concurrency
-    if running > 1 and draft is not None:
-        log.warning("--decode-concurrency %d with --draft-model: a draft model is not batched yet; "
-                    "serving one request at a time", running)
-        running = 1
     if running > 1:
         from .batching import BatchEngine
 
