@@ -24,7 +24,7 @@ By default mlx_lm.server runs with the same OpenBLAS segcache binds
 at once (distinct prompts, greedy, --sweep-tokens each), against a fresh
 server started with `--decode-concurrency N --prompt-concurrency N`:
 segcache plain, segcache with prompt lookup, segcache with the draft model
-(not batched: one at a time), mlx_lm.server; and segcache one at a time
+(both batched speculative rounds), mlx_lm.server; and segcache one at a time
 (--decode-concurrency 1) as the baseline. Reports aggregate generated tok/s
 (completion tokens over the wall time) and mean TTFT.
 """
