@@ -215,14 +215,20 @@ class BatchDecoder:
             return drafts, [None] * len(states), None
         qs = [[] for _ in states]
         live = [w > 0 for w in widths]
+        greedy = all(isinstance(s.acceptor, GreedyMatch) for s in states)
         self.draft.fork()
         step = [[p] for p in pending]
         for j in range(J):
             lp = normalize(self.draft.forward(step)[:, -1])  # [B, V]
-            props = [s.acceptor.propose(lp[i]) for i, s in enumerate(states)]
-            toks = mx.stack([t for t, _ in props])
-            dists = [q for _, q in props]
-            sure = mx.stack([q[t] if q is not None else mx.exp(lp[i, t]) for i, (t, q) in enumerate(props)])
+            if greedy:  # one argmax for the batch (the common case) instead of one graph per row
+                toks = mx.argmax(lp, axis=-1)
+                sure = mx.exp(mx.take_along_axis(lp, toks[:, None], axis=-1)[:, 0])
+                dists = [None] * len(states)
+            else:
+                props = [s.acceptor.propose(lp[i]) for i, s in enumerate(states)]
+                toks = mx.stack([t for t, _ in props])
+                dists = [q for _, q in props]
+                sure = mx.stack([q[t] if q is not None else mx.exp(lp[i, t]) for i, (t, q) in enumerate(props)])
             mx.eval(toks, sure, *[q for q in dists if q is not None])  # one sync per draft forward, all rows
             ids, sure = toks.tolist(), sure.tolist()
             for i in range(len(states)):
