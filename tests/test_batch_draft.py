@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.sample_utils import make_sampler as mlx_sampler
 
 from conftest import tiny
-from segcache.acceptors import make_acceptor
+from segcache.acceptors import GreedyMatch, make_acceptor
 from segcache.batch.decoder import BatchDecoder
 from segcache.generation import stream_generate
 from segcache.runtime import Runtime
@@ -223,3 +223,29 @@ def test_shipped_models_each_row_as_mlx_lm_alone():
     got = run(dec, target, prompts, join_at=3, late=(2, 3), max_tokens=n)
     for i in range(len(prompts)):
         assert got[i] == ref[i], f"row {i}"
+
+
+class Flaky(GreedyMatch):
+    """Greedy, but its accept fails once (as an MLX error mid-round would)."""
+
+    failed = False
+
+    def accept(self, logprobs, drafts, q, choices):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("boom")
+        return super().accept(logprobs, drafts, q, choices)
+
+
+def test_a_failed_step_changes_neither_batch():
+    model, draft_model = tiny("qwen3_5"), tiny("qwen3_next", 1)
+    dec = BatchDecoder(model, num_draft_tokens=K, draft_model=draft_model)
+    for i, p in enumerate(PROMPTS[:3]):
+        start(dec, model, i, p, acceptor=Flaky() if i == 1 else None)
+    with pytest.raises(RuntimeError, match="boom"):
+        dec.step()
+    assert not dec.batch.branch_open and not dec.draft.branch_open
+    dec.check()  # both batches hold each row's history but the pending token, as before the step
+    got = run_rest(dec, {i: [] for i in range(3)})
+    for i, p in enumerate(PROMPTS[:3]):
+        assert got[i] == alone(model, p), f"row {i}"

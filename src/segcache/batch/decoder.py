@@ -102,6 +102,8 @@ class BatchDecoder:
             ValueError: the draft runtime holds tokens that are not a prefix of
                 the target's, or is of another model; nothing changed.
         """
+        if row_id in self.rows:
+            raise ValueError(f"add({row_id!r}): a row with that id is already in the batch")
         drt = None
         if self.draft is not None:
             drt = draft_runtime if draft_runtime is not None else Runtime(self.draft.model)
@@ -163,20 +165,21 @@ class BatchDecoder:
             rows = [logprobs[i, : 1 + len(d)] for i, d in enumerate(drafts)]
             choices = [s.acceptor.choices(lp) for s, lp in zip(states, rows)]
             mx.eval(logprobs, *[c for cs in choices for c in cs])  # one sync for every row
-            out, keep = {}, []
-            for rid, s, d, q, lp, cs in zip(ids, states, drafts, qs, rows, choices):
-                n, nxt = s.acceptor.accept(lp, d, q, cs)
-                keep.append(1 + n)
-                out[rid] = [(t, lp[j], True) for j, t in enumerate(d[:n])] + [(nxt, lp[n], False)]
-                self._advance(s, d, n, nxt)
+            # every row's acceptance before any row's state moves: a failure leaves all as they were
+            accepted = [s.acceptor.accept(lp, d, q, cs) for s, d, q, lp, cs in zip(states, drafts, qs, rows, choices)]
+            keep = [1 + n for n, _ in accepted]
             if self.draft is not None:
                 self._settle_draft(branch, pending, drafts, keep, last)
-        except BaseException:  # a failed step changes nothing
+        except BaseException:  # a failed speculative step changes nothing (a plain one has fed y_i)
             if self.batch.branch_open:
                 self.batch.rollback()
             if self.draft is not None and self.draft.branch_open:
                 self.draft.rollback()
             raise
+        out = {}
+        for rid, s, d, lp, (n, nxt) in zip(ids, states, drafts, rows, accepted):
+            out[rid] = [(t, lp[j], True) for j, t in enumerate(d[:n])] + [(nxt, lp[n], False)]
+            self._advance(s, d, n, nxt)
         if branch:
             self.batch.commit(keep)
         return out
