@@ -74,5 +74,9 @@ def test_eight_clients_in_one_batch_each_as_alone(tmp_path, ref, drafting):
         if drafting:
             mode = "draft" if "--draft-model" in drafting else "lookup"
             assert all(f", {mode} accepted " in line for line in done), done
+        # a prompt served again resumes from the store: cached counts the target's tokens only
+        usage = httpx.post(srv.url + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 2},
+                           timeout=120).json()["usage"]
+        assert 0 < usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"], usage
     finally:
         srv.stop()

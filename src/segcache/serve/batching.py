@@ -81,12 +81,12 @@ class BatchEngine(Engine):
             mx.random.seed(req.seed)
         sampler = make_sampler(req.temperature, top_p=req.top_p if req.top_p < 1.0 else 0.0,
                                top_k=req.top_k, min_p=req.min_p)
+        after = self._stats()  # the target's hits only (the draft's own prefill follows)
+        cached = after["hit_tokens"] - before["hit_tokens"]
         self.decoder.add(req.id, rt, req.ids[-1], acceptor=make_acceptor(sampler), max_tokens=req.max_tokens,
                          draft_runtime=self._draft_runtime(req))
         row = self.decoder.rows[req.id]
         self._buffers[req.id] = buffer = collections.deque()
-        after = self._stats()
-        cached = after["hit_tokens"] - before["hit_tokens"]
         tok = self.tokenizer
         detok = tok.detokenizer
         eos = tok.eos_token_ids
