@@ -99,8 +99,10 @@ class BatchDecoder:
         it here. None: a fresh draft runtime fed all of them.
 
         Raises:
-            ValueError: the draft runtime holds tokens that are not a prefix of
-                the target's, or is of another model; nothing changed.
+            ValueError: the id is taken, or the draft runtime holds tokens that
+                are not a prefix of the target's or is of another model; nothing
+                changed. (If joining then fails, the draft runtime given has
+                been fed up to the target's tokens, which it may keep.)
         """
         if row_id in self.rows:
             raise ValueError(f"add({row_id!r}): a row with that id is already in the batch")
