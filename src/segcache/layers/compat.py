@@ -39,6 +39,9 @@ class MlxCompat:
     # The lowest offset a trim left since the runtime last looked (None: no trim
     # since). Positions from there on may have been refilled by direct calls.
     _trimmed_to: int | None = None
+    # The layer `to_quantized` made of this one (mlx-lm's kv_bits puts it in this
+    # layer's place in `rt.cache`; the runtime adopts exactly that object).
+    replaced_by = None
 
     def _note_trim(self) -> None:
         low = self._trimmed_to

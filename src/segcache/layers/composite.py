@@ -24,6 +24,8 @@ from .protocol import CHECKPOINT, PAGES
 class CompositeLayer(CacheList):
     """mlx-lm's `CacheList` whose children are segcache layers."""
 
+    replaced_by = None  # CacheList has no to_quantized: never replaced (layers.compat.MlxCompat)
+
     def __init__(self, *children):
         super().__init__(*children)
         if not children:
