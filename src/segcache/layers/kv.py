@@ -110,6 +110,18 @@ class KVLayer(MlxCompat, KVCache):
         self.replaced_by = quantized
         return quantized
 
+    @classmethod
+    def merge(cls, caches):
+        """mlx-lm's `KVCache.merge` (BatchGenerator): a `BatchKVLayer`, one row per cache.
+
+        Rows keep their lengths (no left padding); `extract(i)` gives row i back as
+        a `KVLayer`. Windows that dropped no token merge as full-attention rows, as
+        mlx-lm's `KVCache.merge` makes them (`batch.layers.BatchKVLayer.merge`).
+        """
+        from ..batch.layers import BatchKVLayer
+
+        return BatchKVLayer.merge(caches)
+
     def trim(self, n: int) -> int:
         """Drop the last `n` tokens (fewer if it holds fewer), as mlx-lm's `KVCache.trim`.
 
