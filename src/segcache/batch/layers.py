@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache
 
 from ..errors import BranchError, InvariantError, UnsupportedOperationError
 from ..layers.kept_states import first_records
@@ -423,6 +424,109 @@ class BatchRecurrentLayer(RecurrentLayer):
             raise InvariantError(f"{where}: conv {conv.shape} / state {state.shape} do not line up")
         if len(self.marks) > 1:
             raise InvariantError(f"{where}: one branch level at most")
+
+    # -- mlx-lm's batch-cache protocol (ArraysCache.merge, BatchGenerator) --------------------
+
+    # Tokens each row holds, for `extract` (the count a RecurrentLayer keeps); set by
+    # `merge` and kept by the calls below. None: a BatchRuntime's layer (the batch
+    # runtime counts its rows and extracts through row_state).
+    row_offsets: list[int] | None = None
+
+    @classmethod
+    def merge(cls, caches) -> "BatchRecurrentLayer":
+        """One row per `RecurrentLayer`, in order; an empty one is a row of zeros (what
+        mlx-lm's module starts from), as mlx-lm's `ArraysCache.merge` makes it.
+
+        Raises:
+            BranchError: a layer has an open branch; nothing changed.
+            UnsupportedOperationError: not all `RecurrentLayer`s of one conv tail, or a
+                layer holds more than one row.
+        """
+        for c in caches:
+            if type(c) is not RecurrentLayer:
+                raise UnsupportedOperationError(
+                    f"RecurrentLayer.merge() of a {type(c).__name__}: merge RecurrentLayers only"
+                )
+            if c.marks:
+                raise BranchError(
+                    f"merge() of a RecurrentLayer with {len(c.marks)} open branch(es): "
+                    "commit or roll them back first; nothing changed"
+                )
+            if c.cache[0] is not None and c.cache[0].shape[0] != 1:
+                raise UnsupportedOperationError(f"merge() of a layer of {c.cache[0].shape[0]} rows: merge one-row layers")
+        tails = {c.conv_tail for c in caches}
+        if len(tails) != 1:
+            raise UnsupportedOperationError(f"merge() of RecurrentLayers with conv tails {sorted(tails)}: one model's layers")
+        first = caches[0]
+        layer = cls(first.conv_tail, first.strategy, states_budget_bytes=first.states_budget_bytes)
+        for i, c in enumerate(caches):
+            layer.add_row(c.cache[0], c.cache[1], i)
+        layer.row_offsets = [c.offset for c in caches]
+        layer.offset = max(layer.row_offsets, default=0)
+        return layer
+
+    def extract(self, idx: int) -> RecurrentLayer:
+        """Row `idx` as a `RecurrentLayer` (its conv tail and state, shared: slots are never written)."""
+        self._rows_known("extract")
+        out = RecurrentLayer(self.conv_tail, self.strategy, states_budget_bytes=self.states_budget_bytes)
+        n = self.row_offsets[idx]
+        if n:
+            conv, state = self.cache
+            out.cache, out.offset = [conv[idx : idx + 1], state[idx : idx + 1]], n
+        return out
+
+    def filter(self, batch_indices) -> None:
+        """Keep the rows `batch_indices` (a list or an mx.array of ints), in that order."""
+        self._rows_known("filter")
+        rows = [int(i) for i in (batch_indices.tolist() if isinstance(batch_indices, mx.array) else batch_indices)]
+        lengths = None if self.lengths is None else self.lengths[mx.array(rows, dtype=mx.int32)]
+        self.take(rows)
+        self.lengths = lengths
+        self.row_offsets = [self.row_offsets[i] for i in rows]
+
+    def extend(self, other: "BatchRecurrentLayer") -> None:
+        """Append `other`'s rows after this layer's (rows without a state are zeros)."""
+        self._rows_known("extend")
+        other._rows_known("extend")
+        if other.conv_tail != self.conv_tail:
+            raise UnsupportedOperationError(f"extend(): conv tails {self.conv_tail} and {other.conv_tail}")
+        n_self, n_other = len(self.row_offsets), len(other.row_offsets)
+        conv, state = other.cache
+        if conv is not None:
+            self.add_row(conv, state, n_self)  # add_row concatenates all of other's rows at once
+        else:
+            for i in range(n_other):
+                self.add_row(None, None, n_self + i)  # zeros, or nothing while no row has a state
+        if self.lengths is not None or other.lengths is not None:
+            pick = lambda a, n: mx.zeros((n,), mx.int32) if a is None else a
+            self.lengths = mx.concatenate([pick(self.lengths, n_self), pick(other.lengths, n_other)])
+        self.row_offsets = self.row_offsets + other.row_offsets
+        self.offset = max(self.row_offsets, default=0)
+
+    def prepare(self, lengths=None, **kwargs) -> None:
+        """Before a right-padded forward (BatchGenerator): mlx-lm's mask keeps pads out of the state."""
+        self._rows_known("prepare")
+        ArraysCache.prepare(self, lengths=lengths)
+
+    def finalize(self) -> None:
+        ArraysCache.finalize(self)
+
+    def advance(self, N):
+        if self.row_offsets is not None:  # a padded row counts its real tokens only
+            real = [N] * len(self.row_offsets) if self.lengths is None else [
+                min(N, max(int(L), 0)) for L in self.lengths.tolist()
+            ]
+            self.row_offsets = [o + r for o, r in zip(self.row_offsets, real)]
+        super().advance(N)
+
+    def _rows_known(self, verb: str) -> None:
+        if self.row_offsets is None:
+            raise UnsupportedOperationError(
+                f"{verb}() on a BatchRuntime's recurrent layer: the batch runtime moves rows "
+                "(BatchRuntime.extract / leave / join)"
+            )
+        if self.marks:
+            raise BranchError(f"{verb}() with an open branch: commit or roll it back first")
 
 
 def _row_steps(s: Steps, i: int) -> Steps:
