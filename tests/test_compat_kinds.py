@@ -13,6 +13,7 @@ from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_promp
 
 from segcache import BranchError, Runtime, UnsupportedOperationError, open_store
 from segcache.batch.layers import BatchKVLayer, BatchRecurrentLayer
+from segcache.batch.state_rows import BatchStateLayer
 from segcache.layers import CompositeLayer, KVLayer, QuantizedKVLayer, RecurrentLayer, StateLayer, WindowLayer
 from segcache.layers.composite import BatchCompositeLayer
 from segcache.testing import models
@@ -169,8 +170,8 @@ def _assert_layer_equal(got, want):
         if want.offset:
             for x, y in zip(got.keys_and_values(), want.keys_and_values()):
                 assert same(x, y)
-    elif isinstance(want, RecurrentLayer):
-        assert got.conv_tail == want.conv_tail
+    elif isinstance(want, (RecurrentLayer, StateLayer)):
+        assert got.layout() == want.layout()
         for x, y in zip(got.cache, want.cache):
             assert (x is None) == (y is None) and (x is None or same(x, y))
     else:
@@ -178,20 +179,20 @@ def _assert_layer_equal(got, want):
             _assert_layer_equal(x, y)
 
 
-@pytest.mark.parametrize("fam", ["llama", "qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize("fam", ["llama", "qwen3_next", "qwen3_5", "lfm2"])
 def test_merge_keeps_every_row_and_extract_gives_it_back(fam):
     """Mutations caught: merge dropping empty rows or the conv tail length (RecurrentLayer(2)),
     extract slicing a row to the longest length."""
     model = tiny(fam)
     rts = _rows(model)
     merged = _merge_caches([rt.cache for rt in rts])
-    kinds = {KVLayer: BatchKVLayer, RecurrentLayer: BatchRecurrentLayer}
+    kinds = {KVLayer: BatchKVLayer, RecurrentLayer: BatchRecurrentLayer, StateLayer: BatchStateLayer}
     assert [type(m) for m in merged] == [kinds[type(c)] for c in rts[0].cache]
     for m, c in zip(merged, rts[0].cache):
         if isinstance(m, BatchKVLayer):
             assert m.keys.shape[2] == len(PROMPT) and m.lengths == [len(PROMPT), 0, 3]
         else:
-            assert m.conv_tail == c.conv_tail and m.row_offsets == [len(PROMPT), 0, 3]
+            assert m.layout() == c.layout() and m.row_offsets == [len(PROMPT), 0, 3]
     for i, rt in enumerate(rts):
         extracted = [m.extract(i) for m in merged]
         for got, want in zip(extracted, rt.cache):
@@ -217,12 +218,16 @@ def test_filter_and_extend_keep_the_rows_they_name():
             _assert_layer_equal(m.extract(i), want)
 
 
-@pytest.mark.parametrize("fam", ["llama", "qwen3_next"])
+# dense, Gated DeltaNet, and StateLayer families: one that advances (lfm2), one whose hook
+# counts (mamba), one whose layers are composites (falcon_h1)
+@pytest.mark.parametrize("fam", ["llama", "qwen3_next", "lfm2", "mamba", "falcon_h1"])
 def test_mlx_lm_batch_generate_on_runtime_caches(fam):
     """mlx-lm's batch_generate, given Runtimes' caches: the tokens mlx-lm's own caches give, and
     segcache's kinds back (a Runtime adopts them and forks).
 
-    Mutation caught: BatchKVLayer.finalize not applying the real lengths (pads become tokens).
+    Mutations caught: BatchKVLayer.finalize not applying the real lengths (pads become tokens);
+    BatchRecurrentLayer / BatchStateLayer counting pads as tokens; the hook not counting tokens
+    on the batched state kind (mamba).
     """
     model = tiny(fam)
     prefixes, rests = [PROMPT[:6], [7], [2, 7, 1, 8]], [[4, 2], [9, 9, 9, 1], [6]]
@@ -247,10 +252,10 @@ def test_mlx_lm_batch_generate_on_runtime_caches(fam):
         rt.forward(p)
     want, got = run(ref), run([rt.cache for rt in rts])
     assert got.token_ids == want.token_ids
-    for cache, theirs in zip(got.caches, want.caches):
-        assert {type(c) for c in cache} <= {KVLayer, RecurrentLayer}
+    for cache, p, rest, toks in zip(got.caches, prefixes, rests, got.token_ids):
+        assert {type(c) for c in cache} <= {KVLayer, RecurrentLayer, StateLayer, CompositeLayer}
         back = Runtime.from_prompt_cache(model, cache)
-        assert back.offset == theirs[-1].offset  # mlx-lm's KVCache of the same row
+        assert len(toks) == 5 and back.offset == len(p) + len(rest) + 5  # each token fed, the last too
         with back.fork():
             back.forward([1, 2])
         back.check()
@@ -279,15 +284,18 @@ def test_kinds_without_a_batched_form_refuse_merge():
     window.update_and_fetch(mx.zeros((1, 2, 6, 16)), mx.zeros((1, 2, 6, 16)))  # dropped 2 tokens
     with pytest.raises(UnsupportedOperationError, match="dropped tokens"):
         KVLayer.merge([window, WindowLayer(4)])
-    rt = Runtime(tiny("falcon_h1"))
-    rt.forward(PROMPT[:4])
-    composite = next(c for c in rt.cache if isinstance(c, CompositeLayer))
-    assert isinstance(composite.caches[0], StateLayer)
-    with pytest.raises(UnsupportedOperationError, match="StateLayer.merge"):
-        _merge_caches([rt.cache, rt.cache])
+    # longcat_flash_ngram's token context grows with the first tokens: rows of 1 and 3
+    # ids cannot be stacked (mlx-lm's ArraysCache.merge broadcasts the shorter one)
+    model = tiny("longcat_flash_ngram")
+    a, b = Runtime(model), Runtime(model)
+    a.forward(PROMPT)
+    b.forward(PROMPT[:2])
+    with pytest.raises(UnsupportedOperationError, match="slot 0 has shapes"):
+        _merge_caches([a.cache, b.cache])
     with pytest.raises(UnsupportedOperationError, match="not batched"):
         QuantizedKVLayer.merge([QuantizedKVLayer()])
-    rt.check()
+    a.check()
+    b.check()
 
 
 def test_composite_merge_extracts_composites():
