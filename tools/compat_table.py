@@ -159,10 +159,11 @@ PROTOCOL = (
       "test_the_prefix_store_refuses_a_quantized_runtime",
       "test_kv_bits_on_a_sliding_window_model_is_refused_before_anything_is_swapped"]),
     ("`merge` / `extract` / `filter` / `extend` (`BatchGenerator`, `batch_generate`)",
-     "`KVLayer` -> `BatchKVLayer`, `RecurrentLayer` -> `BatchRecurrentLayer`, `CompositeLayer` -> "
-     "`BatchCompositeLayer`; `extract` gives the single-sequence kind back; `batch_generate` on Runtimes' "
-     "caches gives mlx-lm's tokens. `StateLayer`, `QuantizedKVLayer` and wrapped windows refuse "
-     "(`UnsupportedOperationError`); open branches refuse (`BranchError`)",
+     "`KVLayer` -> `BatchKVLayer`, `RecurrentLayer` -> `BatchRecurrentLayer`, `StateLayer` -> "
+     "`BatchStateLayer`, `CompositeLayer` -> `BatchCompositeLayer`; `extract` gives the single-sequence kind "
+     "back; `batch_generate` on Runtimes' caches gives mlx-lm's tokens (dense, GDN, SSM / short-conv, "
+     "composites). `QuantizedKVLayer`, a window that dropped tokens and a still-growing n-gram context "
+     "refuse (`UnsupportedOperationError`); open branches refuse (`BranchError`)",
      ["test_merge_keeps_every_row_and_extract_gives_it_back", "test_filter_and_extend_keep_the_rows_they_name",
       "test_mlx_lm_batch_generate_on_runtime_caches", "test_merge_refusals_change_nothing",
       "test_kinds_without_a_batched_form_refuse_merge"]),

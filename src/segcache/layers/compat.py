@@ -23,10 +23,12 @@ mlx-lm's helpers reach past `update_and_fetch`:
   `filter`, `extend`, `prepare` / `finalize` on what it returned. `KVLayer.merge`
   gives a `BatchKVLayer` (per-row lengths, no left padding), `RecurrentLayer.merge`
   a `BatchRecurrentLayer` (the layer's conv tail, per-row token counts),
+  `StateLayer.merge` a `BatchStateLayer` (slots stacked, per-row token counts),
   `CompositeLayer.merge` a `BatchCompositeLayer` of its children merged; their
   `extract(i)` gives the single-sequence kind back. Layers with an open branch
-  refuse (`BranchError`). A kind with no batched form refuses `merge`
-  (`UnsupportedOperationError`): `StateLayer`, `QuantizedKVLayer`. A single
+  refuse (`BranchError`). `QuantizedKVLayer` has no batched form and refuses
+  `merge` (`UnsupportedOperationError`), as do rows a batch cannot stack (a
+  window that dropped tokens, an n-gram context still growing). A single
   layer's own `extract` / `filter` / `extend` / `prepare` refuse (it holds one
   sequence; merge first).
 """
