@@ -115,6 +115,24 @@ def test_to_quantized_inside_a_branch_is_refused_and_swaps_nothing(qmodel):
         rt.check()
 
 
+def test_a_batch_runtime_refuses_a_quantized_row_and_changes_nothing():
+    """Mutation caught: no check in BatchRuntime.join (the hybrid's first recurrent layer gets a
+    row before the quantized KV layer fails)."""
+    from segcache import BatchRuntime
+
+    model = models.build("qwen3_next", head_dim=32)
+    rt = Runtime(model)
+    rt.forward(PROMPT)
+    maybe_quantize_kv_cache(rt.cache, 0, G, BITS)
+    batch = BatchRuntime(model)
+    batch.join("a", Runtime(model))
+    with pytest.raises(UnsupportedOperationError, match="quantized"):
+        batch.join("b", rt)
+    assert batch.ids == ["a"]
+    batch.check()
+    assert all(c.cache[0] is None for c in batch.cache if isinstance(c, BatchRecurrentLayer))
+
+
 def test_quantized_layers_round_trip_through_mlx_lm_files(qmodel, tmp_path):
     """Mutation caught: QuantizedKVLayer not registered with mlx-lm's loader (KeyError), or its
     state saving the open branch's rows."""
