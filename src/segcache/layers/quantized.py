@@ -140,6 +140,13 @@ class QuantizedKVLayer(MlxCompat, QuantizedKVCache):
     def layout(self) -> list:
         return ["kv_quantized", self.group_size, self.bits]
 
+    def load(self, *state) -> None:
+        """Refused: the store holds no quantized state for this kind to load (see the module doc)."""
+        raise UnsupportedOperationError(
+            "QuantizedKVLayer.load(): the prefix store keeps no quantized K/V; restore a runtime before "
+            "quantizing it"
+        )
+
     def check(self) -> None:
         where = f"QuantizedKVLayer(offset={self.offset}, marks={self.marks}, bits={self.bits})"
         if self.offset < 0:
