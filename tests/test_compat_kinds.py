@@ -5,9 +5,13 @@ fed exactly the tokens the segcache state should hold, and mlx-lm's own
 `batch_generate` on mlx-lm's caches.
 """
 
+import functools
+
 import mlx.core as mx
 import pytest
 from conftest import tiny
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from mlx_lm.generate import _merge_caches, batch_generate, generate_step, maybe_quantize_kv_cache
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
@@ -328,3 +332,57 @@ def test_composite_merge_extracts_composites():
         got = merged.extract(i)
         assert type(got) is CompositeLayer
         _assert_layer_equal(got, want)
+
+
+# -- random programs on a quantized runtime ------------------------------------------
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("forward"), st.integers(0, models.VOCAB - 1)),
+        st.tuples(st.just("fork"), st.just(0)),
+        st.tuples(st.just("commit"), st.integers(0, 6)),
+        st.tuples(st.just("rollback"), st.just(0)),
+    ),
+    max_size=14,
+)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(ops=OPS)
+def test_random_programs_on_a_quantized_runtime_match_mlx_lm(ops):
+    """fork / 1-token forwards / commit(n) / rollback on a kv_bits runtime: every forward's logits
+    bit for bit those of mlx-lm's QuantizedKVCache fed exactly the tokens the runtime holds.
+
+    Mutation caught: QuantizedKVLayer.commit keeping one token too many."""
+    model = _llama32()
+    rt = Runtime(model)
+    rt.forward(PROMPT)
+    maybe_quantize_kv_cache(rt.cache, 0, G, BITS)
+    held, bases = [], []  # tokens past the prompt; where each open branch began (in held)
+    for op, arg in ops:
+        if op == "forward":
+            got = rt.forward([arg])
+            ref = make_prompt_cache(model)
+            model(ids(PROMPT), cache=ref)
+            maybe_quantize_kv_cache(ref, 0, G, BITS)
+            for t in held:
+                model(ids([t]), cache=ref)
+            assert same(got, model(ids([arg]), cache=ref))
+            held.append(arg)
+        elif op == "fork":
+            rt.fork()
+            bases.append(len(held))
+        elif op == "commit" and bases and arg <= len(held) - bases[-1]:
+            rt.commit(arg)
+            del held[bases.pop() + arg :]
+        elif op == "rollback" and bases:
+            rt.rollback()
+            del held[bases.pop() :]
+        rt.check()
+        assert rt.offset == len(PROMPT) + len(held)
+
+
+
+@functools.lru_cache(maxsize=None)
+def _llama32():
+    return models.build("llama", head_dim=32)
