@@ -12,13 +12,25 @@ import pytest
 from conftest import tiny
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from mlx_lm.generate import _merge_caches, batch_generate, generate_step, maybe_quantize_kv_cache
+from mlx_lm.generate import (
+    _merge_caches,
+    batch_generate,
+    generate_step,
+    maybe_quantize_kv_cache,
+)
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 from segcache import BranchError, Runtime, UnsupportedOperationError, open_store
 from segcache.batch.layers import BatchKVLayer, BatchRecurrentLayer
 from segcache.batch.state_rows import BatchStateLayer
-from segcache.layers import CompositeLayer, KVLayer, QuantizedKVLayer, RecurrentLayer, StateLayer, WindowLayer
+from segcache.layers import (
+    CompositeLayer,
+    KVLayer,
+    QuantizedKVLayer,
+    RecurrentLayer,
+    StateLayer,
+    WindowLayer,
+)
 from segcache.layers.composite import BatchCompositeLayer
 from segcache.testing import models
 
@@ -255,7 +267,7 @@ def test_mlx_lm_batch_generate_on_runtime_caches(fam):
     prefixes, rests = [PROMPT[:6], [7], [2, 7, 1, 8]], [[4, 2], [9, 9, 9, 1], [6]]
 
     class Tok:
-        eos_token_ids = [models.VOCAB]  # never sampled
+        eos_token_ids = (models.VOCAB,)  # never sampled
 
         def decode(self, tokens):
             return ""
@@ -383,6 +395,6 @@ def test_random_programs_on_a_quantized_runtime_match_mlx_lm(ops):
 
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _llama32():
     return models.build("llama", head_dim=32)

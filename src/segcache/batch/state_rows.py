@@ -95,8 +95,9 @@ class BatchStateLayer(StateLayer):
             if like is None:
                 slots.append(None)
                 continue
-            fill = lambda x, n: mx.zeros((n, *like.shape[1:]), like.dtype) if x is None else x
-            slots.append(mx.concatenate([fill(a, n_self), fill(b, n_other)]))
+            a = mx.zeros((n_self, *like.shape[1:]), like.dtype) if a is None else a
+            b = mx.zeros((n_other, *like.shape[1:]), like.dtype) if b is None else b
+            slots.append(mx.concatenate([a, b]))
         self.cache, self.lengths = slots, lengths
         self.row_offsets = self.row_offsets + other.row_offsets
         self.offset = max(self.row_offsets, default=0)
