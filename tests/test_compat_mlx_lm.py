@@ -7,8 +7,9 @@ names rebound: `KVCache` -> `KVLayer`, `RotatingKVCache` -> `WindowLayer`,
 `make_prompt_cache(model)` -> `Runtime(model).cache`, and its model download
 (`load("mlx-community/Qwen1.5-0.5B-Chat-4bit")`) -> segcache's shipped draft
 model (llama, with a real tokenizer). mlx-lm's other classes (ArraysCache with
-arbitrary slots, the batch and quantized caches) stay mlx-lm's: segcache has no
-kind for them. test_models.py (random-init models, no downloads) runs with
+arbitrary slots, CacheList, the batch and quantized caches) stay mlx-lm's; the
+tests reach segcache's quantized and batched kinds through `to_quantized` and
+`merge` / `extract` of the rebound classes. test_models.py (random-init models, no downloads) runs with
 `make_prompt_cache(model)` -> `Runtime(model).cache` wherever segcache supports
 the model (mlx-lm's caches otherwise; `SEGCACHE` / `NATIVE` list the families).
 
@@ -32,12 +33,9 @@ UPSTREAM_DIR = Path(__file__).parent / ".upstream" / f"mlx_lm-{VERSION}" / "test
 UPSTREAM = UPSTREAM_DIR / "test_prompt_cache.py"
 MODEL = Path(segcache.__file__).parent / "models" / "draft"
 
-# test -> why it fails on segcache's layers (each is a refusal tested in test_compat.py)
-REFUSED = {
-    "test_cache_to_quantized": "kv_bits on a Runtime's cache: to_quantized raises UnsupportedOperationError",
-    "test_merge_with_empty_caches": "merge of segcache layers raises UnsupportedOperationError (batching: issue 11)",
-    "test_cache_list": "CacheList.merge calls KVLayer.merge, which raises (batching: issue 11)",
-}
+# test -> why it fails on segcache's layers (each a refusal tested in test_compat.py); none today:
+# kv_bits gives a QuantizedKVLayer, and merge / extract give segcache's batched kinds
+REFUSED: dict[str, str] = {}
 
 # test -> why it is skipped: it fails the same way with mlx-lm's own caches on this machine
 UPSTREAM_FAILS = {

@@ -142,6 +142,58 @@ classes:
 
 """
 
+# mlx-lm's cache calls beyond the model's, on a Runtime's layers: (call, what segcache does,
+# tests that prove it). Every named test must exist (checked on each run, `--check` included).
+PROTOCOL = (
+    ("`save_prompt_cache` / `load_prompt_cache`", "round trip of every kind's committed state; loaded layers fork",
+     ["test_save_load_round_trip_and_fork", "test_quantized_layers_round_trip_through_mlx_lm_files"]),
+    ("`trim_prompt_cache`", "exact; inside a branch down to its base (`BranchError` below)",
+     ["test_trims_keep_every_invariant", "test_trim_below_an_open_branch_is_refused"]),
+    ("`generate_step(kv_bits=...)`",
+     ("`KVLayer` -> `QuantizedKVLayer` (branches, commit bit-exact vs mlx-lm's `QuantizedKVCache` fed the kept "
+      "tokens), adopted by the runtime; refused inside a branch and on sliding windows; the prefix store "
+      "refuses a quantized runtime (`UnsupportedOperationError`)"),
+     ["test_a_quantized_branch_commits_to_mlx_lm_fed_exactly_the_kept_tokens",
+      "test_kv_bits_generate_step_on_rt_cache_then_fork_and_commit",
+      "test_to_quantized_inside_a_branch_is_refused_and_swaps_nothing",
+      "test_the_prefix_store_refuses_a_quantized_runtime",
+      "test_kv_bits_on_a_sliding_window_model_is_refused_before_anything_is_swapped"]),
+    ("`merge` / `extract` / `filter` / `extend` (`BatchGenerator`, `batch_generate`)",
+     ("`KVLayer` -> `BatchKVLayer`, `RecurrentLayer` -> `BatchRecurrentLayer`, `StateLayer` -> "
+      "`BatchStateLayer`, `CompositeLayer` -> `BatchCompositeLayer`; `extract` gives the single-sequence kind "
+      "back; `batch_generate` on Runtimes' caches gives mlx-lm's tokens (dense, GDN, SSM / short-conv, "
+      "composites). `QuantizedKVLayer`, a window that dropped tokens and a still-growing n-gram context "
+      "refuse (`UnsupportedOperationError`); open branches refuse (`BranchError`)"),
+     ["test_merge_keeps_every_row_and_extract_gives_it_back", "test_filter_and_extend_keep_the_rows_they_name",
+      "test_mlx_lm_batch_generate_on_runtime_caches", "test_merge_refusals_change_nothing",
+      "test_kinds_without_a_batched_form_refuse_merge"]),
+)
+PROTOCOL_TESTS = ("test_compat.py", "test_compat_kinds.py")
+
+
+def protocol_section() -> str:
+    """The table of mlx-lm's cache calls; raises if it names a test that does not exist."""
+    defined = set()
+    for name in PROTOCOL_TESTS:
+        tree = ast.parse((ROOT / "tests" / name).read_text())
+        defined |= {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    lines = [
+        "",
+        "## mlx-lm's cache calls on a Runtime's layers",
+        "",
+        ("Beyond the model's own calls (tests/test_compat.py, tests/test_compat_kinds.py; mlx-lm's own "
+         "test_prompt_cache.py and test_models.py pass on segcache's layers in tests/test_compat_mlx_lm.py):"),
+        "",
+        "| mlx-lm call | on segcache's layers | tests |",
+        "|---|---|---|",
+    ]
+    for call, what, tests in PROTOCOL:
+        missing = [t for t in tests if t not in defined]
+        if missing:
+            raise SystemExit(f"PROTOCOL names tests that do not exist: {missing}")
+        lines.append(f"| {call} | {what} | " + ", ".join(f"`{t}`" for t in tests) + " |")
+    return "\n".join(lines) + "\n"
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -156,7 +208,7 @@ def main() -> int:
             run_tests(junit)
             cases = results(junit)
     body = table(cases)
-    doc = PREAMBLE + body
+    doc = PREAMBLE + body + protocol_section()
     readme = README.read_text()
     if BEGIN not in readme:
         raise SystemExit(f"README.md lacks the markers {BEGIN} ... {END}")

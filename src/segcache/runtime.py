@@ -24,7 +24,7 @@ from .errors import (
     UnsupportedOperationError,
 )
 from .layers import registry
-from .layers.protocol import PAGES
+from .layers.protocol import PAGES, UNSTORED
 from .layers.recurrent import STRATEGIES, RecurrentLayer
 from .layers.state import default_state_strategy
 from .tokens import TokenLedger
@@ -505,6 +505,15 @@ class Runtime:
         """The `PrefixCache` of this runtime's store (shared with clones; rebuilt if the store changed)."""
         if self.store is None:
             raise StoreError("this Runtime has no store: pass store=open_store(...) to Runtime()")
+        self._own_layers("prefix_cache")
+        unstored = [i for i, layer in enumerate(self.cache) if layer.resumes_from == UNSTORED]
+        if unstored:
+            raise UnsupportedOperationError(
+                f"the prefix store on a runtime whose layers {unstored} are {type(self.cache[unstored[0]]).__name__} "
+                "(mlx-lm's kv_bits quantized them): the store keeps unquantized K/V under the model's identity, "
+                "so it neither publishes nor resumes quantized rows. Prefill and publish before quantizing "
+                "(quantized_kv_start past the prompt), or use a Runtime without kv_bits; nothing was changed"
+            )
         if self._prefix is None or self._prefix.store is not self.store:
             from .store.prefix_cache import PrefixCache
 
@@ -574,12 +583,23 @@ class Runtime:
         self._ledger.sync(self.offset)
 
     def _own_layers(self, verb: str) -> None:
-        """Raise if an entry of `rt.cache` is no longer the layer this runtime built."""
+        """Raise if an entry of `rt.cache` is no longer the layer this runtime built.
+
+        An entry that is exactly the layer one of ours made of itself (mlx-lm's
+        kv_bits: `KVLayer.to_quantized`, refused inside a branch) is adopted:
+        it holds the same tokens and speaks the same branch protocol.
+        """
+        if len(self.cache) == len(self._layers) and any(
+            layer is not own and layer is own.replaced_by for layer, own in zip(self.cache, self._layers)
+        ):
+            self._layers = tuple(
+                layer if layer is own.replaced_by else own for layer, own in zip(self.cache, self._layers)
+            )
         for i, (layer, own) in enumerate(zip(self.cache, self._layers)):
             if layer is not own:
                 raise UnsupportedOperationError(
                     f"{verb}(): rt.cache[{i}] is a {type(layer).__name__}, not the {type(own).__name__} this "
-                    "runtime built; something replaced it (mlx-lm's kv_bits swaps in QuantizedKVCache). "
+                    "runtime built; something replaced it (e.g. with mlx-lm's own QuantizedKVCache). "
                     "The runtime cannot branch over it: build a new Runtime"
                 )
         if len(self.cache) != len(self._layers):

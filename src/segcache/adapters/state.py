@@ -27,7 +27,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from ..errors import BranchError, UnsupportedModelError
-from ..layers.composite import CompositeLayer
+from ..layers.composite import BatchCompositeLayer, CompositeLayer
 from ..layers.state import Call, StateLayer
 
 
@@ -194,11 +194,13 @@ def adapted_class(base: type) -> type:
 
 def _state_layer(cache, hook: Hook) -> StateLayer | None:
     """The segcache layer holding the hook's state, if `cache` is one of ours."""
+    # StateLayer or the batched kind StateLayer.merge makes (which only counts); a
+    # composite or what CompositeLayer.merge makes of it
     if hook.child is not None:
-        if type(cache) is CompositeLayer and type(cache.caches[hook.child]) is StateLayer:
+        if isinstance(cache, (CompositeLayer, BatchCompositeLayer)) and isinstance(cache.caches[hook.child], StateLayer):
             return cache.caches[hook.child]
         return None
-    return cache if type(cache) is StateLayer else None
+    return cache if isinstance(cache, StateLayer) else None
 
 
 def _concat(outs: list):

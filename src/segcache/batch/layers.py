@@ -24,8 +24,9 @@ from __future__ import annotations
 from typing import Sequence
 
 import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache
 
-from ..errors import BranchError, InvariantError
+from ..errors import BranchError, InvariantError, UnsupportedOperationError
 from ..layers.kept_states import first_records
 from ..layers.recurrent import RecurrentLayer, Steps, _RecurrentMark
 
@@ -164,6 +165,161 @@ class BatchKVLayer:
         if self.keys.shape[0] != len(self.lengths) or max(self.lengths, default=0) > self.keys.shape[2]:
             raise InvariantError(f"{where}: buffer {self.keys.shape} does not hold the rows")
 
+    # -- mlx-lm's batch-cache protocol (KVCache.merge, BatchGenerator) ----------------------
+    #
+    # mlx-lm's BatchKVCache left-pads rows; this layer keeps rows where they are
+    # (per-row lengths), so merging, filtering and extending never shift a row,
+    # and a row extracted is bit for bit the tokens it was merged with or fed.
+
+    _finalized: list[int] | None = None  # row lengths once a padded forward is done (prepare -> finalize)
+
+    @classmethod
+    def merge(cls, caches) -> "BatchKVLayer":
+        """One row per cache (`KVLayer`s, or `WindowLayer`s that dropped no token), in order.
+
+        An empty cache is a row of length 0. The buffer is as long as the longest
+        row (mlx-lm's merged keys have that shape too); the next forward grows it.
+
+        Raises:
+            BranchError: a cache has an open branch (its rows are not settled); nothing changed.
+            UnsupportedOperationError: the caches are of different kinds, hold more than
+                one row, or a window dropped tokens (a full-attention row cannot hold it).
+        """
+        rows = [_settled_rows(c) for c in caches]
+        if len({type(c) for c in caches}) > 1:
+            raise UnsupportedOperationError(
+                f"merge() of {sorted({type(c).__name__ for c in caches})}: merge caches of one kind"
+            )
+        layer = cls(len(rows))
+        full = [r for r in rows if r is not None]
+        if not full:
+            return layer
+        T = max(k.shape[2] for k, _ in full)
+        H, Dk, Dv, dtype = full[0][0].shape[1], full[0][0].shape[3], full[0][1].shape[3], full[0][0].dtype
+        layer.keys = mx.zeros((len(rows), H, T, Dk), dtype)
+        layer.values = mx.zeros((len(rows), H, T, Dv), dtype)
+        for i, r in enumerate(rows):
+            if r is not None:
+                L = r[0].shape[2]
+                layer.keys[i : i + 1, :, :L, :] = r[0]
+                layer.values[i : i + 1, :, :L, :] = r[1]
+                layer.lengths[i] = L
+        return layer
+
+    def extract(self, idx: int):
+        """Row `idx` as a `KVLayer` holding its own copy of the row's tokens.
+
+        Raises:
+            BranchError: a branch is open (its rows are not settled).
+        """
+        from ..layers.kv import KVLayer
+
+        self._settled("extract")
+        out = KVLayer()
+        L = self.lengths[idx]
+        if L:
+            out.keys = mx.contiguous(self.keys[idx : idx + 1, :, :L, :])
+            out.values = mx.contiguous(self.values[idx : idx + 1, :, :L, :])
+            out.offset = L
+        return out
+
+    def filter(self, batch_indices) -> None:
+        """Keep the rows `batch_indices` (a list or an mx.array of ints), in that order."""
+        self._settled("filter")
+        rows = batch_indices.tolist() if isinstance(batch_indices, mx.array) else list(batch_indices)
+        self.take([int(i) for i in rows])
+
+    def extend(self, other: "BatchKVLayer") -> None:
+        """Append `other`'s rows after this layer's (both settled, one head layout)."""
+        self._settled("extend")
+        other._settled("extend")
+        if other.keys is not None and self.keys is not None:
+            T = max(self.keys.shape[2], other.keys.shape[2])
+            pad = lambda a: a if a.shape[2] == T else mx.concatenate(
+                [a, mx.zeros((*a.shape[:2], T - a.shape[2], a.shape[3]), a.dtype)], axis=2
+            )
+            self.keys = mx.concatenate([pad(self.keys), pad(other.keys)])
+            self.values = mx.concatenate([pad(self.values), pad(other.values)])
+        elif other.keys is not None:
+            B = len(self.lengths)
+            self.keys = mx.concatenate([mx.zeros((B, *other.keys.shape[1:]), other.keys.dtype), other.keys])
+            self.values = mx.concatenate([mx.zeros((B, *other.values.shape[1:]), other.values.dtype), other.values])
+        elif self.keys is not None:
+            B = len(other.lengths)
+            self.keys = mx.concatenate([self.keys, mx.zeros((B, *self.keys.shape[1:]), self.keys.dtype)])
+            self.values = mx.concatenate([self.values, mx.zeros((B, *self.values.shape[1:]), self.values.dtype)])
+        self.lengths = self.lengths + other.lengths
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
+        """Before a right-padded forward (BatchGenerator): row i feeds `lengths[i]` real tokens.
+
+        Pads land past a row's end, so only the lengths change: `finalize` sets them.
+        """
+        self._settled("prepare")
+        if left_padding is not None and any(int(p) for p in _ints(left_padding)):
+            raise UnsupportedOperationError(
+                "prepare(left_padding=...): this layer keeps per-row lengths and never left-pads; "
+                "right-pad the rows (prepare(lengths=..., right_padding=...))"
+            )
+        if lengths is not None:
+            self._finalized = [L + n for L, n in zip(self.lengths, _ints(lengths))]
+
+    def finalize(self) -> None:
+        """After the padded forward(s): each row holds its real tokens only."""
+        ends = self._finalized
+        if ends is not None:
+            self.lengths, self._finalized = ends, None
+
+    @property
+    def state(self):
+        """(keys, values): what BatchGenerator evaluates after a step."""
+        return self.keys, self.values
+
+    def size(self) -> int:
+        return max(self.lengths, default=0)
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    def _settled(self, verb: str) -> None:
+        if self.marks is not None:
+            raise BranchError(f"{verb}() with an open branch: commit or roll it back first")
+
+
+def _ints(a) -> list[int]:
+    return [int(x) for x in (a.tolist() if isinstance(a, mx.array) else a)]
+
+
+def _settled_rows(cache):
+    """(keys, values) of a single-sequence KV cache's tokens, [1, H, L, D], or None if it holds none."""
+    from ..layers.kv import KVLayer
+    from ..layers.window import WindowLayer
+
+    if not isinstance(cache, (KVLayer, WindowLayer)):
+        raise UnsupportedOperationError(
+            f"KVLayer.merge() of a {type(cache).__name__}: merge segcache KV or window layers"
+        )
+    if cache.marks:
+        raise BranchError(
+            f"merge() of a {type(cache).__name__} with {len(cache.marks)} open branch(es): "
+            "commit or roll them back first; nothing changed"
+        )
+    if cache.keys is None or cache.offset == 0:
+        return None
+    if isinstance(cache, WindowLayer) and (cache.offset > cache.max_size or cache._idx != cache.offset):
+        raise UnsupportedOperationError(
+            f"KVLayer.merge() of a WindowLayer that holds {cache.offset} tokens in a window of {cache.max_size}: "
+            "it dropped tokens, so a full-attention row cannot hold it; merge windows with WindowLayer.merge"
+        )
+    if cache.keys.shape[0] != 1:
+        raise UnsupportedOperationError(f"merge() of a cache of {cache.keys.shape[0]} rows: merge one-row caches")
+    n = cache.offset
+    return cache.keys[..., :n, :], cache.values[..., :n, :]
+
 
 class BatchRecurrentLayer(RecurrentLayer):
     """A Gated DeltaNet cache over B rows: conv tails [B, k-1, C], states [B, ...].
@@ -268,6 +424,109 @@ class BatchRecurrentLayer(RecurrentLayer):
             raise InvariantError(f"{where}: conv {conv.shape} / state {state.shape} do not line up")
         if len(self.marks) > 1:
             raise InvariantError(f"{where}: one branch level at most")
+
+    # -- mlx-lm's batch-cache protocol (ArraysCache.merge, BatchGenerator) --------------------
+
+    # Tokens each row holds, for `extract` (the count a RecurrentLayer keeps); set by
+    # `merge` and kept by the calls below. None: a BatchRuntime's layer (the batch
+    # runtime counts its rows and extracts through row_state).
+    row_offsets: list[int] | None = None
+
+    @classmethod
+    def merge(cls, caches) -> "BatchRecurrentLayer":
+        """One row per `RecurrentLayer`, in order; an empty one is a row of zeros (what
+        mlx-lm's module starts from), as mlx-lm's `ArraysCache.merge` makes it.
+
+        Raises:
+            BranchError: a layer has an open branch; nothing changed.
+            UnsupportedOperationError: not all `RecurrentLayer`s of one conv tail, or a
+                layer holds more than one row.
+        """
+        for c in caches:
+            if type(c) is not RecurrentLayer:
+                raise UnsupportedOperationError(
+                    f"RecurrentLayer.merge() of a {type(c).__name__}: merge RecurrentLayers only"
+                )
+            if c.marks:
+                raise BranchError(
+                    f"merge() of a RecurrentLayer with {len(c.marks)} open branch(es): "
+                    "commit or roll them back first; nothing changed"
+                )
+            if c.cache[0] is not None and c.cache[0].shape[0] != 1:
+                raise UnsupportedOperationError(f"merge() of a layer of {c.cache[0].shape[0]} rows: merge one-row layers")
+        tails = {c.conv_tail for c in caches}
+        if len(tails) != 1:
+            raise UnsupportedOperationError(f"merge() of RecurrentLayers with conv tails {sorted(tails)}: one model's layers")
+        first = caches[0]
+        layer = cls(first.conv_tail, first.strategy, states_budget_bytes=first.states_budget_bytes)
+        for i, c in enumerate(caches):
+            layer.add_row(c.cache[0], c.cache[1], i)
+        layer.row_offsets = [c.offset for c in caches]
+        layer.offset = max(layer.row_offsets, default=0)
+        return layer
+
+    def extract(self, idx: int) -> RecurrentLayer:
+        """Row `idx` as a `RecurrentLayer` (its conv tail and state, shared: slots are never written)."""
+        self._rows_known("extract")
+        out = RecurrentLayer(self.conv_tail, self.strategy, states_budget_bytes=self.states_budget_bytes)
+        n = self.row_offsets[idx]
+        if n:
+            conv, state = self.cache
+            out.cache, out.offset = [conv[idx : idx + 1], state[idx : idx + 1]], n
+        return out
+
+    def filter(self, batch_indices) -> None:
+        """Keep the rows `batch_indices` (a list or an mx.array of ints), in that order."""
+        self._rows_known("filter")
+        rows = [int(i) for i in (batch_indices.tolist() if isinstance(batch_indices, mx.array) else batch_indices)]
+        lengths = None if self.lengths is None else self.lengths[mx.array(rows, dtype=mx.int32)]
+        self.take(rows)
+        self.lengths = lengths
+        self.row_offsets = [self.row_offsets[i] for i in rows]
+
+    def extend(self, other: "BatchRecurrentLayer") -> None:
+        """Append `other`'s rows after this layer's (rows without a state are zeros)."""
+        self._rows_known("extend")
+        other._rows_known("extend")
+        if other.conv_tail != self.conv_tail:
+            raise UnsupportedOperationError(f"extend(): conv tails {self.conv_tail} and {other.conv_tail}")
+        n_self, n_other = len(self.row_offsets), len(other.row_offsets)
+        conv, state = other.cache
+        if conv is not None:
+            self.add_row(conv, state, n_self)  # add_row concatenates all of other's rows at once
+        else:
+            for i in range(n_other):
+                self.add_row(None, None, n_self + i)  # zeros, or nothing while no row has a state
+        if self.lengths is not None or other.lengths is not None:
+            pick = lambda a, n: mx.zeros((n,), mx.int32) if a is None else a
+            self.lengths = mx.concatenate([pick(self.lengths, n_self), pick(other.lengths, n_other)])
+        self.row_offsets = self.row_offsets + other.row_offsets
+        self.offset = max(self.row_offsets, default=0)
+
+    def prepare(self, lengths=None, **kwargs) -> None:
+        """Before a right-padded forward (BatchGenerator): mlx-lm's mask keeps pads out of the state."""
+        self._rows_known("prepare")
+        ArraysCache.prepare(self, lengths=lengths)
+
+    def finalize(self) -> None:
+        ArraysCache.finalize(self)
+
+    def advance(self, N):
+        if self.row_offsets is not None:  # a padded row counts its real tokens only
+            real = [N] * len(self.row_offsets) if self.lengths is None else [
+                min(N, max(int(L), 0)) for L in self.lengths.tolist()
+            ]
+            self.row_offsets = [o + r for o, r in zip(self.row_offsets, real)]
+        super().advance(N)
+
+    def _rows_known(self, verb: str) -> None:
+        if self.row_offsets is None:
+            raise UnsupportedOperationError(
+                f"{verb}() on a BatchRuntime's recurrent layer: the batch runtime moves rows "
+                "(BatchRuntime.extract / leave / join)"
+            )
+        if self.marks:
+            raise BranchError(f"{verb}() with an open branch: commit or roll it back first")
 
 
 def _row_steps(s: Steps, i: int) -> Steps:

@@ -23,8 +23,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from .. import adapters
-from ..errors import BranchError, InvariantError, UnsupportedModelError
+from ..errors import BranchError, InvariantError, UnsupportedModelError, UnsupportedOperationError
 from ..layers import registry
+from ..layers.quantized import QuantizedKVLayer
 from ..runtime import Runtime, default_recurrent_strategy
 from .layers import BatchKVLayer, BatchRecurrentLayer
 
@@ -121,6 +122,11 @@ class BatchRuntime:
                 raise ValueError("join(): the runtime is of another model")
             if runtime.depth:
                 raise BranchError(f"join({row_id!r}): the runtime has {runtime.depth} open branch(es)")
+            if any(isinstance(layer, QuantizedKVLayer) for layer in runtime.cache):
+                raise UnsupportedOperationError(
+                    f"join({row_id!r}): the runtime holds quantized KV (mlx-lm's kv_bits); batch rows hold "
+                    "unquantized K/V: join before quantizing"
+                )
             tokens = runtime.tokens
             states = [layer.state for layer in runtime.cache]
         B = len(self.rows)

@@ -13,12 +13,24 @@ mlx-lm's helpers reach past `update_and_fetch`:
   every layer has the same marks, so the first layer refuses for all), and
   notes how far down a trim went (`take_trim`), so the runtime's token ledger
   forgets those ids even if direct calls refill the positions before it looks.
-* `generate_step(kv_bits=...)` swaps entries for `QuantizedKVCache` via
-  `to_quantized`; segcache cannot branch over quantized KV, so it raises
-  before anything is swapped.
-* `BatchGenerator` calls `merge` / `extract`: a Runtime holds one sequence,
-  so they raise; batching on the runtime is `segcache.BatchRuntime` (its
-  rows join from Runtimes and leave as Runtimes).
+* `generate_step(kv_bits=...)` swaps entries for what `to_quantized` returns:
+  a `KVLayer` gives a `QuantizedKVLayer` (layers/quantized.py), which branches
+  as a `KVLayer` does and which the runtime adopts at its next operation; it
+  refuses inside a branch (`BranchError`, nothing swapped). A window refuses
+  (mlx-lm's `RotatingKVCache` cannot be quantized either). The prefix store
+  refuses a runtime holding quantized rows (`Runtime.prefix_cache`).
+* `BatchGenerator` calls `merge` on the first cache's class, then `extract`,
+  `filter`, `extend`, `prepare` / `finalize` on what it returned. `KVLayer.merge`
+  gives a `BatchKVLayer` (per-row lengths, no left padding), `RecurrentLayer.merge`
+  a `BatchRecurrentLayer` (the layer's conv tail, per-row token counts),
+  `StateLayer.merge` a `BatchStateLayer` (slots stacked, per-row token counts),
+  `CompositeLayer.merge` a `BatchCompositeLayer` of its children merged; their
+  `extract(i)` gives the single-sequence kind back. Layers with an open branch
+  refuse (`BranchError`). `QuantizedKVLayer` has no batched form and refuses
+  `merge` (`UnsupportedOperationError`), as do rows a batch cannot stack (a
+  window that dropped tokens, an n-gram context still growing). A single
+  layer's own `extract` / `filter` / `extend` / `prepare` refuse (it holds one
+  sequence; merge first).
 """
 
 from __future__ import annotations
@@ -28,9 +40,10 @@ import warnings
 from ..errors import InvariantError, UnsupportedOperationError
 
 BATCHING = (
-    "a Runtime's layer caches hold one sequence. Batch runtimes with segcache.BatchRuntime (issue 11) "
-    "(join(row_id, runtime) adds a Runtime as a row), or batch mlx-lm's own caches (make_prompt_cache(model))"
+    "this kind has no batched form: batch mlx-lm's own caches (make_prompt_cache(model)), "
+    "or Gated DeltaNet / attention models with segcache.BatchRuntime (join(row_id, runtime) adds a Runtime as a row)"
 )
+ONE_SEQUENCE = "a layer holds one sequence: merge layers first (type(layer).merge([...])), then call it on the merged layer"
 
 
 class MlxCompat:
@@ -39,6 +52,9 @@ class MlxCompat:
     # The lowest offset a trim left since the runtime last looked (None: no trim
     # since). Positions from there on may have been refilled by direct calls.
     _trimmed_to: int | None = None
+    # The layer `to_quantized` made of this one (mlx-lm's kv_bits puts it in this
+    # layer's place in `rt.cache`; the runtime adopts exactly that object).
+    replaced_by = None
 
     def _note_trim(self) -> None:
         low = self._trimmed_to
@@ -67,29 +83,32 @@ class MlxCompat:
 
 
 class BatchingRefused:
-    """Mixin for ArraysCache kinds: mlx-lm's per-row batching calls raise (a layer holds one sequence)."""
+    """Mixin for ArraysCache kinds: mlx-lm's per-row batching calls on a single layer raise
+    (it holds one sequence; the batched kind `merge` makes answers them)."""
 
     def extract(self, idx):
-        raise UnsupportedOperationError(f"{type(self).__name__}.extract({idx}): {BATCHING}")
+        raise UnsupportedOperationError(f"{type(self).__name__}.extract({idx}): {ONE_SEQUENCE}")
 
     def filter(self, batch_indices):
-        raise UnsupportedOperationError(f"{type(self).__name__}.filter(): {BATCHING}")
+        raise UnsupportedOperationError(f"{type(self).__name__}.filter(): {ONE_SEQUENCE}")
 
     def extend(self, other):
-        raise UnsupportedOperationError(f"{type(self).__name__}.extend(): {BATCHING}")
+        raise UnsupportedOperationError(f"{type(self).__name__}.extend(): {ONE_SEQUENCE}")
 
     def prepare(self, lengths=None, **kwargs):
-        raise UnsupportedOperationError(f"{type(self).__name__}.prepare(lengths=...): {BATCHING}")
+        raise UnsupportedOperationError(f"{type(self).__name__}.prepare(lengths=...): {ONE_SEQUENCE}")
 
 
 class QuantizeRefused:
-    """Mixin for attention kinds: `to_quantized` raises instead of handing mlx-lm a replacement."""
+    """Mixin for window kinds: `to_quantized` raises instead of handing mlx-lm a replacement
+    (mlx-lm's `RotatingKVCache.to_quantized` raises NotImplementedError too)."""
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
         raise UnsupportedOperationError(
             f"{type(self).__name__}.to_quantized(bits={bits}) (mlx-lm's kv_bits / maybe_quantize_kv_cache): "
-            "segcache cannot fork or roll back quantized KV, so it keeps this cache as it is; "
-            "nothing was swapped. Run without kv_bits on a Runtime's cache"
+            "a sliding-window ring has no quantized kind (mlx-lm's RotatingKVCache has none either); "
+            "this layer was kept as it is (full-attention layers before it in the list were quantized). "
+            "Run without kv_bits on a model with sliding windows"
         )
 
 

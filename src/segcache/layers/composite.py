@@ -17,12 +17,13 @@ from __future__ import annotations
 from mlx_lm.models.cache import CacheList
 
 from ..errors import BranchError, InvariantError, UnsupportedOperationError
-from .compat import BATCHING
 from .protocol import CHECKPOINT, PAGES
 
 
 class CompositeLayer(CacheList):
     """mlx-lm's `CacheList` whose children are segcache layers."""
+
+    replaced_by = None  # CacheList has no to_quantized: never replaced (layers.compat.MlxCompat)
 
     def __init__(self, *children):
         super().__init__(*children)
@@ -74,8 +75,22 @@ class CompositeLayer(CacheList):
         return min(lows) if lows else None
 
     @classmethod
-    def merge(cls, caches):
-        raise UnsupportedOperationError(f"CompositeLayer.merge() (mlx-lm's BatchGenerator): {BATCHING}")
+    def merge(cls, caches) -> "BatchCompositeLayer":
+        """mlx-lm's `CacheList.merge` (BatchGenerator): each child merged by its own kind.
+
+        Raises:
+            UnsupportedOperationError: the caches are not composites of one shape, or a
+                child's kind refuses (its error says why); nothing changed.
+            BranchError: a child has an open branch.
+        """
+        shapes = {tuple(type(c).__name__ for c in x.caches) if type(x) is cls else None for x in caches}
+        if len(shapes) != 1 or None in shapes:
+            raise UnsupportedOperationError(
+                f"CompositeLayer.merge() of {[type(x).__name__ for x in caches]}: merge composites of one shape"
+            )
+        return BatchCompositeLayer(
+            *(type(first).merge([x.caches[i] for x in caches]) for i, first in enumerate(caches[0].caches))
+        )
 
     @classmethod
     def from_state(cls, state) -> "CompositeLayer":
@@ -167,3 +182,12 @@ class CompositeLayer(CacheList):
                     f"child {i} holds {c.offset} tokens with branches at {c.branch_offsets()}; "
                     f"child 0 holds {self.offset} with branches at {self.branch_offsets()}"
                 )
+
+
+class BatchCompositeLayer(CacheList):
+    """What `CompositeLayer.merge` makes: mlx-lm's `CacheList` of batched children, whose
+    `extract(i)` gives row i back as a `CompositeLayer` (mlx-lm's gives a `CacheList`).
+    `filter`, `extend`, `prepare`, `finalize` go to every child (mlx-lm's `CacheList`)."""
+
+    def extract(self, idx: int) -> CompositeLayer:
+        return CompositeLayer(*(c.extract(idx) for c in self.caches))

@@ -17,11 +17,12 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from ..errors import BranchError, InvariantError
-from .compat import MlxCompat, QuantizeRefused
+from .compat import MlxCompat
 from .protocol import PAGES
+from .quantized import QuantizedKVLayer
 
 
-class KVLayer(MlxCompat, QuantizeRefused, KVCache):
+class KVLayer(MlxCompat, KVCache):
     """mlx-lm's `KVCache` (same update path, same logits) plus a branch stack."""
 
     def __init__(self):
@@ -88,6 +89,38 @@ class KVLayer(MlxCompat, QuantizeRefused, KVCache):
         layer = cls()
         layer.state = state
         return layer._checked()
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> QuantizedKVLayer:
+        """These tokens as a `QuantizedKVLayer`, as mlx-lm's `KVCache.to_quantized` quantizes them.
+
+        mlx-lm's `kv_bits` puts the result in place of this layer in `rt.cache`;
+        the runtime adopts it at its next operation (`replaced_by` names it), and
+        branches on it as on this layer. This layer is left as it was.
+
+        Raises:
+            BranchError: a branch is open (its rows would become committed quantized
+                rows with no mark); nothing was swapped.
+        """
+        if self.marks:
+            raise BranchError(
+                f"to_quantized(bits={bits}) (mlx-lm's kv_bits) with {len(self.marks)} open branch(es): "
+                "commit or roll them back first (e.g. quantized_kv_start before the first fork); nothing was swapped"
+            )
+        quantized = QuantizedKVLayer.of(self.keys, self.values, self.offset, group_size, bits)
+        self.replaced_by = quantized
+        return quantized
+
+    @classmethod
+    def merge(cls, caches):
+        """mlx-lm's `KVCache.merge` (BatchGenerator): a `BatchKVLayer`, one row per cache.
+
+        Rows keep their lengths (no left padding); `extract(i)` gives row i back as
+        a `KVLayer`. Windows that dropped no token merge as full-attention rows, as
+        mlx-lm's `KVCache.merge` makes them (`batch.layers.BatchKVLayer.merge`).
+        """
+        from ..batch.layers import BatchKVLayer
+
+        return BatchKVLayer.merge(caches)
 
     def trim(self, n: int) -> int:
         """Drop the last `n` tokens (fewer if it holds fewer), as mlx-lm's `KVCache.trim`.

@@ -11,7 +11,10 @@ Two ways to resume:
 * "pages": the state after r tokens is the concatenation of per-token rows
   (full-attention K/V), so any prefix of stored pages restores it;
 * "checkpoint": the state is a summary (a window ring, a conv tail and an SSM
-  state) that exists only where it was taken.
+  state) that exists only where it was taken;
+* "unstored": the store cannot hold this kind (quantized KV: the store keeps
+  unquantized pages under the model's identity), so a runtime holding one
+  refuses `prefill` / `publish` with a store (`Runtime.prefix_cache`).
 """
 
 from __future__ import annotations
@@ -22,13 +25,13 @@ import mlx.core as mx
 
 from ..spec import Spec
 
-PAGES, CHECKPOINT = "pages", "checkpoint"
+PAGES, CHECKPOINT, UNSTORED = "pages", "checkpoint", "unstored"
 
 
 class Persistent(Protocol):
     """The persistence half of a segment kind (the other half is mlx-lm's cache protocol)."""
 
-    resumes_from: str  # PAGES or CHECKPOINT
+    resumes_from: str  # PAGES, CHECKPOINT or UNSTORED
 
     def layout(self) -> list:
         """Kind and parameters that change the bytes (part of the store identity)."""

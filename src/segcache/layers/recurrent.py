@@ -193,6 +193,14 @@ class RecurrentLayer(MlxCompat, BatchingRefused, KeptStates, SnapshotBranches, A
         layer.state = state
         return layer._checked()
 
+    @classmethod
+    def merge(cls, caches):
+        """mlx-lm's `ArraysCache.merge` (BatchGenerator): a `BatchRecurrentLayer`, one row per
+        layer, with this conv tail; `extract(i)` gives row i back as a `RecurrentLayer`."""
+        from ..batch.layers import BatchRecurrentLayer
+
+        return BatchRecurrentLayer.merge(caches)
+
     # -- persistence protocol (layers.protocol) ------------------------------------
 
     resumes_from = CHECKPOINT

@@ -206,6 +206,14 @@ class StateLayer(MlxCompat, BatchingRefused, KeptStates, SnapshotBranches, Array
         layer.state = state
         return layer._checked()
 
+    @classmethod
+    def merge(cls, caches):
+        """mlx-lm's `ArraysCache.merge` (BatchGenerator): a `BatchStateLayer`, one row per
+        layer; `extract(i)` gives row i back as a `StateLayer` with its token count."""
+        from ..batch.state_rows import BatchStateLayer
+
+        return BatchStateLayer.merge(caches)
+
     # -- persistence protocol (layers.protocol) ------------------------------------
 
     resumes_from = CHECKPOINT

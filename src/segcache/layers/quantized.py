@@ -1,0 +1,166 @@
+"""Quantized full-attention KV segment: mlx-lm's `QuantizedKVCache` plus a branch stack.
+
+`generate_step(..., kv_bits=b)` swaps each `KVLayer` of `rt.cache` for what
+`to_quantized` returns; segcache returns this kind, and the runtime adopts it
+at its next operation (`Runtime._own_layers`). Quantization is per row (groups
+run along the head dimension), so a row's bytes depend only on that token's
+keys and values, and the buffer is append-only exactly as `KVLayer`'s:
+
+    (w_q, scales, biases) for keys and values, each [B, H, T, ...]
+            [ committed ........ | branch 1 ..... | branch 2 ... | free ]
+            0                    marks[0]         marks[1]       offset  capacity
+
+so a branch is its starting offset, `commit(n)` and `rollback` move `offset`,
+and the committed rows are the bytes mlx-lm's `QuantizedKVCache` holds when fed
+exactly the kept tokens. Rows a rolled back branch wrote lie past `offset`.
+
+The prefix store keeps unquantized K/V pages under the model's identity, so it
+refuses a runtime holding this kind (`resumes_from = UNSTORED`): publish and
+resume before quantizing.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import QuantizedKVCache
+
+from ..errors import BranchError, InvariantError, UnsupportedOperationError
+from .compat import MlxCompat
+from .protocol import UNSTORED
+
+
+def _views(parts):
+    """New array objects over the same data, one per quantized component."""
+    return None if parts is None else tuple(a[...] for a in parts)
+
+
+class QuantizedKVLayer(MlxCompat, QuantizedKVCache):
+    """mlx-lm's `QuantizedKVCache` (same update path, same quantized SDPA) plus a branch stack."""
+
+    def __init__(self, group_size: int = 64, bits: int = 8):
+        super().__init__(group_size=group_size, bits=bits)
+        # marks[i]: offset where open branch i began; non-decreasing, each <= offset.
+        self.marks: list[int] = []
+
+    @classmethod
+    def of(cls, keys, values, offset: int, group_size: int, bits: int) -> "QuantizedKVLayer":
+        """A layer holding `offset` tokens of unquantized `keys`/`values` ([B, H, T, D], T >= offset),
+        quantized as mlx-lm's `KVCache.to_quantized` does (the whole buffer, one call)."""
+        layer = cls(group_size=group_size, bits=bits)
+        layer.offset = offset
+        if keys is not None:
+            layer.keys = tuple(mx.quantize(keys, group_size=group_size, bits=bits))
+            layer.values = tuple(mx.quantize(values, group_size=group_size, bits=bits))
+        return layer
+
+    @property
+    def committed_offset(self) -> int:
+        """Tokens outside every open branch."""
+        return self.marks[0] if self.marks else self.offset
+
+    def fork(self) -> None:
+        self.marks.append(self.offset)
+
+    def commit(self, n: int) -> None:
+        self.offset = self.marks.pop() + n
+
+    def rollback(self) -> None:
+        self.offset = self.marks.pop()
+
+    def branch_offsets(self) -> list[int]:
+        return list(self.marks)
+
+    def savepoint(self) -> int:
+        return self.offset
+
+    def restore(self, point: int) -> None:
+        """Undo a forward that failed half-way (rows past offset are never read)."""
+        self.offset = point
+
+    def clone(self) -> "QuantizedKVLayer":
+        """An independent layer holding the committed tokens (shares the buffers until a write)."""
+        other = QuantizedKVLayer(self.group_size, self.bits)
+        other.keys, other.values = _views(self.keys), _views(self.values)
+        other.offset = self.committed_offset
+        return other
+
+    # -- the rest of mlx-lm's cache protocol (layers.compat) -------------------------
+
+    @property
+    def state(self):
+        """(keys, values, offset, group_size, bits) of the committed tokens (`save_prompt_cache`)."""
+        n = self.committed_offset
+        if self.marks and self.keys is not None:
+            cut = lambda parts: tuple(a[..., :n, :] for a in parts)
+            return cut(self.keys), cut(self.values), n, self.group_size, self.bits
+        return self.keys, self.values, n, self.group_size, self.bits
+
+    @state.setter
+    def state(self, v) -> None:
+        if self.marks:
+            raise BranchError("setting state with an open branch: commit or roll it back first")
+        keys, values, self.offset, self.group_size, self.bits = v
+        self.keys = None if keys is None else tuple(keys)
+        self.values = None if values is None else tuple(values)
+
+    @classmethod
+    def from_state(cls, state) -> "QuantizedKVLayer":
+        """A layer holding `state` (mlx-lm's `load_prompt_cache` calls this)."""
+        layer = cls(group_size=int(state[3]), bits=int(state[4]))
+        layer.state = state
+        return layer._checked()
+
+    def trim(self, n: int) -> int:
+        """Drop the last `n` tokens (fewer if it holds fewer), as mlx-lm's `QuantizedKVCache.trim`.
+
+        Raises:
+            BranchError: the trim would reach below the innermost open branch; nothing changed.
+        """
+        n = min(self.offset, n)
+        if self.marks and self.offset - n < self.marks[-1]:
+            raise BranchError(
+                f"trim({n}) reaches below the innermost open branch (it holds {self.offset - self.marks[-1]} "
+                "tokens): roll the branch back instead"
+            )
+        self.offset -= n
+        self._note_trim()
+        return n
+
+    @classmethod
+    def merge(cls, caches):
+        raise UnsupportedOperationError(
+            "QuantizedKVLayer.merge() (mlx-lm's BatchGenerator): quantized KV is not batched "
+            "(mlx-lm's QuantizedKVCache is not either); merge the layers before quantizing them"
+        )
+
+    # -- persistence protocol (layers.protocol) ------------------------------------
+
+    resumes_from = UNSTORED
+
+    def layout(self) -> list:
+        return ["kv_quantized", self.group_size, self.bits]
+
+    def load(self, *state) -> None:
+        """Refused: the store holds no quantized state for this kind to load (see the module doc)."""
+        raise UnsupportedOperationError(
+            "QuantizedKVLayer.load(): the prefix store keeps no quantized K/V; restore a runtime before "
+            "quantizing it"
+        )
+
+    def check(self) -> None:
+        where = f"QuantizedKVLayer(offset={self.offset}, marks={self.marks}, bits={self.bits})"
+        if self.offset < 0:
+            raise InvariantError(f"{where}: negative offset")
+        if any(b < a for a, b in zip(self.marks, self.marks[1:])):
+            raise InvariantError(f"{where}: marks must be non-decreasing")
+        if self.marks and self.marks[-1] > self.offset:
+            raise InvariantError(f"{where}: a branch begins past the end of the cache")
+        if self.keys is None or self.values is None:
+            if self.offset != 0 or (self.keys is None) != (self.values is None):
+                raise InvariantError(f"{where}: tokens counted but no buffer")
+            return
+        shapes = {a.shape[:3] for a in (*self.keys, *self.values)}
+        if len(self.keys) != 3 or len(self.values) != 3 or len(shapes) != 1:
+            raise InvariantError(f"{where}: quantized parts do not line up: {sorted(shapes)}")
+        if self.offset > self.keys[0].shape[2]:
+            raise InvariantError(f"{where}: buffer of {self.keys[0].shape[2]} rows does not hold the offset")
