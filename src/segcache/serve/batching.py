@@ -149,7 +149,7 @@ class BatchEngine(Engine):
             yield None  # wait for a prefill slot
         self._prefilling += 1
         try:
-            rt = Runtime(self.model, store=self.store)
+            rt = Runtime(self.model, store=self.store, gdn_prefill="auto")  # as Engine: chunked GDN off Metal
             if len(req.ids) == 1:
                 return rt, 0
             steps = rt.prefill_steps(req.ids[:-1], step_size=min(self.prefill_step, self.prefill_chunk),
