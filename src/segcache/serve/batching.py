@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Iterator
+from typing import Generator, Iterator
 
 from ..acceptors import make_acceptor
 from ..batch.decoder import BatchDecoder
@@ -49,10 +49,10 @@ class BatchEngine(Engine):
             two chunks.
     """
 
-    # On the shipped target (2 cores) prefill runs ~2,950 tok/s for chunks of
-    # 128..512 tokens, 1,920 tok/s at 2,048; a decode step of 8 rows takes ~5 ms.
-    # 256 keeps the prefill rate and stalls running rows ~86 ms per chunk, and it
-    # is the default checkpoint interval, where chunks end anyway.
+    # On the shipped target (2 idle cores, native GDN) prefill ran ~2,950 tok/s
+    # for chunks of 128..512 tokens and 1,920 tok/s at 2,048; a decode step of 8
+    # rows took ~5 ms. 256 keeps the prefill rate, stalls running rows ~86 ms per
+    # chunk, and is the default checkpoint interval, where chunks end anyway.
     prefill_chunk = 256
 
     def __init__(self, model, tokenizer, *, decode_concurrency: int, prompt_concurrency: int, **kwargs):
@@ -138,7 +138,7 @@ class BatchEngine(Engine):
             self._leave(req, emitted)
             self._log(req, n, cached, "-", ttft, None, outcome)
 
-    def _prefill(self, req: GenRequest) -> Iterator[None]:
+    def _prefill(self, req: GenRequest) -> Generator[None, None, tuple[Runtime, int]]:
         """Resume the prompt (all but its last token) from the store, then feed the rest one
         chunk per scheduler step, yielding between chunks so the running rows decode meanwhile.
 
@@ -148,6 +148,7 @@ class BatchEngine(Engine):
         while self._prefilling >= self.prompt_concurrency:
             yield None  # wait for a prefill slot
         self._prefilling += 1
+        steps = None
         try:
             rt = Runtime(self.model, store=self.store, gdn_prefill="auto")  # as Engine: chunked GDN off Metal
             if len(req.ids) == 1:
@@ -168,6 +169,8 @@ class BatchEngine(Engine):
             return rt, cached
         finally:
             self._prefilling -= 1
+            if steps is not None:
+                steps.close()  # cancelled mid-prefill: stop there (a finished one is unaffected)
 
     def _leave(self, req: GenRequest, emitted: list) -> None:
         """Free the row now; publish prompt + what the client received."""
