@@ -2,6 +2,7 @@
 
     python bench/serve.py [--model DIR] [--tokens 24] [--mlx-blas same|wheel]
     python bench/serve.py --sweep [--sweep-tokens 64] [--streams 1,2,4,8]
+    python bench/serve.py --join [--join-chars 7000] [--sweep-tokens 64]
 
 Both servers run the same model (the shipped hybrid target by default) as
 subprocesses on 127.0.0.1, driven by the official `openai` client with
@@ -27,6 +28,11 @@ segcache plain, segcache with prompt lookup, segcache with the draft model
 (both batched speculative rounds), mlx_lm.server; and segcache one at a time
 (--decode-concurrency 1) as the baseline. Reports aggregate generated tok/s
 (completion tokens over the wall time) and mean TTFT.
+
+`--join`: 4 streams decode (--sweep-tokens each); once each has its first
+token a long prompt (--join-chars) arrives. Reports the longest gap between
+two chunks of a running stream after that (how long the joining prefill
+stalls them), the joining prompt's TTFT and the running streams' tok/s.
 """
 
 from __future__ import annotations
@@ -203,6 +209,70 @@ def burst(server: Proc, prompts: list[str], tokens: int) -> tuple[float, float]:
         server.stop()
 
 
+def joining(server: Proc, prompts: list[str], long_prompt: str, tokens: int) -> dict:
+    """Start `server`; len(prompts) streams decode, then a long prompt arrives. Returns the largest
+    gap between two chunks of a running stream after the long prompt was sent, its TTFT, and the
+    running streams' aggregate tok/s."""
+    server.start()
+    try:
+        streamed(server.client(), "def warm_up():\n", 4)
+        started = threading.Barrier(len(prompts) + 1)
+        stamps: list[list[float]] = [[] for _ in prompts]
+        out = {}
+
+        def run(i):
+            n = 0
+            for ev in server.client().completions.create(model="default_model", prompt=prompts[i], max_tokens=tokens,
+                                                         temperature=0.0, stream=True):
+                if ev.choices and ev.choices[0].text:
+                    stamps[i].append(time.perf_counter())
+                    n += 1
+                    if n == 1:
+                        started.wait()
+            if n == 0:
+                started.wait()
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        tic = time.perf_counter()
+        for t in threads:
+            t.start()
+        started.wait()  # every stream is decoding
+        sent = time.perf_counter()
+        out["ttft"] = streamed(server.client(), long_prompt, 4)[0]
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - tic
+        gaps = [b - a for st in stamps for a, b in zip(st, st[1:]) if b > sent]
+        out["gap"] = max(gaps) if gaps else 0.0
+        out["tps"] = sum(len(st) for st in stamps) / wall
+        return out
+    finally:
+        server.stop()
+
+
+def join_bench(args, env, mlx_env, work: Path) -> int:
+    text = (MODELS / "heldout_stdlib.txt").read_text()
+    n = 4
+    prompts = [text[i * 2000 : i * 2000 + 400] for i in range(n)]
+    long_prompt = (MODELS / "heldout_other.txt").read_text()[: args.join_chars]
+    ours = [sys.executable, "-m", "segcache.cli", "serve", "--model", args.model, "--log-level", "WARNING"]
+    configs = {
+        "segcache": (ours, env),
+        "mlx_lm.server": ([sys.executable, "-m", "mlx_lm.server", "--model", args.model, "--log-level", "WARNING"],
+                          mlx_env),
+    }
+    print(f"{n} streams of {args.sweep_tokens} tokens decoding; a {len(long_prompt)}-character prompt joins")
+    for name, (cmd, e) in configs.items():
+        port = _port()
+        full = cmd + ["--port", str(port), "--decode-concurrency", str(n + 1), "--prompt-concurrency", "1"]
+        if name.startswith("segcache"):
+            full += ["--prompt-cache-dir", str(work / "store-join")]
+        r = joining(Proc(name, full, e, port, work / f"{name}-join.log"), prompts, long_prompt, args.sweep_tokens)
+        print(f"  {name:<16} longest stall of a running stream {r['gap'] * 1000:6.0f} ms, joining TTFT "
+              f"{r['ttft'] * 1000:6.0f} ms, running streams {r['tps']:6.1f} tok/s", flush=True)
+    return 0
+
+
 def sweep(args, env, mlx_env, work: Path) -> int:
     text = (MODELS / "heldout_stdlib.txt").read_text()
     streams = [int(x) for x in args.streams.split(",")]
@@ -250,6 +320,9 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="the concurrency sweep instead of the trace")
     ap.add_argument("--sweep-tokens", type=int, default=64)
     ap.add_argument("--streams", default="1,2,4,8")
+    ap.add_argument("--join", action="store_true",
+                    help="4 streams decode while a long prompt joins: their longest stall, its TTFT")
+    ap.add_argument("--join-chars", type=int, default=7000)
     args = ap.parse_args()
     context = (MODELS / "heldout_other.txt").read_text()[: args.context_chars]
     work = Path(tempfile.mkdtemp(prefix="segcache-bench-serve-"))
@@ -260,9 +333,9 @@ def main() -> int:
     if args.mlx_blas == "same" and libs and sys.platform.startswith("linux"):
         mlx_env.update(LD_PRELOAD=libs[0], OPENBLAS_THREAD_TIMEOUT="4")
         blas = f"OpenBLAS, LD_PRELOAD={libs[0]}"
-    if args.sweep:
+    if args.sweep or args.join:
         print(f"mlx_lm.server on {blas}; logs in {work}")
-        return sweep(args, env, mlx_env, work)
+        return (sweep if args.sweep else join_bench)(args, env, mlx_env, work)
     p1, p2 = _port(), _port()
     ours = Proc("segcache serve", [sys.executable, "-m", "segcache.cli", "serve", "--model", args.model,
                                    "--port", str(p1), "--prompt-cache-dir", str(work / "store"),

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Generator, Iterable, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
@@ -379,14 +379,43 @@ class Runtime:
             ValueError: `tokens` is empty or not token ids, or `step_size` is not a
                 positive int; nothing changed.
         """
+        from .store.prefix_cache import drain
+
+        return drain(self.prefill_steps(tokens, step_size=step_size, checkpoints=checkpoints))
+
+    def prefill_steps(
+        self, tokens: Sequence[int] | mx.array, *, step_size: int = 2048, checkpoints: Iterable[int] = ()
+    ) -> Generator[int, None, mx.array]:
+        """`prefill` one unit of work at a time, so a caller can run other work in between
+        (`segcache serve` decodes its running rows between a joining prompt's chunks).
+
+        The arguments are checked now (raising as `prefill` does); iterating runs
+        the resume, then one forward of at most `step_size` tokens per step.
+        Checkpoints, publishing and the results are `prefill`'s.
+
+        Yields:
+            The tokens the runtime holds: once after resuming from the store (what
+            it held before plus the tokens restored), then between two forwards.
+
+        Returns:
+            (as the generator's return value) the logits of the prompt's last position.
+            Closing the generator early stops the prefill there and publishes nothing.
+        """
         ids = _token_ids(tokens)
         if not isinstance(step_size, int) or isinstance(step_size, bool) or step_size <= 0:
             raise ValueError(f"prefill(step_size={step_size!r}): step_size must be a positive int")
         if self.store is None:
-            from .store.prefix_cache import check_prefill, feed
+            from .store.prefix_cache import check_prefill, feed_steps
 
-            return feed(self, ids, check_prefill(self, ids), [len(ids)], step_size)
-        return self.prefix_cache().prefill(self, ids, step_size=step_size, checkpoints=checkpoints)
+            held = check_prefill(self, ids)
+            return self._fed(held, feed_steps(self, ids, held, [len(ids)], step_size))
+        return self.prefix_cache().prefill_steps(self, ids, step_size=step_size, checkpoints=checkpoints)
+
+    @staticmethod
+    def _fed(held: int, steps) -> Generator[int, None, mx.array]:
+        yield held  # nothing to resume without a store
+        last, _ = yield from steps
+        return last
 
     def restore(self, ids: list[int], states: list) -> None:
         """Replace the whole committed state by a stored prefix of `ids`; all or nothing.

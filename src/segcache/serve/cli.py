@@ -70,7 +70,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--decode-concurrency", type=int, default=1,
                    help="requests decoded together in one batched forward (default 1), with or without a drafter")
     p.add_argument("--prompt-concurrency", type=int, default=1,
-                   help="prompts prefilled between two batched decode steps, at most (default 1)")
+                   help="prompts being prefilled at once, at most (each in chunks between decode steps; default 1)")
     p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill forward")
     p.add_argument("--checkpoint-interval", type=int, default=256,
                    help="checkpoint a long prompt every N tokens, so another prompt sharing only its start "

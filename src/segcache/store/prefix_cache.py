@@ -366,7 +366,13 @@ class PrefixCache:
 
     def prefill(self, rt, ids: list[int], *, step_size: int, checkpoints: Iterable[int] = ()) -> mx.array:
         """`Runtime.prefill`: resume from the store, compute the rest, publish. See there."""
-        held = check_prefill(rt, ids)
+        return drain(self.prefill_steps(rt, ids, step_size=step_size, checkpoints=checkpoints))
+
+    def prefill_steps(self, rt, ids: list[int], *, step_size: int, checkpoints: Iterable[int] = ()):
+        """`Runtime.prefill_steps`: `prefill` as a generator (validated now, run as it is iterated)."""
+        return self._prefill(rt, ids, check_prefill(rt, ids), step_size, checkpoints)
+
+    def _prefill(self, rt, ids: list[int], held: int, step_size: int, checkpoints: Iterable[int]):
         store = self.store if not self.store.closed else None
         L, lay = len(ids), self.layout
         plan = None
@@ -382,15 +388,15 @@ class PrefixCache:
                     _warn(store, "lookup", exc)
                 plan = None
         start = rt.offset
+        yield start  # resumed: the caller may run other work before the first forward
         stops = {L} | {p for p in self.stops(plan, start, L, checkpoints)}
         snaps: list[Snapshot] = []
         if start == L:  # whole prompt restored from a checkpoint
             last = plan.ckpt.arrays["logits"][...]
         else:
-            t0 = time.perf_counter()
             take = None if store is None else (lambda logits: snaps.append(self.snapshot(rt, logits)))
-            last = feed(rt, ids, start, sorted(stops), step_size, take)
-            lay.spt = (time.perf_counter() - t0) / (L - start)
+            last, seconds = yield from feed_steps(rt, ids, start, sorted(stops), step_size, take)
+            lay.spt = seconds / (L - start)
         if store is not None:
             store.note_prefill(L, resumed)
             if start < L:
@@ -442,18 +448,37 @@ def feed(rt, ids: list[int], start: int, stops: list[int], step_size: int, at_st
 
     `at_stop(logits)` runs at every stop short of the end (to take a checkpoint).
     """
-    pos, last = start, None
+    return drain(feed_steps(rt, ids, start, stops, step_size, at_stop))[0]
+
+
+def feed_steps(rt, ids: list[int], start: int, stops: list[int], step_size: int, at_stop=None):
+    """`feed` as a generator: yields the tokens fed so far between two forwards (never after
+    the last); returns (the last logits, seconds spent in the forwards)."""
+    pos, last, seconds = start, None, 0.0
     for stop in stops:
         while pos < stop:
+            if pos > start:
+                yield pos
+            tic = time.perf_counter()
             end = min(pos + step_size, stop)
             out = rt.forward(ids[pos:end])
             last = out[:, -1, :] * 1  # own buffer: do not pin the [S, vocab] logits
             mx.eval(last, [layer.state for layer in rt.cache])
             mx.clear_cache()
             pos = end
-        if at_stop is not None and stop < len(ids):
-            at_stop(last)
-    return last
+            if at_stop is not None and pos == stop < len(ids):
+                at_stop(last)
+            seconds += time.perf_counter() - tic  # not the time the caller spent between steps
+    return last, seconds
+
+
+def drain(steps):
+    """Run a generator to its end; its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
 
 
 def check_prefill(rt, ids: list[int]) -> int:

@@ -1,0 +1,193 @@
+"""`segcache serve --decode-concurrency N`: a joining prompt is prefilled in chunks, one per
+scheduler step, while the running rows decode between them (serve/batching.py). Driven
+in-process through the Scheduler, so steps are counted, never timed."""
+
+import segcache  # noqa: F401, I001  (binds the system BLAS before mlx loads)
+
+import math
+
+import mlx_lm
+import pytest
+
+from segcache import Runtime, open_store
+from segcache.serve.batching import BatchEngine
+from segcache.serve.engine import Chunk, Finish, GenRequest
+from segcache.serve.worker import Job, Scheduler
+from serve_util import TARGET
+
+TEXT = open(TARGET.parent / "heldout_stdlib.txt").read()
+CHUNK = 64
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return mlx_lm.load(str(TARGET))
+
+
+@pytest.fixture(scope="module")
+def prompts(loaded):
+    tok = loaded[1]
+    return {
+        "a": tok.encode(TEXT[:300]),
+        "long": tok.encode(TEXT[5000:7400]),  # ~1,000 tokens: many chunks of CHUNK
+        "c": tok.encode(TEXT[9000:9250]),
+    }
+
+
+def _alone(loaded, ids, n):
+    model, tok = loaded
+    return mlx_lm.generate(model, tok, prompt=ids, max_tokens=n)
+
+
+class Harness:
+    """A BatchEngine under a Scheduler, stepped by hand; per step the engine's counters."""
+
+    def __init__(self, loaded, store=None, prompt_concurrency=1):
+        model, tok = loaded
+        self.engine = BatchEngine(model, tok, decode_concurrency=4, prompt_concurrency=prompt_concurrency,
+                                  store=store)
+        self.engine.prefill_chunk = CHUNK
+        self.sched = Scheduler(self.engine, max_running=4, begin_step=self.engine.begin_step)
+        self.events: dict[str, list] = {}
+        self.jobs: dict[str, Job] = {}
+        self.trace = []  # (decode_steps, prefill_chunks) after each scheduler step
+
+    def submit(self, rid, ids, max_tokens):
+        self.events[rid] = []
+        self.jobs[rid] = job = Job(GenRequest(rid, list(ids), max_tokens), self.events[rid].append)
+        self.sched.submit(job)
+        return job
+
+    def step(self):
+        self.sched.step()
+        self.trace.append((self.engine.decode_steps, self.engine.prefill_chunks))
+
+    def text(self, rid):
+        return "".join(e.text for e in self.events[rid] if isinstance(e, Chunk))
+
+    def finish(self, rid):
+        return next((e for e in self.events[rid] if isinstance(e, Finish)), None)
+
+    def until(self, cond, limit=500):
+        for _ in range(limit):
+            if cond():
+                return
+            self.step()
+        raise AssertionError(f"condition not reached after {limit} steps")
+
+    def run(self, limit=2000):
+        for _ in range(limit):
+            if not self.sched.pending():
+                return
+            self.step()
+        raise AssertionError(f"not done after {limit} steps: {self.sched.pending()} jobs pending")
+
+
+def _chunks(n_tokens):
+    return math.ceil(n_tokens / CHUNK)
+
+
+def test_long_prompt_joins_in_chunks_between_decode_steps_and_every_row_is_exact(loaded, prompts):
+    h = Harness(loaded)
+    h.submit("a", prompts["a"], 48)
+    h.until(lambda: h.events["a"])  # a is decoding
+    start = len(h.trace)
+    h.submit("long", prompts["long"], 8)
+    h.submit("c", prompts["c"], 8)  # waits for the prefill slot (prompt concurrency 1)
+    h.run()
+    # every row token-identical to the request served alone
+    for rid, n in (("a", 48), ("long", 8), ("c", 8)):
+        assert h.text(rid) == _alone(loaded, prompts[rid], n), rid
+    trace = h.trace[start - 1 :]
+    steps = [(d1 - d0, c1 - c0) for (d0, c0), (d1, c1) in zip(trace, trace[1:])]
+    want = _chunks(len(prompts["long"]) - 1) + _chunks(len(prompts["c"]) - 1)
+    assert sum(c for _, c in steps) == want
+    # one chunk per scheduler step at most (prompt concurrency 1), and a decode step of the
+    # running rows in every step that fed a chunk: between any two chunks a decodes
+    assert all(c <= 1 for _, c in steps)
+    assert all(d == 1 for d, c in steps if c)
+    assert len(h.events["a"]) > 1 + want // 2  # a kept streaming while the long prompt joined
+
+
+def test_cancel_mid_prefill_frees_the_slot_the_runtime_and_publishes_nothing(loaded, prompts, tmp_path):
+    with open_store(tmp_path / "store") as store:
+        h = Harness(loaded, store=store)
+        h.submit("a", prompts["a"], 40)
+        h.until(lambda: h.events["a"])
+        prefills = store.stats()["prefills"]
+        job = h.submit("long", prompts["long"], 8)
+        chunks = h.engine.prefill_chunks
+        h.until(lambda: h.engine.prefill_chunks >= chunks + 3)
+        assert h.engine._prefilling == 1
+        job.cancel()
+        h.step()
+        assert job not in h.sched.running
+        assert h.engine._prefilling == 0
+        assert "long" not in h.engine._buffers and "long" not in h.engine.decoder.rows
+        assert h.engine.decoder.batch.ids == ["a"]
+        assert store.stats()["prefills"] == prefills  # the half-fed prompt was not published
+        # the slot is free: the next prompt is prefilled and served, and a is undisturbed
+        h.submit("c", prompts["c"], 8)
+        h.run()
+        assert h.text("c") == _alone(loaded, prompts["c"], 8)
+        assert h.text("a") == _alone(loaded, prompts["a"], 40)
+        assert h.events["long"] == []
+        assert len(h.engine.decoder) == 0 and h.engine._buffers == {} and h.engine._prefilling == 0
+
+
+def test_chunk_joined_prompt_publishes_as_runtime_prefill_and_resumes_from_the_store(loaded, prompts, tmp_path):
+    model = loaded[0]
+    with open_store(tmp_path / "served") as served, open_store(tmp_path / "alone") as alone:
+        h = Harness(loaded, store=served, prompt_concurrency=2)
+        h.submit("a", prompts["a"], 200)
+        h.until(lambda: h.events["a"])
+        chunks = h.engine.prefill_chunks
+        h.submit("long", prompts["long"], 8)
+        h.until(lambda: "long" in h.engine.decoder.rows)
+        assert h.engine.prefill_chunks - chunks == _chunks(len(prompts["long"]) - 1)  # it came in chunks
+        # what the chunked prefills published is what Runtime.prefill publishes (a still runs)
+        for rid in ("a", "long"):
+            req = GenRequest(rid, prompts[rid], 1)
+            Runtime(model, store=alone).prefill(prompts[rid][:-1], checkpoints=h.engine._checkpoints(req))
+        assert sorted((e.key, e.kind, e.tokens) for e in served.entries()) == sorted(
+            (e.key, e.kind, e.tokens) for e in alone.entries())
+        n = len(prompts["long"]) - 1
+        grid = set(range(256, n, 256)) | {n}  # the checkpoint interval and the prompt's end
+        assert grid <= {e.tokens for e in served.entries() if e.kind == "ckpt"}
+        h.run()
+        assert h.finish("long").usage.cached_tokens == 0
+        # the same prompt again, and one that extends it, resume from what the chunked join stored
+        more = prompts["long"] + prompts["c"]
+        h.submit("again", prompts["long"], 8)
+        h.submit("more", more, 8)
+        h.run()
+        assert h.finish("again").usage.cached_tokens == len(prompts["long"]) - 1
+        assert h.finish("more").usage.cached_tokens >= len(prompts["long"]) - 1
+        assert h.text("again") == _alone(loaded, prompts["long"], 8)
+        assert h.text("more") == _alone(loaded, more, 8)
+
+
+def test_prefill_steps_yield_the_resume_then_between_forwards_and_end_as_prefill(loaded, prompts, tmp_path):
+    model = loaded[0]
+    ids = prompts["long"]
+    with open_store(tmp_path / "a") as a, open_store(tmp_path / "b") as b:
+        want = Runtime(model, store=a).prefill(ids, step_size=100, checkpoints=[150])
+        rt = Runtime(model, store=b)
+        steps = rt.prefill_steps(ids, step_size=100, checkpoints=[150])
+        seen = []
+        while True:
+            try:
+                seen.append(next(steps))
+            except StopIteration as stop:
+                got = stop.value
+                break
+        # resume (nothing stored), then before each forward but the first: chunks end at 100, 150, 250, ...
+        fed = sorted({*range(100, 150, 100), *range(150, len(ids), 100)})
+        assert seen == [0] + fed
+        assert (got == want).all().item()
+        assert sorted((e.key, e.kind, e.tokens) for e in a.entries()) == sorted(
+            (e.key, e.kind, e.tokens) for e in b.entries())
+        again = Runtime(model, store=b).prefill_steps(ids + [1])
+        assert next(again) == len(ids)  # the first step resumes from the store
+        again.close()  # stopped there: nothing more fed, nothing published
+        assert b.stats()["prefills"] == 1
