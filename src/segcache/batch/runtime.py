@@ -55,14 +55,18 @@ def _build(model, strategy: str) -> list:
             layers.append(BatchKVLayer())
         elif type(cache) is RotatingKVCache and cache.keep == 0:
             layers.append(BatchWindowLayer(cache.max_size))
-        elif type(cache) is ArraysCache and (found := registry.match(cache, layer)) is not None:
+        elif (
+            type(cache) is ArraysCache
+            and (found := registry.match(cache, layer)) is not None
+            and found[0].name == "recurrent"  # other recurrent families (StateLayer) are not batched
+        ):
             module, base = found[1]
             adapters.adapt(module, base)
             layers.append(BatchRecurrentLayer(module.conv_kernel_size - 1, strategy))
         else:
             raise UnsupportedModelError(
                 f"layer {i} uses {type(cache).__name__}; batching supports KVCache, RotatingKVCache "
-                "(keep=0) and the Gated DeltaNet ArraysCache"
+                "(keep=0) and the Gated DeltaNet ArraysCache (serve other models with --decode-concurrency 1)"
             )
     return layers
 
