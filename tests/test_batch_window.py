@@ -121,6 +121,13 @@ def test_a_round_straddling_the_window_commits_each_row_its_own_count(family):
     br.forward([[20 + i] * (1 + i) for i in range(len(held))])
     br.rollback()
     br.check()
+    # a branch whose second forward compacts the layer: the keys before the branch stay
+    br.fork()
+    br.forward([[21, 22, 23]] * len(held))
+    cap = windows(br)[0].keys.shape[2]
+    br.forward([list(range(30, 30 + cap))] * len(held))
+    br.rollback()
+    br.check()
     for step in range(12):
         new = [[(step * 5 + i) % 64] for i in range(len(held))]
         logits = br.forward(new)
