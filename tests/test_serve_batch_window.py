@@ -1,6 +1,7 @@
 """`segcache serve --decode-concurrency 4` on a sliding-window model (tiny gemma3_text, window 8):
 concurrent clients in one batch, prompts and answers past the window, each answer equal to
-the same request alone (mlx-lm's generate on the same model directory)."""
+the same request alone (mlx-lm's generate on the same model directory); a finished row's
+published prefix resumes the next request."""
 
 import segcache  # noqa: F401, I001  (binds the system BLAS before mlx loads)
 
@@ -58,6 +59,13 @@ def test_concurrent_clients_on_a_window_model_each_as_alone(tmp_path, model_dir,
             t.join(300)
         assert not any(t.is_alive() for t in threads)
         assert out == ref, srv.log()[-2000:]
-        assert "not batched" not in srv.log()
+        # a row published at its end (to_runtime: the ring in temporal order) resumes a request alone
+        # (its prompt is the published ids and one more token, the pending one)
+        published = tok.encode(PROMPTS[3] + ref[3])
+        prompt = PROMPTS[3] + ref[3] + " "
+        want = mlx_lm.generate(model, tok, prompt=tok.encode(prompt), max_tokens=N)
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": prompt, "max_tokens": N}, timeout=300).json()
+        assert r["choices"][0]["text"] == want
+        assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == len(published)
     finally:
         srv.stop()
