@@ -10,10 +10,12 @@ import functools
 
 import mlx.core as mx
 import pytest
+from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import make_prompt_cache
 
 from conftest import tiny
 from segcache.batch import BatchDecoder, BatchRuntime
+from segcache.batch.layers import BatchKVLayer
 from segcache.batch.window import BatchWindowLayer, temporal_window
 from segcache.errors import BranchError, UnsupportedModelError
 from segcache.layers import WindowLayer
@@ -243,3 +245,15 @@ def test_window_layer_merge_gives_a_batched_layer_whose_rows_extract_back():
 def test_models_with_other_recurrent_kinds_are_refused():
     with pytest.raises(UnsupportedModelError, match="ArraysCache"):
         BatchRuntime(models.build("mamba"))
+
+
+def test_a_full_attention_layer_given_a_window_masks_as_mlx_lms_kv_cache():
+    """A model may build its sliding mask from a KVCache (mlx-lm: the last window_size keys)."""
+    layer = BatchKVLayer()
+    for L in (5, 12, 0):
+        layer.add_row(*((mx.ones((1, 2, L, 4)),) * 2 if L else (None, None)))
+    mask = layer.make_mask(3, window_size=4)
+    for i, L in enumerate(layer.lengths):
+        want = create_causal_mask(3, L, window_size=4)
+        assert mx.array_equal(mask[i, 0, :, : L + 3], want), f"row {i}"
+        assert not mask[i, 0, :, L + 3 :].any().item()
