@@ -66,6 +66,7 @@ def test_concurrent_clients_on_a_window_model_each_as_alone(tmp_path, model_dir,
         want = mlx_lm.generate(model, tok, prompt=tok.encode(prompt), max_tokens=N)
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": prompt, "max_tokens": N}, timeout=300).json()
         assert r["choices"][0]["text"] == want
-        assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == len(published)
+        if not drafting:  # every row ends where its client's text does, so to_runtime publishes it
+            assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == len(published), srv.log()[-3000:]
     finally:
         srv.stop()
