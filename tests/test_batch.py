@@ -11,7 +11,7 @@ import pytest
 
 from conftest import tiny
 from segcache.batch import BatchRuntime
-from segcache.errors import BranchError, UnsupportedModelError
+from segcache.errors import BranchError
 from segcache.runtime import Runtime
 
 TOL = 1e-4
@@ -182,8 +182,3 @@ def test_misuse_changes_nothing():
     br.rollback()
     assert [br.tokens(0), br.tokens(1)] == before
     br.check()
-
-
-def test_sliding_window_is_refused():
-    with pytest.raises(UnsupportedModelError):
-        BatchRuntime(tiny("gemma3_text"))

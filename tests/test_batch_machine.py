@@ -10,3 +10,11 @@ from segcache.testing.statemachine import run_machine
 @pytest.mark.parametrize("family,strategy", [("qwen3_5", "states"), ("qwen3_next", "replay"), ("llama", "auto")])
 def test_batch_machine(family, strategy):
     run_machine(batch_machine_for(tiny(family), strategy=strategy), examples=10, steps=20)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "llama_swa"])
+def test_batch_machine_on_sliding_window_models(family):
+    """Prompts and forwards past the 8-token window: rows cross it, branches straddle it, layers compact."""
+    from test_batch_window import window_model
+
+    run_machine(batch_machine_for(window_model(family), prompt=20, chunk=10), examples=10, steps=20)

@@ -58,11 +58,13 @@ class BatchKVLayer:
         return True
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs) -> mx.array:
-        if window_size is not None:
-            raise NotImplementedError("sliding-window attention is not batched yet")
         T = max(self.lengths) + N
         q = mx.array(self.lengths, dtype=mx.int32)[:, None, None] + mx.arange(N)[None, :, None]
-        return (mx.arange(T)[None, None, :] <= q)[:, None]  # [B, 1, N, T]
+        keys = mx.arange(T)[None, None, :]
+        mask = keys <= q
+        if window_size is not None:  # as mlx-lm's KVCache given a window: the last window_size keys
+            mask = mask & (keys > q - window_size)
+        return mask[:, None]  # [B, 1, N, T]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         B, H, S, _ = keys.shape

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from .. import adapters
 from ..errors import BranchError, InvariantError, UnsupportedModelError, UnsupportedOperationError
@@ -28,6 +28,7 @@ from ..layers import registry
 from ..layers.quantized import QuantizedKVLayer
 from ..runtime import Runtime, default_recurrent_strategy
 from .layers import BatchKVLayer, BatchRecurrentLayer
+from .window import BatchWindowLayer, temporal_window
 
 
 @dataclass
@@ -53,14 +54,20 @@ def _build(model, strategy: str) -> list:
     for i, (cache, layer) in enumerate(zip(native, model.layers)):
         if type(cache) is KVCache:
             layers.append(BatchKVLayer())
-        elif type(cache) is ArraysCache and (found := registry.match(cache, layer)) is not None:
+        elif type(cache) is RotatingKVCache and cache.keep == 0:
+            layers.append(BatchWindowLayer(cache.max_size))
+        elif (
+            type(cache) is ArraysCache
+            and (found := registry.match(cache, layer)) is not None
+            and found[0].name == "recurrent"  # other recurrent families (StateLayer) are not batched
+        ):
             module, base = found[1]
             adapters.adapt(module, base)
             layers.append(BatchRecurrentLayer(module.conv_kernel_size - 1, strategy))
         else:
             raise UnsupportedModelError(
-                f"layer {i} uses {type(cache).__name__}; batching supports KVCache and the Gated DeltaNet "
-                "ArraysCache (sliding-window attention is not batched yet)"
+                f"layer {i} uses {type(cache).__name__}; batching supports KVCache, RotatingKVCache "
+                "(keep=0) and the Gated DeltaNet ArraysCache (serve other models with --decode-concurrency 1)"
             )
     return layers
 
@@ -69,11 +76,12 @@ class BatchRuntime:
     """Rows of one model in shared batched layer caches.
 
     Args:
-        model: an mlx-lm model with full-attention and/or Gated DeltaNet layers.
+        model: an mlx-lm model with full-attention, sliding-window and/or Gated DeltaNet layers.
         recurrent_strategy: "auto", "replay" or "states", as for `Runtime`.
 
     Raises:
-        UnsupportedModelError: a layer kind that is not batched (sliding window).
+        UnsupportedModelError: a layer kind that is not batched (other recurrent
+            families, attention sinks).
     """
 
     def __init__(self, model, *, recurrent_strategy: str = "auto"):
@@ -129,9 +137,17 @@ class BatchRuntime:
                 )
             tokens = runtime.tokens
             states = [layer.state for layer in runtime.cache]
+        # rings in temporal order first: a ring that cannot join raises before any layer changed
+        windows = {
+            i: (None, None, 0) if state is None else temporal_window(state)
+            for i, (layer, state) in enumerate(zip(self.cache, states))
+            if isinstance(layer, BatchWindowLayer)
+        }
         B = len(self.rows)
-        for layer, state in zip(self.cache, states):
-            if isinstance(layer, BatchKVLayer):
+        for i, (layer, state) in enumerate(zip(self.cache, states)):
+            if isinstance(layer, BatchWindowLayer):
+                layer.add_row(*windows[i])
+            elif isinstance(layer, BatchKVLayer):
                 keys, values = (None, None) if state is None or not state[2] else (state[0][..., : state[2], :], state[1][..., : state[2], :])
                 layer.add_row(keys, values)
             else:
@@ -177,6 +193,10 @@ class BatchRuntime:
         tokens = self.rows[i].tokens
         states = []
         for layer in self.cache:
+            if isinstance(layer, BatchWindowLayer):
+                keys, values, length = layer.row_state(i)
+                states.append((keys, values, length, 0 if keys is None else keys.shape[2]))
+                continue
             a, b = layer.row_state(i)
             if isinstance(layer, BatchKVLayer):
                 states.append((a, b, len(tokens)) if a is not None else None)
@@ -271,13 +291,18 @@ class BatchRuntime:
         for row in self.rows:
             if (row.base is None) == self.branch_open:
                 raise InvariantError(f"row {row.id!r}: branch base {row.base} but branch_open={self.branch_open}")
+        windows = [layer for layer in self.cache if isinstance(layer, BatchWindowLayer)]
+        # the model builds one window mask from one layer for all: every window layer has one layout
+        if any((w.max_size, w.starts, w.lengths) != (windows[0].max_size, windows[0].starts, windows[0].lengths)
+               for w in windows):
+            raise InvariantError("the sliding-window layers disagree on their layout")
         for layer in self.cache:
-            if isinstance(layer, BatchKVLayer):
+            if isinstance(layer, (BatchKVLayer, BatchWindowLayer)):
                 want = [len(r.tokens) for r in self.rows]
                 if not self.sealed and layer.lengths != want:
-                    raise InvariantError(f"KV lengths {layer.lengths} but rows hold {want} tokens")
+                    raise InvariantError(f"attention lengths {layer.lengths} but rows hold {want} tokens")
                 if self.branch_open and layer.marks != [r.base for r in self.rows]:
-                    raise InvariantError(f"KV marks {layer.marks} but rows branched at {[r.base for r in self.rows]}")
+                    raise InvariantError(f"marks {layer.marks} but rows branched at {[r.base for r in self.rows]}")
             else:
                 conv = layer.cache[0]
                 if conv is not None and conv.shape[0] != len(self.rows):

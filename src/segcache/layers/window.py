@@ -78,6 +78,21 @@ class WindowLayer(MlxCompat, QuantizeRefused, SnapshotBranches, RotatingKVCache)
 
     # -- the rest of mlx-lm's cache protocol (layers.compat) -------------------------
 
+    @classmethod
+    def merge(cls, caches):
+        """mlx-lm's `RotatingKVCache.merge`: a batched layer with one row per cache's committed window.
+
+        Returns a `segcache.batch.window.BatchWindowLayer` (per-row lengths, no
+        left padding); its `extract(i)` gives row i back as a WindowLayer.
+
+        Raises:
+            ValueError: windows of different sizes.
+            UnsupportedModelError: a cache keeps attention sinks (keep > 0).
+        """
+        from ..batch.window import BatchWindowLayer
+
+        return BatchWindowLayer.merge(caches)
+
     @property
     def state(self):
         """mlx-lm's (keys, values, offset, keep, max_size, idx), of the committed ring."""

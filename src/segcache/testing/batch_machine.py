@@ -8,6 +8,10 @@ within `ATOL` of that (see docs/batching.md for why not bit-equal). After
 every step `check()` runs and each row's ids equal the reference ids.
 
     run_machine(batch_machine_for(model), examples=3)
+
+On a sliding-window model give `prompt` (longest joining prompt) and `chunk`
+(longest forward) past the window, so rows pass it, branches straddle its
+edge and the batched layer compacts (`batch/window.py`).
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ class BatchMachine(RuleBasedStateMachine):
     model = None
     strategy = "auto"
     vocab = 64
+    prompt = 6  # longest prompt a row joins with
+    chunk = 4  # longest forward of a row
 
     def __init__(self):
         super().__init__()
@@ -58,14 +64,17 @@ class BatchMachine(RuleBasedStateMachine):
             assert diff <= ATOL, f"row {rid}: logits differ from mlx-lm's by {diff}"
             self.want[rid] = self.want[rid] + new
 
-    @initialize(data=st.data(), sizes=st.lists(st.integers(0, 6), min_size=2, max_size=3))
-    def start(self, data, sizes):
-        for size in sizes:
-            self.join(data, size)
+    @initialize(data=st.data())
+    def start(self, data):
+        for size in data.draw(st.lists(st.integers(0, self.prompt), min_size=2, max_size=3)):
+            self._join(data, size)
 
     @precondition(lambda self: not self.br.branch_open and len(self.br) < MAX_ROWS)
-    @rule(data=st.data(), size=st.integers(0, 6))
-    def join(self, data, size):
+    @rule(data=st.data())
+    def join(self, data):
+        self._join(data, data.draw(st.integers(0, self.prompt)))
+
+    def _join(self, data, size):
         tokens = data.draw(st.lists(st.integers(0, self.vocab - 1), min_size=size, max_size=size))
         rt = None
         if tokens:
@@ -88,9 +97,9 @@ class BatchMachine(RuleBasedStateMachine):
         B = len(self.br)
         token = st.integers(0, self.vocab - 1)
         if self.br.branch_open and data.draw(st.booleans()):
-            chunks = [data.draw(st.lists(token, min_size=1, max_size=4)) for _ in range(B)]
+            chunks = [data.draw(st.lists(token, min_size=1, max_size=self.chunk)) for _ in range(B)]
         else:
-            S = data.draw(st.integers(1, 3))
+            S = data.draw(st.integers(1, max(3, self.chunk - 1)))
             chunks = [data.draw(st.lists(token, min_size=S, max_size=S)) for _ in range(B)]
         logits = self.br.forward(chunks)
         self._compare(logits, chunks)
@@ -118,7 +127,7 @@ class BatchMachine(RuleBasedStateMachine):
         """fork, one ragged forward (pending + drafts per row), a ragged commit."""
         self.fork()
         token = st.integers(0, self.vocab - 1)
-        chunks = [data.draw(st.lists(token, min_size=1, max_size=4)) for _ in self.br.ids]
+        chunks = [data.draw(st.lists(token, min_size=1, max_size=self.chunk)) for _ in self.br.ids]
         self._compare(self.br.forward(chunks), chunks)
         self.check_rows()
         self.commit(data)
@@ -147,6 +156,26 @@ class BatchMachine(RuleBasedStateMachine):
         ref = reference_logits(self.model, ids, [1])
         assert mx.abs(logits[0, :1] - ref).max().item() <= ATOL, f"extracted row {rid} drifted"
 
+    @precondition(lambda self: not self.br.branch_open and len(self.br) > 0)
+    @rule(data=st.data())
+    def round_trip(self, data):
+        """A row leaves as a Runtime (`to_runtime`), runs alone a little, and joins again."""
+        rid = data.draw(st.sampled_from(self.br.ids))
+        rt = self.br.to_runtime(rid)
+        rt.check()
+        assert rt.tokens == self.want[rid]
+        self.br.leave(rid)
+        ids = self.want.pop(rid)
+        for _ in range(data.draw(st.integers(0, 2))):
+            new = data.draw(st.lists(st.integers(0, self.vocab - 1), min_size=1, max_size=self.chunk))
+            got = rt.forward(new)[0]
+            diff = mx.abs(got - reference_logits(self.model, ids, new)).max().item()
+            assert diff <= ATOL, f"row {rid} alone after to_runtime: logits differ by {diff}"
+            ids = ids + new
+        rid, self.next_id = self.next_id, self.next_id + 1
+        self.br.join(rid, rt)
+        self.want[rid] = ids
+
     def check_rows(self):
         self.consistent()
 
@@ -157,10 +186,11 @@ class BatchMachine(RuleBasedStateMachine):
             assert self.br.tokens(rid) == self.want[rid], f"row {rid} ids"
 
 
-def batch_machine_for(model, *, strategy: str = "auto", vocab: int = 64) -> type[BatchMachine]:
+def batch_machine_for(model, *, strategy: str = "auto", vocab: int = 64, prompt: int = 6,
+                      chunk: int = 4) -> type[BatchMachine]:
     """A BatchMachine subclass bound to `model` (run it with statemachine.run_machine)."""
     return type(
         f"BatchMachine_{type(model).__module__.rsplit('.', 1)[-1]}_{strategy}",
         (BatchMachine,),
-        {"model": model, "strategy": strategy, "vocab": vocab},
+        {"model": model, "strategy": strategy, "vocab": vocab, "prompt": prompt, "chunk": chunk},
     )
