@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 import warnings
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 from ..errors import StoreError, StoreWarning
@@ -36,6 +36,7 @@ DEFAULT_NAMESPACE = b"segcache:1:"  # the "1" follows the codec's key scheme; bu
 _BACKOFF_MIN = 0.25
 _WRITE_BATCH = 32  # records per write pipeline
 _WATCH_RETRIES = 4  # optimistic merges of one node before the update is dropped
+_RECV = 256 << 10  # bytes per read of reply headers (values are read straight into their own buffers)
 
 
 def redact(url: str) -> str:
@@ -137,18 +138,51 @@ class RemoteTier:
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """The values at keys in ONE round trip (None where absent); all None if the remote is down."""
+        out: list[bytes | None] = [None] * len(keys)
+        for i, v in self.stream(keys):
+            out[i] = v
+        return out
+
+    def stream(self, keys: Sequence[bytes]) -> Iterator[tuple[int, bytearray]]:
+        """(index, value) for each key the remote holds, as each value arrives, from ONE MGET.
+
+        The caller checks value i while later values are still on the wire (the
+        server keeps writing into the socket buffer meanwhile), and each value is
+        received straight into its own buffer: one copy, where a parsed reply takes
+        three. Nothing is yielded while the remote backs off. A failure part way
+        (timeout, reset, a malformed reply) ends the stream: what came before stands,
+        the rest is a miss, and the remote backs off. Values over ``max_value`` are
+        skipped (read and discarded, so the connection stays in step).
+        """
         if not keys or not self._ok():
-            return [None] * len(keys)
+            return
+        pool = self._client.connection_pool
         try:
-            vals = self._client.mget([self.namespace + k for k in keys])
+            conn = _connection(pool)
         except self._redis.RedisError as e:
             self._failed("a lookup", e)
-            return [None] * len(keys)
-        self._succeeded()
-        out = [v if isinstance(v, bytes) and len(v) <= self.max_value else None for v in vals]
-        with self._lock:
-            self.reads += sum(v is not None for v in out)
-        return out
+            return
+        done, n = False, 0
+        try:
+            try:
+                conn.send_command("MGET", *[self.namespace + k for k in keys])
+                reply = _Reply(conn._sock, self._redis)
+                for i, v in reply.values(len(keys), self.max_value):
+                    n += 1
+                    yield i, v
+                done = True
+            except (self._redis.RedisError, OSError, ValueError) as e:
+                if isinstance(e, TimeoutError):  # socket.timeout is TimeoutError
+                    e = self._redis.TimeoutError(f"no reply within {self.timeout:g} s")
+                self._failed("a lookup", e)
+                return
+            self._succeeded()
+        finally:
+            with self._lock:
+                self.reads += n
+            if not done:  # stopped part way (failure, or the caller left): the reply's rest would desync the connection
+                conn.disconnect()
+            pool.release(conn)
 
     # -- writes (background) --
 
@@ -175,7 +209,17 @@ class RemoteTier:
         with self._lock:
             self.dropped += n
 
+    def _warm(self) -> None:
+        """Connect the lookup pool now, off the caller's thread: a new host's first prefill would pay it."""
+        pool = self._client.connection_pool
+        try:
+            conn = _connection(pool)
+        except self._redis.RedisError:
+            return  # the first lookup finds out, warns and backs off
+        pool.release(conn)
+
     def _run(self) -> None:
+        self._warm()
         while not (self._stop.is_set() and self._queue.empty()):
             try:
                 batch = [self._queue.get(timeout=0.05)]
@@ -304,3 +348,80 @@ class RemoteTier:
                 c.close()
             except Exception:
                 pass
+
+
+def _connection(pool):
+    """A connected connection from a redis-py pool (the caller releases it)."""
+    try:
+        return pool.get_connection()
+    except TypeError:  # redis-py < 5.3 wants a command name
+        return pool.get_connection("MGET")
+
+
+class _Reply:
+    """An MGET reply read off the socket value by value (RESP2, and RESP3's null).
+
+    Replies are ``*N`` then per key ``$len`` + bytes + CRLF, or ``$-1`` (``_`` in
+    RESP3) for a missing key; an error reply (``-ERR ...``) raises ResponseError.
+    """
+
+    def __init__(self, sock, redis_mod):
+        if sock is None:
+            raise redis_mod.ConnectionError("connection closed")
+        self.sock, self.redis = sock, redis_mod
+        self.buf, self.pos = bytearray(), 0  # bytes received but not parsed: buf[pos:]
+        self.scratch = bytearray(_RECV)
+
+    def _fill(self) -> None:
+        n = self.sock.recv_into(self.scratch)
+        if n == 0:
+            raise self.redis.ConnectionError("the remote closed the connection mid-reply")
+        if self.pos:
+            del self.buf[: self.pos]
+            self.pos = 0
+        self.buf += memoryview(self.scratch)[:n]
+
+    def _line(self) -> bytes:
+        while True:
+            j = self.buf.find(b"\r\n", self.pos)
+            if j >= 0:
+                out = bytes(self.buf[self.pos : j])
+                self.pos = j + 2
+                return out
+            if len(self.buf) - self.pos > 1024:
+                raise self.redis.DataError("malformed reply: no line end within 1 KiB")
+            self._fill()
+
+    def _read(self, n: int, keep: bool) -> bytearray | None:
+        """The next n bytes (into a fresh buffer if keep, else discarded), then the CRLF after them."""
+        out = bytearray(n) if keep else None
+        have = min(n, len(self.buf) - self.pos)
+        if keep:
+            out[:have] = memoryview(self.buf)[self.pos : self.pos + have]
+        self.pos += have
+        got, mv = have, memoryview(out) if keep else None
+        while got < n:
+            m = self.sock.recv_into(mv[got:], n - got) if keep else self.sock.recv_into(self.scratch, min(n - got, _RECV))
+            if m == 0:
+                raise self.redis.ConnectionError("the remote closed the connection mid-value")
+            got += m
+        if self._line() != b"":
+            raise self.redis.DataError("malformed reply: a value is not followed by CRLF")
+        return out
+
+    def values(self, n: int, max_value: int) -> Iterator[tuple[int, bytearray]]:
+        head = self._line()
+        if head[:1] == b"-":
+            raise self.redis.ResponseError(head[1:].decode("utf-8", "replace"))
+        if head != b"*%d" % n:
+            raise self.redis.DataError(f"malformed reply to MGET of {n} keys: {head[:32]!r}")
+        for i in range(n):
+            line = self._line()
+            if line in (b"$-1", b"_"):
+                continue
+            if line[:1] != b"$" or not line[1:].isdigit():
+                raise self.redis.DataError(f"malformed reply to MGET: {line[:32]!r}")
+            size = int(line[1:])
+            v = self._read(size, keep=size <= max_value)
+            if v is not None:
+                yield i, v

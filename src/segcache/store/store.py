@@ -298,7 +298,12 @@ class PrefixStore:
             if self._remote is None:
                 return 0
             exp = list(expects) if expects is not None else [None] * len(keys)
-            todo = [(k, e) for k, e in zip(keys, exp) if k not in self._ram and not self._disk.contains(k)]
+            keys = list(keys)
+            local = [k in self._ram for k in keys]
+            ask = [k for k, held in zip(keys, local) if not held]
+            with _store_errors(self.path, "reading"):
+                on_disk = dict(zip(ask, self._disk.contains_many(ask))) if ask else {}
+            todo = [(k, e) for k, e, held in zip(keys, exp, local) if not held and not on_disk[k]]
             got = self._from_remote([k for k, _ in todo], [e for _, e in todo])
             return sum(r is not None for r in got)
 
@@ -309,18 +314,12 @@ class PrefixStore:
         out: list[Record | None] = [None] * len(keys)
         if not ask:
             return out
-        values = self._remote.get_many([keys[i] for i in ask])
-        if len(self._absent) > _ABSENT_MAX:
-            self._absent.clear()
-        items, where = [], []
-        for i, v in zip(ask, values):
-            if v is None:
-                if self._remote.up:
-                    self._absent[keys[i]] = now
-            else:
-                items.append((v, keys[i], expects[i]))
-                where.append(i)
-        for i, rec in zip(where, codec.decode_many(items)):
+        # Each value is checked and decoded as it arrives, while the next ones are on the wire.
+        answered = set()
+        for i, v in self._remote.stream([keys[i] for i in ask]):
+            i = ask[i]
+            answered.add(i)
+            rec = codec.decode_many([(v, keys[i], expects[i])])[0]
             if isinstance(rec, Exception):
                 self._remote_corrupt += 1
                 if not self._remote_warned:
@@ -330,6 +329,12 @@ class PrefixStore:
                 continue
             self._ram.put(keys[i], rec)  # dirty: it reaches this host's disk like a local record
             out[i] = rec
+        if len(self._absent) > _ABSENT_MAX:
+            self._absent.clear()
+        if self._remote.up:  # an answer, not a failure: what it lacked is not asked again for a moment
+            for i in ask:
+                if i not in answered:
+                    self._absent[keys[i]] = now
         return out
 
     def _drop_misfit(self, key: bytes, expect: Expect) -> None:
