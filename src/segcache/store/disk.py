@@ -582,6 +582,10 @@ class DiskTier:
     def contains(self, key: bytes) -> bool:
         return self._run(lambda txn: txn.get(key, db=self.index) is not None)
 
+    def raw(self, key: bytes) -> bytes | None:
+        """The stored value at key as it is (encoded, not checked), or None."""
+        return self._run(lambda txn: txn.get(key, db=self.records))
+
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         """`contains` of each key, in one read transaction."""
         return self._run(lambda txn: [txn.get(k, db=self.index) is not None for k in keys])
