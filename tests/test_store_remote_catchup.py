@@ -41,6 +41,7 @@ def test_records_published_while_the_remote_was_down_reach_it_once_it_is_back(tm
                     want.append(digest(Runtime(tiny(f), store=store).prefill(p)))
                 if f == FAMILIES[0]:
                     store.evict_ram(0)  # these owed records are re-read from disk (sent as stored), the rest from RAM
+            store.drain_remote()  # the writer has seen every write fail (not still queued)
             st = store.stats()
             assert st["remote_backlog"] > 0 and st["remote_writes"] == 0 and st["remote_dropped"] == 0, st
             redis_server.start()  # same port, empty
@@ -63,6 +64,7 @@ def test_the_backlog_is_bounded_and_what_overflows_is_counted_dropped(tmp_path, 
             redis_server.stop()
             for p in PROMPTS:
                 Runtime(tiny("qwen3_5"), store=store).prefill(p)
+            store.drain_remote()
             before = store.stats()
             assert before["remote_backlog"] == 3 and before["remote_dropped"] > 0, before
             redis_server.start()
@@ -78,15 +80,15 @@ def test_a_record_gone_from_the_local_tiers_before_the_remote_returns_is_dropped
         with open_store(tmp_path / "a", remote=redis_server.url, **OPEN) as store:
             redis_server.stop()
             Runtime(tiny("llama"), store=store).prefill(PROMPTS[0])
-            st = store.stats()
-            owed = st["remote_backlog"]
+            store.drain_remote()
+            assert store.stats()["remote_backlog"] > 0
             for e in store.entries():
                 if not e.key.startswith(b"n"):  # pages and checkpoints; node merges need no local copy
                     store.delete(e.key)
             redis_server.start()
             wait_for(lambda: store.stats()["remote_backlog"] == 0, "the backlog was not worked off")
             st = store.stats()
-            assert st["remote_dropped"] > 0 and st["remote_dropped"] + st["remote_writes"] == owed, st
+            assert st["remote_dropped"] > 0 and st["remote_writes"] > 0, st  # the pages dropped, the node merges sent
     assert not [k for k in redis_server.client().scan_iter(match=NS + b"*") if not k[len(NS):].startswith(b"n")]
 
 
@@ -104,8 +106,11 @@ def test_the_mget_reader_returns_each_value_exactly_and_stays_in_step(redis_serv
         for _ in range(2):  # the same pooled connection, twice
             assert tier.get_many([b"a", b"missing", b"over", b"b"]) == [big, None, None, b"tail\r\n$-1\r\n"]
         assert tier.get_many([b"b"]) == [b"tail\r\n$-1\r\n"]
+        # one reused buffer: each value is right while it is the current one
+        assert [(i, bytes(v)) for i, v in tier.stream([b"b", b"a", b"over", b"b"], reuse=True)] == [
+            (0, b"tail\r\n$-1\r\n"), (1, big), (3, b"tail\r\n$-1\r\n")]
         st = tier.stats()
-        assert st["remote_reads"] == 5 and st["remote_errors"] == 0, st
+        assert st["remote_reads"] == 8 and st["remote_errors"] == 0, st
     finally:
         tier.close()
 

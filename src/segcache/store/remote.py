@@ -117,6 +117,7 @@ class RemoteTier:
         self.backlog_max = int(backlog)
         self.caught_up = 0  # backlog writes sent late
         self._taken = 0  # backlog keys the writer took out and is sending (still owed until sent)
+        self._scratch = bytearray()  # stream(reuse=True)'s value buffer (lookups run one at a time per store)
         # key -> the value to send now, None if the record left the local tiers, or raises Busy
         # (try later). Set by the store; runs on the writer thread.
         self.source: Callable[[bytes], bytes | None] | None = None
@@ -163,7 +164,7 @@ class RemoteTier:
             out[i] = v
         return out
 
-    def stream(self, keys: Sequence[bytes]) -> Iterator[tuple[int, bytearray]]:
+    def stream(self, keys: Sequence[bytes], *, reuse: bool = False) -> Iterator[tuple[int, bytearray | memoryview]]:
         """(index, value) for each key the remote holds, as each value arrives, from ONE MGET.
 
         The caller checks value i while later values are still on the wire (the
@@ -173,6 +174,10 @@ class RemoteTier:
         (timeout, reset, a malformed reply) ends the stream: what came before stands,
         the rest is a miss, and the remote backs off. Values over ``max_value`` are
         skipped (read and discarded, so the connection stays in step).
+
+        With reuse, every value is received into one buffer kept by this tier and
+        yielded as a memoryview that is valid only until the next item: for a
+        caller that copies each value out at once (no fresh pages per value).
         """
         if not keys or not self._ok():
             return
@@ -182,11 +187,11 @@ class RemoteTier:
         except self._redis.RedisError as e:
             self._failed("a lookup", e)
             return
-        done, n = False, 0
+        done, n, reply = False, 0, None
         try:
             try:
                 conn.send_command("MGET", *[self.namespace + k for k in keys])
-                reply = _Reply(conn._sock, self._redis)
+                reply = _Reply(conn._sock, self._redis, self._scratch if reuse else None)
                 for i, v in reply.values(len(keys), self.max_value):
                     n += 1
                     yield i, v
@@ -198,6 +203,8 @@ class RemoteTier:
                 return
             self._succeeded()
         finally:
+            if reuse and reply is not None:
+                self._scratch = reply.reused
             with self._lock:
                 self.reads += n
             if not done:  # stopped part way (failure, or the caller left): the reply's rest would desync the connection
@@ -484,12 +491,14 @@ class _Reply:
     RESP3) for a missing key; an error reply (``-ERR ...``) raises ResponseError.
     """
 
-    def __init__(self, sock, redis_mod):
+    def __init__(self, sock, redis_mod, reused: bytearray | None = None):
         if sock is None:
             raise redis_mod.ConnectionError("connection closed")
         self.sock, self.redis = sock, redis_mod
         self.buf, self.pos = bytearray(), 0  # bytes received but not parsed: buf[pos:]
         self.scratch = bytearray(_RECV)
+        self.reuse = reused is not None
+        self.reused = reused if reused is not None else bytearray()  # the one value buffer, grown as needed
 
     def _fill(self) -> None:
         n = self.sock.recv_into(self.scratch)
@@ -511,9 +520,15 @@ class _Reply:
                 raise self.redis.DataError("malformed reply: no line end within 1 KiB")
             self._fill()
 
-    def _read(self, n: int, keep: bool) -> bytearray | None:
-        """The next n bytes (into a fresh buffer if keep, else discarded), then the CRLF after them."""
-        out = bytearray(n) if keep else None
+    def _read(self, n: int, keep: bool) -> bytearray | memoryview | None:
+        """The next n bytes (into a fresh buffer, or the reused one, if keep; else discarded), then the CRLF after them."""
+        out = None
+        if keep and self.reuse:
+            if len(self.reused) < n:
+                self.reused = bytearray(n)
+            out = memoryview(self.reused)[:n]
+        elif keep:
+            out = bytearray(n)
         have = min(n, len(self.buf) - self.pos)
         if keep:
             out[:have] = memoryview(self.buf)[self.pos : self.pos + have]

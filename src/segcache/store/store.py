@@ -318,7 +318,7 @@ class PrefixStore:
             return out
         # Each value is checked and decoded as it arrives, while the next ones are on the wire.
         answered = set()
-        for i, v in self._remote.stream([keys[i] for i in ask]):
+        for i, v in self._remote.stream([keys[i] for i in ask], reuse=True):  # v: valid until the next value
             i = ask[i]
             answered.add(i)
             rec = codec.decode_many([(v, keys[i], expects[i])])[0]
