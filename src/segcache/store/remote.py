@@ -123,6 +123,7 @@ class RemoteTier:
         self.source: Callable[[bytes], bytes | None] | None = None
         self._closed = False
         self._stop = threading.Event()
+        self._warm()
         self._worker = threading.Thread(target=self._run, name="segcache-remote", daemon=True)
         self._worker.start()
 
@@ -157,9 +158,9 @@ class RemoteTier:
 
     # -- reads --
 
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | bytearray | None]:
         """The values at keys in ONE round trip (None where absent); all None if the remote is down."""
-        out: list[bytes | None] = [None] * len(keys)
+        out: list[bytes | bytearray | None] = [None] * len(keys)
         for i, v in self.stream(keys):
             out[i] = v
         return out
@@ -262,7 +263,12 @@ class RemoteTier:
                 self.dropped += max(1, len(entry))
 
     def _warm(self) -> None:
-        """Connect the lookup pool now, off the caller's thread: a new host's first prefill would pay it."""
+        """Connect the lookup pool (at most ``timeout``): a new host's first prefill would pay it.
+
+        Run at open, on the opener's thread, so the first lookup never races a
+        connect in progress. A failure is silent here; the first lookup finds out,
+        warns and backs off.
+        """
         pool = self._client.connection_pool
         try:
             conn = _connection(pool)
@@ -271,7 +277,6 @@ class RemoteTier:
         pool.release(conn)
 
     def _run(self) -> None:
-        self._warm()
         while not (self._stop.is_set() and self._queue.empty()):
             try:
                 batch = [self._queue.get(timeout=0.05)]
@@ -352,7 +357,7 @@ class RemoteTier:
             self._taken = len(take)
         back: list = []  # (op, key, arg), in backlog order
         puts, put_keys = [], []
-        for n, (key, fns) in enumerate(take):
+        for key, fns in take:
             if back:
                 back += [("merge", key, f) for f in fns] if fns else [("put", key, None)]
                 continue
