@@ -92,7 +92,7 @@ def test_a_record_gone_from_the_local_tiers_before_the_remote_returns_is_dropped
     assert not [k for k in redis_server.client().scan_iter(match=NS + b"*") if not k[len(NS):].startswith(b"n")]
 
 
-@pytest.mark.parametrize("size", [0, 1, 300 << 10, 3 << 20])  # empty, tiny, > one 256 KiB read, several MB
+@pytest.mark.parametrize("size", [0, 1, 300 << 10, 3 << 20])  # empty, tiny, > one 16 KiB header read, several MB
 def test_the_mget_reader_returns_each_value_exactly_and_stays_in_step(redis_server, size):
     """Values of every size come back byte for byte; one over max_value and a missing key are None,
     and the connection stays in step for the next lookup."""

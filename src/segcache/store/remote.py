@@ -44,7 +44,7 @@ _BACKOFF_MIN = 0.25
 _WRITE_BATCH = 32  # records per write pipeline
 _WATCH_RETRIES = 4  # optimistic merges of one node before the update is dropped
 _MERGES_PER_KEY = 16  # node merges kept per key in the backlog (beyond: dropped)
-_RECV = 256 << 10  # bytes per read of reply headers (values are read straight into their own buffers)
+_RECV = 16 << 10  # bytes per read of reply headers: what it takes past a header is copied once more (values go straight to their buffer)
 
 
 def redact(url: str) -> str:
