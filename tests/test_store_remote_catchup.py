@@ -142,3 +142,49 @@ def test_a_prompt_resumed_whole_takes_one_round_trip(tmp_path, redis_server):
         assert store.stats()["hit_tokens"] == len(long)
         calls = {k: v["calls"] for k, v in c.info("commandstats").items()}
     assert calls.get("cmdstat_mget") == 1 and "cmdstat_get" not in calls, calls
+
+
+def test_the_mget_reader_over_tls(tmp_path):
+    """rediss://: the reader works on redis-py's TLS socket (values of several reads, twice, in step)."""
+    import shutil
+    import socket
+
+    from redis_util import binary, free_port
+
+    exe, openssl = binary(), shutil.which("openssl")
+    if exe is None or openssl is None:
+        pytest.skip("needs redis-server (or valkey-server) and openssl")
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1"], check=True, capture_output=True, timeout=60)
+    port = free_port()
+    proc = subprocess.Popen([exe, "--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+                             "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no", "--save", "", "--appendonly", "no",
+                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            if proc.poll() is not None:
+                pytest.skip(f"{exe} has no TLS support here (exited {proc.returncode})")
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "TLS server did not listen"
+                time.sleep(0.05)
+        url = f"rediss://127.0.0.1:{port}/0?ssl_cert_reqs=none"
+        import redis
+
+        big = bytes(range(256)) * 4096  # 1 MiB: many TLS records
+        redis.Redis.from_url(url, socket_timeout=5).set(NS + b"a", big)
+        redis.Redis.from_url(url, socket_timeout=5).set(NS + b"b", b"yy")
+        tier = RemoteTier(url, timeout=2.0)
+        try:
+            for _ in range(2):
+                assert tier.get_many([b"a", b"missing", b"b"]) == [big, None, b"yy"]
+            assert tier.stats()["remote_errors"] == 0
+        finally:
+            tier.close()
+    finally:
+        proc.kill()
+        proc.wait(10)
