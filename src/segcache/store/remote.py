@@ -170,8 +170,8 @@ class RemoteTier:
 
         The caller checks value i while later values are still on the wire (the
         server keeps writing into the socket buffer meanwhile), and each value is
-        received straight into its own buffer: one copy, where a parsed reply takes
-        three. Nothing is yielded while the remote backs off. A failure part way
+        received straight into a buffer of its own (or the reused one): one copy,
+        where a parsed reply takes three. Nothing is yielded while the remote backs off. A failure part way
         (timeout, reset, a malformed reply) ends the stream: what came before stands,
         the rest is a miss, and the remote backs off. Values over ``max_value`` are
         skipped (read and discarded, so the connection stays in step).
