@@ -125,7 +125,8 @@ def test_the_remote_killed_mid_run_leaves_the_local_tiers_serving_and_reconnects
         remote_warnings = [w for w in caught if issubclass(w.category, StoreWarning) and "remote" in str(w.message)]
         assert len(remote_warnings) == 1, [str(w.message) for w in caught]
         st = store.stats()
-        assert st["remote_errors"] >= 1 and st["remote_dropped"] >= 1, st
+        # owed, not lost: the writes wait in the backlog for the remote's return
+        assert st["remote_errors"] >= 1 and st["remote_backlog"] >= 1 and st["remote_dropped"] == 0, st
 
         redis_server.start()  # same port
         deadline, k = time.monotonic() + 60, 0

@@ -46,7 +46,7 @@ def stats(path: str, remote: str | None = None) -> int:
         print(f"  {label:<26} {n:>8} entries {_mib(b):>12} {t:>12} tokens")
     if "page" in kinds:
         print("  (pages: tokens are stored K/V; checkpoints: tokens are the prompt length they resume)")
-    print("remote  " + "   ".join(f"{k[7:]} {st[k]}" for k in ("remote_reads", "remote_writes", "remote_errors", "remote_dropped", "remote_corrupt"))
+    print("remote  " + "   ".join(f"{k[7:]} {st[k]}" for k in ("remote_reads", "remote_writes", "remote_errors", "remote_dropped", "remote_backlog", "remote_corrupt"))
           + ("" if remote else "   (counters of this handle; pass --remote URL to probe a remote)"))
     if info is not None:
         print("  " + "   ".join(f"{k} {v}" for k, v in info.items()))

@@ -23,7 +23,7 @@ import struct
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import lmdb
 import msgpack
@@ -581,6 +581,14 @@ class DiskTier:
 
     def contains(self, key: bytes) -> bool:
         return self._run(lambda txn: txn.get(key, db=self.index) is not None)
+
+    def raw(self, key: bytes) -> bytes | None:
+        """The stored value at key as it is (encoded, not checked), or None."""
+        return self._run(lambda txn: txn.get(key, db=self.records))
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """`contains` of each key, in one read transaction."""
+        return self._run(lambda txn: [txn.get(k, db=self.index) is not None for k in keys])
 
     def used_bytes(self) -> int:
         return self._run(self._used)

@@ -149,9 +149,12 @@ class PrefixCache:
         m = L // P
         # A remote tier answers the prompt's pages and nodes in one round trip; what
         # follows then reads the local tiers (a checkpoint past them may take one more).
+        # The checkpoint at the prompt's end rides along: a prompt resumed whole (a retry,
+        # a second host) needs it, and otherwise it costs one absent key in the same reply.
         pages = list(range(1, m + 1)) if lay.paged else []
-        store.prefetch([ix.page_key(j) for j in pages] + [ix.node_key(j) for j in range(m + 1)],
-                       [ix.rows_spec(P)] * len(pages) + [ix.node_spec()] * (m + 1))
+        end = [L] if L > held else []
+        store.prefetch([ix.page_key(j) for j in pages] + [ix.node_key(j) for j in range(m + 1)] + [ix.ckpt_key(r) for r in end],
+                       [ix.rows_spec(P)] * len(pages) + [ix.node_spec()] * (m + 1) + [ix.ckpt_spec(r) for r in end])
         j_max = 0
         if lay.paged:
             while j_max < m and store.contains(ix.page_key(j_max + 1)):

@@ -64,6 +64,10 @@ class RamTier:
             self._last[key] = self._tick()
         return rec
 
+    def peek(self, key: bytes) -> Record | None:
+        """The record at key, without counting a use."""
+        return self._items.get(key)
+
     def pop(self, key: bytes) -> Record | None:
         """Remove key without suspending it; returns the record or None."""
         rec = self._items.pop(key, None)

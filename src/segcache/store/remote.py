@@ -8,8 +8,13 @@ The remote is an accelerator, never a dependency:
   it without any network call, so a dead or slow remote costs at most one timeout
   per backoff window, and the store keeps serving from its local tiers;
 * writes go through a bounded queue to one background thread (never the caller's);
-  a full queue, a value over ``max_value`` or a remote that is down drop the write
-  (the record stays local) and count it in ``dropped``;
+  a full queue or a value over ``max_value`` drops the write (the record stays
+  local) and counts it in ``dropped``;
+* a write due while the remote is down or failing is noted in a bounded backlog
+  (the key only, or a node's merge): once the remote answers again, the writer
+  thread re-reads those records from the local tiers (``source``) and sends them,
+  oldest first, when no fresh write waits. What overflows the backlog, or has
+  left the local tiers by then, is dropped and counted;
 * values are the codec's records, byte for byte what LMDB holds: the store checks
   them (codec, CRCs, key in the header, the caller's layout) before anything is
   served, so this module moves bytes and keeps counters only.
@@ -22,9 +27,10 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import OrderedDict
 import time
 import warnings
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 from ..errors import StoreError, StoreWarning
@@ -32,10 +38,13 @@ from ..errors import StoreError, StoreWarning
 DEFAULT_TIMEOUT = 0.05  # seconds per round trip (the issue's per-lookup budget)
 DEFAULT_MAX_VALUE = 64 << 20  # bytes; larger records stay local
 DEFAULT_QUEUE = 256  # records waiting for write-through
+DEFAULT_BACKLOG = 4096  # keys noted while the remote was down, sent once it is back
 DEFAULT_NAMESPACE = b"segcache:1:"  # the "1" follows the codec's key scheme; bump it to start afresh
 _BACKOFF_MIN = 0.25
 _WRITE_BATCH = 32  # records per write pipeline
 _WATCH_RETRIES = 4  # optimistic merges of one node before the update is dropped
+_MERGES_PER_KEY = 16  # node merges kept per key in the backlog (beyond: dropped)
+_RECV = 16 << 10  # bytes per read of reply headers: what it takes past a header is copied once more (values go straight to their buffer)
 
 
 def redact(url: str) -> str:
@@ -69,6 +78,7 @@ class RemoteTier:
         queue_size: int = DEFAULT_QUEUE,
         namespace: bytes = DEFAULT_NAMESPACE,
         backoff_max: float = 30.0,
+        backlog: int = DEFAULT_BACKLOG,
     ):
         try:
             import redis
@@ -77,8 +87,9 @@ class RemoteTier:
         scheme = urlsplit(url).scheme
         if scheme not in ("redis", "rediss", "unix"):
             raise StoreError(f"remote={redact(url)!r}: expected redis://[:password@]host:port/db or rediss:// (TLS)")
-        if timeout <= 0 or max_value <= 0 or queue_size <= 0 or (ttl is not None and ttl <= 0):
-            raise StoreError(f"remote needs timeout > 0, max_value > 0, queue_size > 0 and ttl None or > 0; got {timeout}, {max_value}, {queue_size}, {ttl}")
+        if timeout <= 0 or max_value <= 0 or queue_size <= 0 or backlog < 0 or (ttl is not None and ttl <= 0):
+            raise StoreError(f"remote needs timeout > 0, max_value > 0, queue_size > 0, backlog >= 0 and ttl None or > 0; "
+                             f"got {timeout}, {max_value}, {queue_size}, {backlog}, {ttl}")
         self._redis = redis
         self.url = redact(url)
         self.timeout, self.ttl, self.max_value = float(timeout), ttl, int(max_value)
@@ -99,8 +110,20 @@ class RemoteTier:
         self._backoff = {"read": 0.0, "write": 0.0}
         self._warned = False  # one warning per outage
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        # Writes owed since an outage, oldest first: key -> [] (a put: the value is re-read
+        # from `source` when sent) or [merge fns] (a node's updates, re-applied in order).
+        # Invariant: len(_backlog) <= backlog_max; every entry dropped from it counted in dropped.
+        self._backlog: OrderedDict[bytes, list] = OrderedDict()
+        self.backlog_max = int(backlog)
+        self.caught_up = 0  # backlog writes sent late
+        self._taken = 0  # backlog keys the writer took out and is sending (still owed until sent)
+        self._scratch = bytearray()  # stream(reuse=True)'s value buffer (lookups run one at a time per store)
+        # key -> the value to send now, None if the record left the local tiers, or raises Busy
+        # (try later). Set by the store; runs on the writer thread.
+        self.source: Callable[[bytes], bytes | None] | None = None
         self._closed = False
         self._stop = threading.Event()
+        self._warm()
         self._worker = threading.Thread(target=self._run, name="segcache-remote", daemon=True)
         self._worker.start()
 
@@ -135,20 +158,59 @@ class RemoteTier:
 
     # -- reads --
 
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | bytearray | None]:
         """The values at keys in ONE round trip (None where absent); all None if the remote is down."""
+        out: list[bytes | bytearray | None] = [None] * len(keys)
+        for i, v in self.stream(keys):
+            out[i] = v
+        return out
+
+    def stream(self, keys: Sequence[bytes], *, reuse: bool = False) -> Iterator[tuple[int, bytearray | memoryview]]:
+        """(index, value) for each key the remote holds, as each value arrives, from ONE MGET.
+
+        The caller checks value i while later values are still on the wire (the
+        server keeps writing into the socket buffer meanwhile), and each value is
+        received straight into a buffer of its own (or the reused one): one copy,
+        where a parsed reply takes three. Nothing is yielded while the remote backs off. A failure part way
+        (timeout, reset, a malformed reply) ends the stream: what came before stands,
+        the rest is a miss, and the remote backs off. Values over ``max_value`` are
+        skipped (read and discarded, so the connection stays in step).
+
+        With reuse, every value is received into one buffer kept by this tier and
+        yielded as a memoryview that is valid only until the next item: for a
+        caller that copies each value out at once (no fresh pages per value).
+        """
         if not keys or not self._ok():
-            return [None] * len(keys)
+            return
+        pool = self._client.connection_pool
         try:
-            vals = self._client.mget([self.namespace + k for k in keys])
+            conn = _connection(pool)
         except self._redis.RedisError as e:
             self._failed("a lookup", e)
-            return [None] * len(keys)
-        self._succeeded()
-        out = [v if isinstance(v, bytes) and len(v) <= self.max_value else None for v in vals]
-        with self._lock:
-            self.reads += sum(v is not None for v in out)
-        return out
+            return
+        done, n, reply = False, 0, None
+        try:
+            try:
+                conn.send_command("MGET", *[self.namespace + k for k in keys])
+                reply = _Reply(conn._sock, self._redis, self._scratch if reuse else None)
+                for i, v in reply.values(len(keys), self.max_value):
+                    n += 1
+                    yield i, v
+                done = True
+            except (self._redis.RedisError, OSError, ValueError) as e:
+                if isinstance(e, TimeoutError):  # socket.timeout is TimeoutError
+                    e = self._redis.TimeoutError(f"no reply within {self.timeout:g} s")
+                self._failed("a lookup", e)
+                return
+            self._succeeded()
+        finally:
+            if reuse and reply is not None:
+                self._scratch = reply.reused
+            with self._lock:
+                self.reads += n
+            if not done:  # stopped part way (failure, or the caller left): the reply's rest would desync the connection
+                conn.disconnect()
+            pool.release(conn)
 
     # -- writes (background) --
 
@@ -161,8 +223,11 @@ class RemoteTier:
         return self._offer(("merge", key, fn))
 
     def _offer(self, item) -> bool:
-        if self._closed or not self._ok("write"):
+        if self._closed:
             self._count_dropped(1)
+            return False
+        if not self._ok("write"):
+            self._defer([item])
             return False
         try:
             self._queue.put_nowait(item)
@@ -175,11 +240,54 @@ class RemoteTier:
         with self._lock:
             self.dropped += n
 
+    def _defer(self, items, front: bool = False) -> None:
+        """Note writes owed to the remote: (op, key, arg) items; the oldest beyond the bound are dropped.
+
+        With front (the catch-up returning what it could not send), also ends the catch-up's round.
+        """
+        with self._lock:
+            if front:
+                self._taken = 0
+            for op, key, arg in items:
+                entry = self._backlog.setdefault(key, [])
+                if op == "merge":
+                    if len(entry) >= _MERGES_PER_KEY:
+                        self.dropped += 1
+                    elif front:
+                        entry.insert(0, arg)
+                    else:
+                        entry.append(arg)
+                self._backlog.move_to_end(key, last=not front)
+            while len(self._backlog) > self.backlog_max:
+                _, entry = self._backlog.popitem(last=False)
+                self.dropped += max(1, len(entry))
+
+    def _warm(self) -> None:
+        """Connect the lookup pool (at most ``timeout``): a new host's first prefill would pay it.
+
+        Run at open, on the opener's thread, so the first lookup never races a
+        connect in progress. A failure is silent here; the first lookup finds out,
+        warns and backs off.
+        """
+        pool = self._client.connection_pool
+        try:
+            conn = _connection(pool)
+        except self._redis.RedisError:
+            return  # the first lookup finds out, warns and backs off
+        pool.release(conn)
+
     def _run(self) -> None:
         while not (self._stop.is_set() and self._queue.empty()):
             try:
                 batch = [self._queue.get(timeout=0.05)]
             except queue.Empty:
+                if self._backlog and not self._stop.is_set():
+                    try:
+                        self._catch_up()
+                    except Exception as e:  # as below: never let the writer die
+                        with self._lock:  # that round's keys are given up
+                            self.dropped, self._taken = self.dropped + self._taken, 0
+                        warnings.warn(f"segcache store: remote catch-up failed: {type(e).__name__}: {e}", StoreWarning, stacklevel=2)
                 continue
             while len(batch) < _WRITE_BATCH:
                 try:
@@ -197,12 +305,13 @@ class RemoteTier:
 
     def _write(self, batch: list) -> None:
         if not self._ok("write"):
-            self._count_dropped(len(batch))
+            self._defer(batch)
             return
         puts = []
         for op, key, arg in batch:
             if op == "merge":
-                self._merge(key, arg)
+                if not self._merge(key, arg):
+                    self._defer([(op, key, arg)])
                 continue
             try:
                 value = arg()
@@ -213,26 +322,83 @@ class RemoteTier:
                 self._count_dropped(1)
             else:
                 puts.append((key, value))
-        if not puts or not self._ok("write"):
-            self._count_dropped(len(puts))
-            return
+        if puts and not self._send(puts):
+            self._defer([("put", key, None) for key, _ in puts])
+
+    def _send(self, puts: list[tuple[bytes, bytes]]) -> bool:
+        """SET each (key, value) in one pipeline; False (backing off) if the remote failed."""
+        if not self._ok("write"):
+            return False
         try:
             pipe = self._wclient.pipeline(transaction=False)
             for key, value in puts:
                 pipe.set(self.namespace + key, value, ex=self._ex())
             pipe.execute()
         except self._redis.RedisError as e:  # OOM under noeviction, down, timeout
-            self._count_dropped(len(puts))
             self._failed("a write", e, "write")
-            return
+            return False
         self._succeeded("write")
         with self._lock:
             self.writes += len(puts)
+        return True
+
+    def _catch_up(self) -> None:
+        """Send up to one batch of the backlog, oldest first, if the remote is not backing off.
+
+        Puts are re-read from the local tiers (`source`); a record gone from them is
+        dropped. Whatever cannot be sent now goes back to the front, in order.
+        """
+        if not self._ok("write") or self.source is None:
+            return
+        with self._lock:
+            take = []
+            while self._backlog and len(take) < _WRITE_BATCH:
+                take.append(self._backlog.popitem(last=False))
+            self._taken = len(take)
+        back: list = []  # (op, key, arg), in backlog order
+        puts, put_keys = [], []
+        for key, fns in take:
+            if back:
+                back += [("merge", key, f) for f in fns] if fns else [("put", key, None)]
+                continue
+            if not fns:
+                try:
+                    value = self.source(key)
+                except Busy:  # the store is in use: later
+                    back.append(("put", key, None))
+                    continue
+                if value is None or len(value) > self.max_value:
+                    self._count_dropped(1)
+                else:
+                    puts.append((key, value))
+                    put_keys.append(key)
+                continue
+            for i, fn in enumerate(fns):
+                if not self._merge(key, fn):
+                    back += [("merge", key, f) for f in fns[i:]]
+                    break
+                with self._lock:
+                    self.caught_up += 1
+        if puts:
+            if self._send(puts):
+                with self._lock:
+                    self.caught_up += len(puts)
+            else:
+                back = [("put", k, None) for k in put_keys] + back
+        self._defer(back[::-1], front=True)
 
     def _ex(self) -> int | None:
         return None if self.ttl is None else max(1, int(round(self.ttl)))
 
-    def _merge(self, key: bytes, fn: Callable[[bytes | None], bytes | None]) -> None:
+    def _merge(self, key: bytes, fn: Callable[[bytes | None], bytes | None]) -> bool:
+        """Apply fn to the remote value under key; False (backing off) if the remote failed.
+
+        A merge that ends without a write (fn declines, the result is too large,
+        other hosts kept changing the node) still returns True: there is nothing to
+        send again.
+        """
+        if not self._ok("write"):
+            return False
         name = self.namespace + key
         try:
             with self._wclient.pipeline(transaction=True) as pipe:
@@ -244,7 +410,7 @@ class RemoteTier:
                         if new is None or len(new) > self.max_value:
                             pipe.unwatch()
                             self._count_dropped(new is not None)
-                            return
+                            return True
                         pipe.multi()
                         pipe.set(name, new, ex=self._ex())
                         pipe.execute()
@@ -253,19 +419,20 @@ class RemoteTier:
                         continue  # another host changed the node: merge again on its value
                 else:
                     self._count_dropped(1)  # a lost continuation only loses a hint
-                    return
+                    return True
         except self._redis.RedisError as e:
-            self._count_dropped(1)
             self._failed("a node merge", e, "write")
-            return
+            return False
         self._succeeded("write")
         with self._lock:
             self.writes += 1
+        return True
 
-    def drain(self, timeout: float = 5.0) -> bool:
-        """Wait (at most timeout seconds) until every queued write was sent or dropped."""
+    def drain(self, timeout: float = 5.0, *, backlog: bool = True) -> bool:
+        """Wait (at most timeout seconds) until every queued write was sent or dropped and, if
+        backlog, the backlog too unless the remote is backing off (it waits for the remote)."""
         end = time.monotonic() + timeout
-        while self._queue.unfinished_tasks:
+        while self._queue.unfinished_tasks or (backlog and (self._backlog or self._taken) and self._ok("write") and self.source is not None):
             if time.monotonic() >= end or not self._worker.is_alive():
                 return False
             time.sleep(0.002)
@@ -289,18 +456,111 @@ class RemoteTier:
     def stats(self) -> dict:
         with self._lock:
             return {"remote_reads": self.reads, "remote_writes": self.writes, "remote_errors": self.errors,
-                    "remote_dropped": self.dropped, "remote_queued": self._queue.qsize()}
+                    "remote_dropped": self.dropped, "remote_queued": self._queue.qsize(),
+                    "remote_backlog": len(self._backlog) + self._taken, "remote_caught_up": self.caught_up}
 
     def close(self, timeout: float = 5.0) -> None:
         """Send what is queued (bounded by timeout), stop the writer, close connections; idempotent."""
         if self._closed:
             return
-        self.drain(timeout)
+        self.drain(timeout, backlog=False)  # the store is closing: its records cannot be re-read
         self._closed = True
         self._stop.set()
         self._worker.join(timeout)
+        with self._lock:  # owed writes this process can no longer send
+            self.dropped += sum(max(1, len(e)) for e in self._backlog.values())
+            self._backlog.clear()
         for c in (self._client, self._wclient):
             try:
                 c.close()
             except Exception:
                 pass
+
+
+class Busy(Exception):
+    """Raised by a `RemoteTier.source` that cannot read now (the store is in use); tried again later."""
+
+
+def _connection(pool):
+    """A connected connection from a redis-py pool (the caller releases it)."""
+    try:
+        return pool.get_connection()
+    except TypeError:  # redis-py < 5.3 wants a command name
+        return pool.get_connection("MGET")
+
+
+class _Reply:
+    """An MGET reply read off the socket value by value (RESP2, and RESP3's null).
+
+    Replies are ``*N`` then per key ``$len`` + bytes + CRLF, or ``$-1`` (``_`` in
+    RESP3) for a missing key; an error reply (``-ERR ...``) raises ResponseError.
+    """
+
+    def __init__(self, sock, redis_mod, reused: bytearray | None = None):
+        if sock is None:
+            raise redis_mod.ConnectionError("connection closed")
+        self.sock, self.redis = sock, redis_mod
+        self.buf, self.pos = bytearray(), 0  # bytes received but not parsed: buf[pos:]
+        self.scratch = bytearray(_RECV)
+        self.reuse = reused is not None
+        self.reused = reused if reused is not None else bytearray()  # the one value buffer, grown as needed
+
+    def _fill(self) -> None:
+        n = self.sock.recv_into(self.scratch)
+        if n == 0:
+            raise self.redis.ConnectionError("the remote closed the connection mid-reply")
+        if self.pos:
+            del self.buf[: self.pos]
+            self.pos = 0
+        self.buf += memoryview(self.scratch)[:n]
+
+    def _line(self) -> bytes:
+        while True:
+            j = self.buf.find(b"\r\n", self.pos)
+            if j >= 0:
+                out = bytes(self.buf[self.pos : j])
+                self.pos = j + 2
+                return out
+            if len(self.buf) - self.pos > 1024:
+                raise self.redis.DataError("malformed reply: no line end within 1 KiB")
+            self._fill()
+
+    def _read(self, n: int, keep: bool) -> bytearray | memoryview | None:
+        """The next n bytes (into a fresh buffer, or the reused one, if keep; else discarded), then the CRLF after them."""
+        out = None
+        if keep and self.reuse:
+            if len(self.reused) < n:
+                self.reused = bytearray(n)
+            out = memoryview(self.reused)[:n]
+        elif keep:
+            out = bytearray(n)
+        have = min(n, len(self.buf) - self.pos)
+        if keep:
+            out[:have] = memoryview(self.buf)[self.pos : self.pos + have]
+        self.pos += have
+        got, mv = have, memoryview(out) if keep else None
+        while got < n:
+            m = self.sock.recv_into(mv[got:], n - got) if keep else self.sock.recv_into(self.scratch, min(n - got, _RECV))
+            if m == 0:
+                raise self.redis.ConnectionError("the remote closed the connection mid-value")
+            got += m
+        if self._line() != b"":
+            raise self.redis.DataError("malformed reply: a value is not followed by CRLF")
+        return out
+
+    def values(self, n: int, max_value: int) -> Iterator[tuple[int, bytearray]]:
+        head = self._line()
+        if head[:1] == b"-":
+            raise self.redis.ResponseError(head[1:].decode("utf-8", "replace"))
+        if head != b"*%d" % n:
+            raise self.redis.DataError(f"malformed reply to MGET of {n} keys: {head[:32]!r}")
+        for i in range(n):
+            line = self._line()
+            if line in (b"$-1", b"_"):
+                continue
+            if line[:1] != b"$" or not line[1:].isdigit():
+                raise self.redis.DataError(f"malformed reply to MGET: {line[:32]!r}")
+            size = int(line[1:])
+            v = self._read(size, keep=size <= max_value)
+            if v is not None:
+                yield i, v

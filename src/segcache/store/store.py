@@ -35,7 +35,7 @@ from .disk import MAX_KEY, DiskTier, Entry
 from .policy import safe_cost
 from .ram import RamTier
 from .record import Record
-from .remote import RemoteTier
+from .remote import Busy, RemoteTier
 
 _BATCH_BYTES = 256 << 20  # encoded bytes per LMDB write transaction when suspending
 _ABSENT_SECONDS = 1.0  # a key the remote just lacked is not asked again for this long (one prefill)
@@ -141,6 +141,8 @@ class PrefixStore:
         self._remote_warned = False
         self._absent: dict[bytes, float] = {}  # key -> monotonic time the remote lacked it
         self._closed = False
+        if remote is not None:
+            remote.source = self._remote_source
         if create:  # inspection handles (create=False) do not know the writer's parameters
             try:
                 self._check_params()
@@ -298,7 +300,12 @@ class PrefixStore:
             if self._remote is None:
                 return 0
             exp = list(expects) if expects is not None else [None] * len(keys)
-            todo = [(k, e) for k, e in zip(keys, exp) if k not in self._ram and not self._disk.contains(k)]
+            keys = list(keys)
+            local = [k in self._ram for k in keys]
+            ask = [k for k, held in zip(keys, local) if not held]
+            with _store_errors(self.path, "reading"):
+                on_disk = dict(zip(ask, self._disk.contains_many(ask))) if ask else {}
+            todo = [(k, e) for k, e, held in zip(keys, exp, local) if not held and not on_disk[k]]
             got = self._from_remote([k for k, _ in todo], [e for _, e in todo])
             return sum(r is not None for r in got)
 
@@ -309,18 +316,12 @@ class PrefixStore:
         out: list[Record | None] = [None] * len(keys)
         if not ask:
             return out
-        values = self._remote.get_many([keys[i] for i in ask])
-        if len(self._absent) > _ABSENT_MAX:
-            self._absent.clear()
-        items, where = [], []
-        for i, v in zip(ask, values):
-            if v is None:
-                if self._remote.up:
-                    self._absent[keys[i]] = now
-            else:
-                items.append((v, keys[i], expects[i]))
-                where.append(i)
-        for i, rec in zip(where, codec.decode_many(items)):
+        # Each value is checked and decoded as it arrives, while the next ones are on the wire.
+        answered = set()
+        for i, v in self._remote.stream([keys[i] for i in ask], reuse=True):  # v: valid until the next value
+            i = ask[i]
+            answered.add(i)
+            rec = codec.decode_many([(v, keys[i], expects[i])])[0]
             if isinstance(rec, Exception):
                 self._remote_corrupt += 1
                 if not self._remote_warned:
@@ -330,7 +331,37 @@ class PrefixStore:
                 continue
             self._ram.put(keys[i], rec)  # dirty: it reaches this host's disk like a local record
             out[i] = rec
+        if len(self._absent) > _ABSENT_MAX:
+            self._absent.clear()
+        if self._remote.up:  # an answer, not a failure: what it lacked is not asked again for a moment
+            for i in ask:
+                if i not in answered:
+                    self._absent[keys[i]] = now
         return out
+
+    def _remote_source(self, key: bytes) -> bytes | None:
+        """The value to send the remote late for key (the writer thread's catch-up), or None if gone.
+
+        Never waits for a request: if one holds the store, raises Busy (tried later).
+        A record still in RAM is encoded from RAM; one on disk is sent as stored.
+        """
+        if not self._lock.acquire(blocking=False):
+            raise Busy
+        try:
+            if self._closed:
+                return None
+            rec = self._ram.peek(key)
+            raw = self._disk.raw(key) if rec is None else None
+        except (lmdb.Error, StoreError):
+            return None
+        finally:
+            self._lock.release()
+        if rec is None:
+            return raw
+        try:
+            return codec.encode(rec, key=key, compress=self.compress)
+        except StoreError:
+            return None
 
     def _drop_misfit(self, key: bytes, expect: Expect) -> None:
         """A RAM record that does not fit the caller's layout: drop it like a corrupt disk record."""
@@ -477,9 +508,11 @@ class PrefixStore:
         records each tier served (a disk read is promoted to RAM).
         ``remote_reads``/``remote_writes`` the records the remote served and
         stored, ``remote_errors`` its failed round trips (down, slow, full),
-        ``remote_dropped`` write-throughs given up (queue full, too large, remote
-        down; the record stays local), ``remote_corrupt`` remote values that failed
-        the checks (a miss, never served). All 0 without a remote.
+        ``remote_dropped`` write-throughs given up for good (queue full, too large,
+        backlog overflow, record gone before the remote came back; the record stays
+        local), ``remote_backlog`` writes owed since an outage, sent once the remote
+        answers again, ``remote_corrupt`` remote values that failed the checks (a
+        miss, never served). All 0 without a remote.
         """
         with self._lock:
             self._check_open()
@@ -512,7 +545,7 @@ class PrefixStore:
 
     def _remote_stats(self) -> dict:
         r = self._remote.stats() if self._remote is not None else {}
-        return {name: r.get(name, 0) for name in ("remote_reads", "remote_writes", "remote_errors", "remote_dropped")} | {
+        return {name: r.get(name, 0) for name in ("remote_reads", "remote_writes", "remote_errors", "remote_dropped", "remote_backlog")} | {
             "remote_corrupt": self._remote_corrupt}
 
     def remote_info(self) -> dict | None:
@@ -616,6 +649,7 @@ def open_store(
     remote_max_value: int = 64 << 20,
     remote_queue: int = 256,
     remote_namespace: bytes | str = b"segcache:1:",
+    remote_backlog: int = 4096,
 ) -> PrefixStore:
     """Open (or create) the prefix store at path.
 
@@ -650,6 +684,8 @@ def open_store(
         remote_max_value: Records larger than this many encoded bytes stay local.
         remote_queue: Records waiting for write-through; beyond it they stay local (remote_dropped).
         remote_namespace: Prefix of every remote key (separate deployments sharing a database).
+        remote_backlog: Writes owed while the remote is down (keys, not records), sent once it
+            answers again; the oldest beyond this many are given up (remote_dropped).
 
     Raises:
         StoreError: No usable store at path (see above), it is already open in this
@@ -661,7 +697,8 @@ def open_store(
     tier = None
     if remote:
         ns = remote_namespace.encode() if isinstance(remote_namespace, str) else bytes(remote_namespace)
-        tier = RemoteTier(remote, timeout=remote_timeout, ttl=remote_ttl, max_value=remote_max_value, queue_size=remote_queue, namespace=ns)
+        tier = RemoteTier(remote, timeout=remote_timeout, ttl=remote_ttl, max_value=remote_max_value, queue_size=remote_queue, namespace=ns,
+                          backlog=remote_backlog)
     try:
         return PrefixStore(
             path, ram_bytes=ram_bytes, disk_bytes=disk_bytes, page_tokens=page_tokens, salt=salt, compress=compress,
