@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -86,3 +87,16 @@ class Server:
     def post(self, path: str, content: bytes | str, headers=None) -> httpx.Response:
         hdrs = {"Content-Type": "application/json", **(headers or {})}
         return httpx.post(self.url + path, content=content, headers=hdrs, timeout=120)
+
+
+def stream_completion(url: str, prompt: str, max_tokens: int, out: list, i: int) -> None:
+    """Stream `/v1/completions` for `prompt` and put the whole text at out[i] (a thread's target)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    text = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choice = json.loads(line[6:])["choices"]
+                if choice:
+                    text.append(choice[0]["text"])
+    out[i] = "".join(text)

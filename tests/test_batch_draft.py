@@ -16,15 +16,8 @@ from segcache.runtime import Runtime
 from segcache.sampling import Sampler
 from segcache.testing import models
 from segcache.testing import tokenizer as test_tokenizer
+from test_batch_decode import MAX, PROMPTS  # the same mixed-length rows (lookup-friendly repeats)
 
-PROMPTS = [
-    [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
-    [9, 10, 11],
-    [3, 4, 3, 4, 3, 4, 3, 4, 3, 4, 3, 4, 3],
-    [20, 21, 22, 23, 24, 20, 21, 22],
-    [1, 2],
-]
-MAX = 20
 K = 4
 # (target, (draft family, seed)): hybrid and dense both ways, and a draft equal to the target
 PAIRS = [("qwen3_5", ("llama", 3)), ("llama", ("qwen3_5", 1)), ("qwen3_next", ("qwen3_5", 2)), ("llama", ("llama", 0))]

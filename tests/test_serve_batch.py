@@ -11,7 +11,7 @@ import httpx
 import mlx_lm
 import pytest
 
-from serve_util import DRAFT, TARGET, Server
+from serve_util import DRAFT, TARGET, Server, stream_completion
 
 TEXT = open(TARGET.parent / "heldout_stdlib.txt").read()
 PROMPTS = [TEXT[i * 1500 : i * 1500 + 200 + 60 * i] for i in range(8)]
@@ -22,20 +22,6 @@ N = 24
 def ref():
     model, tok = mlx_lm.load(str(TARGET))
     return [mlx_lm.generate(model, tok, prompt=tok.encode(p), max_tokens=N) for p in PROMPTS]
-
-
-def _stream(url, prompt, out, i):
-    body = {"prompt": prompt, "max_tokens": N, "stream": True}
-    text = []
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                import json
-
-                choice = json.loads(line[6:])["choices"]
-                if choice:
-                    text.append(choice[0]["text"])
-    out[i] = "".join(text)
 
 
 @pytest.mark.parametrize("drafting", ([], ["--prompt-lookup"], ["--draft-model", DRAFT]), ids=("plain", "lookup", "draft"))
@@ -53,7 +39,7 @@ def test_eight_clients_in_one_batch_each_as_alone(tmp_path, ref, drafting):
                 left["chunks"] = [x for x, _ in zip((x for x in r.iter_lines() if x.startswith("data: ")), range(3))]
 
         threads = [threading.Thread(target=leaver)]
-        threads += [threading.Thread(target=_stream, args=(srv.url, p, out, i)) for i, p in enumerate(PROMPTS)]
+        threads += [threading.Thread(target=stream_completion, args=(srv.url, p, N, out, i)) for i, p in enumerate(PROMPTS)]
         for t in threads:
             t.start()
         for t in threads:

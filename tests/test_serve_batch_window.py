@@ -5,14 +5,13 @@ published prefix resumes the next request."""
 
 import segcache  # noqa: F401, I001  (binds the system BLAS before mlx loads)
 
-import json
 import threading
 
 import httpx
 import mlx_lm
 import pytest
 
-from serve_util import Server
+from serve_util import Server, stream_completion
 from test_generate_cli import write_model
 
 PROMPTS = [
@@ -31,18 +30,6 @@ def model_dir(tmp_path_factory):
     return write_model(tmp_path_factory.mktemp("models") / "gemma3", "gemma3_text", 0)
 
 
-def _complete(url, prompt, out, i):
-    body = {"prompt": prompt, "max_tokens": N, "stream": True}
-    text = []
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                choice = json.loads(line[6:])["choices"]
-                if choice:
-                    text.append(choice[0]["text"])
-    out[i] = "".join(text)
-
-
 @pytest.mark.parametrize("drafting", ([], ["--prompt-lookup"]))
 def test_concurrent_clients_on_a_window_model_each_as_alone(tmp_path, model_dir, drafting):
     model, tok = mlx_lm.load(model_dir)
@@ -52,7 +39,7 @@ def test_concurrent_clients_on_a_window_model_each_as_alone(tmp_path, model_dir,
                  model=model_dir, log_path=tmp_path / "serve.log").start()
     try:
         out = [None] * len(PROMPTS)
-        threads = [threading.Thread(target=_complete, args=(srv.url, p, out, i)) for i, p in enumerate(PROMPTS)]
+        threads = [threading.Thread(target=stream_completion, args=(srv.url, p, N, out, i)) for i, p in enumerate(PROMPTS)]
         for t in threads:
             t.start()
         for t in threads:

@@ -35,7 +35,36 @@ def _take(a, idx: mx.array):
     return None if a is None else a[idx]
 
 
-class BatchKVLayer:
+class RowLengths:
+    """Attention rows with per-row lengths whose branches are those lengths (KV, window).
+
+    Needs `lengths` (tokens per row) and `marks` (each row's length when the
+    open branch began, None without one); a branch's rows lie past its marks.
+    """
+
+    lengths: list[int]
+    marks: list[int] | None
+
+    @property
+    def offset(self) -> mx.array:
+        """Per-row positions, [B] (RoPE offsets the rows by them)."""
+        return mx.array(self.lengths, dtype=mx.int32)
+
+    def __bool__(self) -> bool:  # models test `if cache`
+        return True
+
+    def fork(self) -> None:
+        self.marks = list(self.lengths)
+
+    def commit_rows(self, ns: Sequence[int]) -> None:
+        self.lengths = [m + n for m, n in zip(self.marks, ns)]
+        self.marks = None
+
+    def rollback(self) -> None:
+        self.lengths, self.marks = self.marks, None
+
+
+class BatchKVLayer(RowLengths):
     """Full attention over B rows with per-row lengths (mlx-lm's cache protocol for the model)."""
 
     step = 256
@@ -48,14 +77,6 @@ class BatchKVLayer:
         self.marks: list[int] | None = None
 
     # -- the protocol the model speaks ----------------------------------------------
-
-    @property
-    def offset(self) -> mx.array:
-        """Per-row positions, [B] (RoPE offsets the rows by them)."""
-        return mx.array(self.lengths, dtype=mx.int32)
-
-    def __bool__(self) -> bool:  # models test `if cache`
-        return True
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs) -> mx.array:
         T = max(self.lengths) + N
@@ -91,18 +112,6 @@ class BatchKVLayer:
             k[..., :T, :] = self.keys
             v[..., :T, :] = self.values
         self.keys, self.values = k, v
-
-    # -- branches ---------------------------------------------------------------------
-
-    def fork(self) -> None:
-        self.marks = list(self.lengths)
-
-    def commit_rows(self, ns: Sequence[int]) -> None:
-        self.lengths = [m + n for m, n in zip(self.marks, ns)]
-        self.marks = None
-
-    def rollback(self) -> None:
-        self.lengths, self.marks = self.marks, None
 
     # -- rows ----------------------------------------------------------------------
 

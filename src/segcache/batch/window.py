@@ -34,6 +34,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from ..errors import BranchError, InvariantError, UnsupportedModelError
+from .layers import RowLengths
 
 
 def temporal_window(state) -> tuple:
@@ -66,7 +67,7 @@ def temporal_window(state) -> tuple:
     return k[..., k.shape[2] - K :, :], v[..., v.shape[2] - K :, :], offset
 
 
-class BatchWindowLayer:
+class BatchWindowLayer(RowLengths):
     """Sliding-window attention over B rows (mlx-lm's cache protocol for the model).
 
     Args:
@@ -89,14 +90,6 @@ class BatchWindowLayer:
         self.marks: list[int] | None = None
 
     # -- the protocol the model speaks ----------------------------------------------
-
-    @property
-    def offset(self) -> mx.array:
-        """Per-row positions, [B] (RoPE offsets the rows by them)."""
-        return mx.array(self.lengths, dtype=mx.int32)
-
-    def __bool__(self) -> bool:  # models test `if cache`
-        return True
 
     def _floor(self, i: int) -> int:
         base = self.lengths[i] if self.marks is None else min(self.lengths[i], self.marks[i])
@@ -162,18 +155,6 @@ class BatchWindowLayer:
                     k[i : i + 1, :, a - new : L - new, :] = self.keys[i : i + 1, :, a - old : L - old, :]
                     v[i : i + 1, :, a - new : L - new, :] = self.values[i : i + 1, :, a - old : L - old, :]
         self.keys, self.values, self.starts = k, v, list(starts)
-
-    # -- branches ---------------------------------------------------------------------
-
-    def fork(self) -> None:
-        self.marks = list(self.lengths)
-
-    def commit_rows(self, ns: Sequence[int]) -> None:
-        self.lengths = [m + n for m, n in zip(self.marks, ns)]
-        self.marks = None
-
-    def rollback(self) -> None:
-        self.lengths, self.marks = self.marks, None
 
     # -- rows ----------------------------------------------------------------------
 

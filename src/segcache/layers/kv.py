@@ -8,7 +8,7 @@ A branch never copies or references the buffer: it remembers where it began
 reader looks, so `rollback` and `commit(n)` only move `offset`. Writes stay in
 place because nothing else holds the buffer (a clone holds its own view, which
 costs one copy of the buffer at the first write on each side, never one per
-token).
+token). The branch stack is `OffsetBranches`, shared with the quantized kind.
 """
 
 from __future__ import annotations
@@ -18,41 +18,13 @@ from mlx_lm.models.cache import KVCache
 
 from ..errors import BranchError, InvariantError
 from .compat import MlxCompat
+from .offset_branches import OffsetBranches
 from .protocol import PAGES
 from .quantized import QuantizedKVLayer
 
 
-class KVLayer(MlxCompat, KVCache):
+class KVLayer(MlxCompat, OffsetBranches, KVCache):
     """mlx-lm's `KVCache` (same update path, same logits) plus a branch stack."""
-
-    def __init__(self):
-        super().__init__()
-        # marks[i]: offset where open branch i began; non-decreasing, each <= offset.
-        self.marks: list[int] = []
-
-    @property
-    def committed_offset(self) -> int:
-        """Tokens outside every open branch."""
-        return self.marks[0] if self.marks else self.offset
-
-    def fork(self) -> None:
-        self.marks.append(self.offset)
-
-    def commit(self, n: int) -> None:
-        self.offset = self.marks.pop() + n
-
-    def rollback(self) -> None:
-        self.offset = self.marks.pop()
-
-    def branch_offsets(self) -> list[int]:
-        return list(self.marks)
-
-    def savepoint(self) -> int:
-        return self.offset
-
-    def restore(self, point: int) -> None:
-        """Undo a forward that failed half-way (bytes past offset are never read)."""
-        self.offset = point
 
     def clone(self) -> "KVLayer":
         """An independent layer holding the committed tokens (shares the buffer until a write)."""
@@ -121,22 +93,6 @@ class KVLayer(MlxCompat, KVCache):
         from ..batch.layers import BatchKVLayer
 
         return BatchKVLayer.merge(caches)
-
-    def trim(self, n: int) -> int:
-        """Drop the last `n` tokens (fewer if it holds fewer), as mlx-lm's `KVCache.trim`.
-
-        Raises:
-            BranchError: the trim would reach below the innermost open branch; nothing changed.
-        """
-        n = min(self.offset, n)
-        if self.marks and self.offset - n < self.marks[-1]:
-            raise BranchError(
-                f"trim({n}) reaches below the innermost open branch (it holds {self.offset - self.marks[-1]} "
-                "tokens): roll the branch back instead"
-            )
-        self.offset -= n
-        self._note_trim()
-        return n
 
     # -- persistence protocol (layers.protocol) ------------------------------------
 

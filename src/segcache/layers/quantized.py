@@ -26,6 +26,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 
 from ..errors import BranchError, InvariantError, UnsupportedOperationError
 from .compat import MlxCompat
+from .offset_branches import OffsetBranches
 from .protocol import UNSTORED
 
 
@@ -34,13 +35,11 @@ def _views(parts):
     return None if parts is None else tuple(a[...] for a in parts)
 
 
-class QuantizedKVLayer(MlxCompat, QuantizedKVCache):
+class QuantizedKVLayer(MlxCompat, OffsetBranches, QuantizedKVCache):
     """mlx-lm's `QuantizedKVCache` (same update path, same quantized SDPA) plus a branch stack."""
 
     def __init__(self, group_size: int = 64, bits: int = 8):
         super().__init__(group_size=group_size, bits=bits)
-        # marks[i]: offset where open branch i began; non-decreasing, each <= offset.
-        self.marks: list[int] = []
 
     @classmethod
     def of(cls, keys, values, offset: int, group_size: int, bits: int) -> "QuantizedKVLayer":
@@ -52,30 +51,6 @@ class QuantizedKVLayer(MlxCompat, QuantizedKVCache):
             layer.keys = tuple(mx.quantize(keys, group_size=group_size, bits=bits))
             layer.values = tuple(mx.quantize(values, group_size=group_size, bits=bits))
         return layer
-
-    @property
-    def committed_offset(self) -> int:
-        """Tokens outside every open branch."""
-        return self.marks[0] if self.marks else self.offset
-
-    def fork(self) -> None:
-        self.marks.append(self.offset)
-
-    def commit(self, n: int) -> None:
-        self.offset = self.marks.pop() + n
-
-    def rollback(self) -> None:
-        self.offset = self.marks.pop()
-
-    def branch_offsets(self) -> list[int]:
-        return list(self.marks)
-
-    def savepoint(self) -> int:
-        return self.offset
-
-    def restore(self, point: int) -> None:
-        """Undo a forward that failed half-way (rows past offset are never read)."""
-        self.offset = point
 
     def clone(self) -> "QuantizedKVLayer":
         """An independent layer holding the committed tokens (shares the buffers until a write)."""
@@ -109,22 +84,6 @@ class QuantizedKVLayer(MlxCompat, QuantizedKVCache):
         layer = cls(group_size=int(state[3]), bits=int(state[4]))
         layer.state = state
         return layer._checked()
-
-    def trim(self, n: int) -> int:
-        """Drop the last `n` tokens (fewer if it holds fewer), as mlx-lm's `QuantizedKVCache.trim`.
-
-        Raises:
-            BranchError: the trim would reach below the innermost open branch; nothing changed.
-        """
-        n = min(self.offset, n)
-        if self.marks and self.offset - n < self.marks[-1]:
-            raise BranchError(
-                f"trim({n}) reaches below the innermost open branch (it holds {self.offset - self.marks[-1]} "
-                "tokens): roll the branch back instead"
-            )
-        self.offset -= n
-        self._note_trim()
-        return n
 
     @classmethod
     def merge(cls, caches):

@@ -1,0 +1,63 @@
+"""Branches as offsets, for append-only buffers (full-attention KV, quantized or not).
+
+    buffer  [ committed ........ | branch 1 ..... | branch 2 ... | free ]
+            0                    marks[0]         marks[1]       offset  capacity
+
+Rows a branch writes land past every mark, where no committed reader looks,
+so a branch is where it began, and `commit(n)` / `rollback` only move `offset`.
+"""
+
+from __future__ import annotations
+
+from ..errors import BranchError
+
+
+class OffsetBranches:
+    """Mixin: a branch stack of offsets over a cache whose `offset` counts its rows."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # marks[i]: offset where open branch i began; non-decreasing, each <= offset.
+        self.marks: list[int] = []
+
+    @property
+    def committed_offset(self) -> int:
+        """Tokens outside every open branch."""
+        return self.marks[0] if self.marks else self.offset
+
+    def fork(self) -> None:
+        self.marks.append(self.offset)
+
+    def commit(self, n: int) -> None:
+        self.offset = self.marks.pop() + n
+
+    def rollback(self) -> None:
+        self.offset = self.marks.pop()
+
+    def branch_offsets(self) -> list[int]:
+        return list(self.marks)
+
+    def savepoint(self) -> int:
+        return self.offset
+
+    def restore(self, point: int) -> None:
+        """Undo a forward that failed half-way (rows past offset are never read)."""
+        self.offset = point
+
+    def trim(self, n: int) -> int:
+        """Drop the last `n` tokens (fewer if it holds fewer), as mlx-lm's `trim`.
+
+        Notes the trim for the runtime's token ledger (`MlxCompat._note_trim`).
+
+        Raises:
+            BranchError: the trim would reach below the innermost open branch; nothing changed.
+        """
+        n = min(self.offset, n)
+        if self.marks and self.offset - n < self.marks[-1]:
+            raise BranchError(
+                f"trim({n}) reaches below the innermost open branch (it holds {self.offset - self.marks[-1]} "
+                "tokens): roll the branch back instead"
+            )
+        self.offset -= n
+        self._note_trim()
+        return n
