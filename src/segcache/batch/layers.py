@@ -38,8 +38,9 @@ def _take(a, idx: mx.array):
 class RowLengths:
     """Attention rows with per-row lengths whose branches are those lengths (KV, window).
 
-    Needs `lengths` (tokens per row) and `marks` (each row's length when the
-    open branch began, None without one); a branch's rows lie past its marks.
+    Needs `lengths` (tokens per row), `marks` (each row's length when the
+    open branch began, None without one; a branch's rows lie past its marks)
+    and `keys` / `values` ([B, H, T, D] or None).
     """
 
     lengths: list[int]
@@ -62,6 +63,19 @@ class RowLengths:
 
     def rollback(self) -> None:
         self.lengths, self.marks = self.marks, None
+
+    def take(self, rows: Sequence[int]) -> None:
+        """Keep `rows` (in that order), their branch marks included."""
+        rows = list(rows)
+        self.lengths = [self.lengths[i] for i in rows]
+        if self.marks is not None:
+            self.marks = [self.marks[i] for i in rows]
+        if self.keys is not None:
+            if not rows:
+                self.keys = self.values = None
+            else:
+                idx = mx.array(rows, dtype=mx.int32)
+                self.keys, self.values = self.keys[idx], self.values[idx]
 
 
 class BatchKVLayer(RowLengths):
@@ -115,17 +129,6 @@ class BatchKVLayer(RowLengths):
 
     # -- rows ----------------------------------------------------------------------
 
-    def take(self, rows: Sequence[int]) -> None:
-        """Keep `rows` (in that order), their branch marks included."""
-        idx = mx.array(list(rows), dtype=mx.int32)
-        self.lengths = [self.lengths[i] for i in rows]
-        if self.marks is not None:
-            self.marks = [self.marks[i] for i in rows]
-        if self.keys is not None:
-            if not rows:
-                self.keys = self.values = None
-            else:
-                self.keys, self.values = self.keys[idx], self.values[idx]
 
     def row_state(self, i: int) -> tuple:
         """(keys, values) of row i's first `lengths[i]` tokens, [1, H, L, D] copies, or (None, None)."""

@@ -159,18 +159,10 @@ class BatchWindowLayer(RowLengths):
     # -- rows ----------------------------------------------------------------------
 
     def take(self, rows: Sequence[int]) -> None:
-        """Keep `rows` (in that order), their branch marks included."""
+        """Keep `rows` (in that order), their starts and branch marks included."""
         rows = list(rows)
-        self.lengths = [self.lengths[i] for i in rows]
         self.starts = [self.starts[i] for i in rows]
-        if self.marks is not None:
-            self.marks = [self.marks[i] for i in rows]
-        if self.keys is not None:
-            if not rows:
-                self.keys = self.values = None
-            else:
-                idx = mx.array(rows, dtype=mx.int32)
-                self.keys, self.values = self.keys[idx], self.values[idx]
+        super().take(rows)
 
     def row_state(self, i: int) -> tuple:
         """(keys, values, length) of row i's last min(length, M) keys, [1, H, K, D] copies (None if empty)."""

@@ -157,12 +157,7 @@ class KVLayer(MlxCompat, OffsetBranches, KVCache):
 
     def check(self) -> None:
         where = f"KVLayer(offset={self.offset}, marks={self.marks})"
-        if self.offset < 0:
-            raise InvariantError(f"{where}: negative offset")
-        if any(b < a for a, b in zip(self.marks, self.marks[1:])):
-            raise InvariantError(f"{where}: marks must be non-decreasing")
-        if self.marks and self.marks[-1] > self.offset:
-            raise InvariantError(f"{where}: a branch begins past the end of the cache")
+        self.check_marks(where)
         if self.keys is None:
             if self.offset != 0:
                 raise InvariantError(f"{where}: tokens counted but no buffer")

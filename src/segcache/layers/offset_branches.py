@@ -9,7 +9,7 @@ so a branch is where it began, and `commit(n)` / `rollback` only move `offset`.
 
 from __future__ import annotations
 
-from ..errors import BranchError
+from ..errors import BranchError, InvariantError
 
 
 class OffsetBranches:
@@ -39,6 +39,15 @@ class OffsetBranches:
 
     def savepoint(self) -> int:
         return self.offset
+
+    def check_marks(self, where: str) -> None:
+        """The invariants of `offset` and `marks` (InvariantError naming `where`)."""
+        if self.offset < 0:
+            raise InvariantError(f"{where}: negative offset")
+        if any(b < a for a, b in zip(self.marks, self.marks[1:])):
+            raise InvariantError(f"{where}: marks must be non-decreasing")
+        if self.marks and self.marks[-1] > self.offset:
+            raise InvariantError(f"{where}: a branch begins past the end of the cache")
 
     def restore(self, point: int) -> None:
         """Undo a forward that failed half-way (rows past offset are never read)."""

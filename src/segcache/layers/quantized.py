@@ -108,12 +108,7 @@ class QuantizedKVLayer(MlxCompat, OffsetBranches, QuantizedKVCache):
 
     def check(self) -> None:
         where = f"QuantizedKVLayer(offset={self.offset}, marks={self.marks}, bits={self.bits})"
-        if self.offset < 0:
-            raise InvariantError(f"{where}: negative offset")
-        if any(b < a for a, b in zip(self.marks, self.marks[1:])):
-            raise InvariantError(f"{where}: marks must be non-decreasing")
-        if self.marks and self.marks[-1] > self.offset:
-            raise InvariantError(f"{where}: a branch begins past the end of the cache")
+        self.check_marks(where)
         if self.keys is None or self.values is None:
             if self.offset != 0 or (self.keys is None) != (self.values is None):
                 raise InvariantError(f"{where}: tokens counted but no buffer")
