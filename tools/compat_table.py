@@ -160,15 +160,16 @@ PROTOCOL = (
       "test_kv_bits_on_a_sliding_window_model_is_refused_before_anything_is_swapped"]),
     ("`merge` / `extract` / `filter` / `extend` (`BatchGenerator`, `batch_generate`)",
      ("`KVLayer` -> `BatchKVLayer`, `RecurrentLayer` -> `BatchRecurrentLayer`, `StateLayer` -> "
-      "`BatchStateLayer`, `CompositeLayer` -> `BatchCompositeLayer`; `extract` gives the single-sequence kind "
-      "back; `batch_generate` on Runtimes' caches gives mlx-lm's tokens (dense, GDN, SSM / short-conv, "
-      "composites). `QuantizedKVLayer`, a window that dropped tokens and a still-growing n-gram context "
-      "refuse (`UnsupportedOperationError`); open branches refuse (`BranchError`)"),
+      "`BatchStateLayer`, `CompositeLayer` -> `BatchCompositeLayer`, `WindowLayer` -> `BatchWindowLayer`; "
+      "`extract` gives the single-sequence kind back; `batch_generate` on Runtimes' caches gives mlx-lm's tokens (dense, GDN, SSM / short-conv, "
+      "composites). `QuantizedKVLayer`, a window that dropped tokens merged by `KVLayer.merge` (as full "
+      "attention) and a still-growing n-gram context refuse (`UnsupportedOperationError`); open branches refuse (`BranchError`)"),
      ["test_merge_keeps_every_row_and_extract_gives_it_back", "test_filter_and_extend_keep_the_rows_they_name",
       "test_mlx_lm_batch_generate_on_runtime_caches", "test_merge_refusals_change_nothing",
-      "test_kinds_without_a_batched_form_refuse_merge"]),
+      "test_kinds_without_a_batched_form_refuse_merge",
+      "test_window_layer_merge_gives_a_batched_layer_whose_rows_extract_back"]),
 )
-PROTOCOL_TESTS = ("test_compat.py", "test_compat_kinds.py")
+PROTOCOL_TESTS = ("test_compat.py", "test_compat_kinds.py", "test_batch_window.py")
 
 
 def protocol_section() -> str:
@@ -181,7 +182,8 @@ def protocol_section() -> str:
         "",
         "## mlx-lm's cache calls on a Runtime's layers",
         "",
-        ("Beyond the model's own calls (tests/test_compat.py, tests/test_compat_kinds.py; mlx-lm's own "
+        ("Beyond the model's own calls (tests/test_compat.py, tests/test_compat_kinds.py, "
+         "tests/test_batch_window.py; mlx-lm's own "
          "test_prompt_cache.py and test_models.py pass on segcache's layers in tests/test_compat_mlx_lm.py):"),
         "",
         "| mlx-lm call | on segcache's layers | tests |",
