@@ -35,6 +35,7 @@ from ..drafters import feed, normalize
 from ..errors import InvariantError
 from ..lookup import PromptLookup
 from ..runtime import Runtime
+from .gate import Acceptance, Gate
 from .runtime import BatchRuntime
 
 
@@ -55,6 +56,7 @@ class RowState:
     accepted: int = 0
     rounds: int = 0
     per_round: list = field(default_factory=list)  # drafts accepted in each round that drafted
+    estimate: Acceptance = field(default_factory=Acceptance)  # the gate's view of this row
 
 
 class BatchDecoder:
@@ -72,10 +74,15 @@ class BatchDecoder:
             verified), as `stream_generate`'s; the round ends when every row stopped.
         prefill_step: tokens per forward when a joining row's draft runtime is
             brought up to the target's tokens.
+        gate: True: each step's draft width is chosen by a `Gate` on step
+            costs measured online (0 when speculation does not pay); a `Gate`:
+            that one (e.g. on a fixed cost table); False: every row drafts its
+            own adaptive width every step (ungated).
     """
 
     def __init__(self, model, *, num_draft_tokens: int = 0, recurrent_strategy: str = "auto",
-                 draft_model=None, draft_min_prob: float = 0.0, prefill_step: int = 2048):
+                 draft_model=None, draft_min_prob: float = 0.0, prefill_step: int = 2048,
+                 gate: bool | Gate = True):
         if draft_model is not None and num_draft_tokens < 1:
             raise ValueError(f"a draft model needs num_draft_tokens >= 1, got {num_draft_tokens}")
         if not 0.0 <= draft_min_prob <= 1.0:
@@ -86,6 +93,7 @@ class BatchDecoder:
         self.min_prob = draft_min_prob if draft_model is not None else 0.0
         self.prefill_step = prefill_step
         self.rows: dict[Hashable, RowState] = {}
+        self.gate = None if not num_draft_tokens or gate is False else Gate() if gate is True else gate
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -154,10 +162,18 @@ class BatchDecoder:
         pending = [s.history[-1] for s in states]
         widths = [self._room(s) for s in states]
         qs, last, branch = [None] * len(states), None, False
+        gate = self.gate
+        t0 = gate.clock() if gate is not None else 0.0
         try:
             if self.draft is None:
                 drafts = [s.lookup.draft(w) if s.lookup is not None and w > 0 else [] for s, w in zip(states, widths)]
+                if gate is not None:  # a row can draft what it matched; the batch verifies K + 1
+                    K = gate.choose([len(d) for d in drafts], [s.estimate for s in states])
+                    drafts = [d[:K] for d in drafts]
             else:
+                if gate is not None:
+                    K = gate.choose(widths, [s.estimate for s in states])
+                    widths = [min(w, K) for w in widths]
                 drafts, qs, last = self._draft_model(states, pending, widths)
             branch = any(drafts)
             if branch:
@@ -184,6 +200,8 @@ class BatchDecoder:
             self._advance(s, d, n, nxt)
         if branch:
             self.batch.commit(keep)
+        if gate is not None:
+            gate.record(len(states), max(map(len, drafts), default=0), gate.clock() - t0)
         return out
 
     def check(self) -> None:
@@ -265,13 +283,14 @@ class BatchDecoder:
             s.lookup.extend(emitted)
         if s.remaining >= 0:
             s.remaining -= len(emitted)
+        s.estimate.update(len(drafts), n, self.gate.decay if self.gate is not None else 1.0)
         if drafts:
             s.rounds += 1
             s.drafted += len(drafts)
             s.accepted += n
             s.per_round.append(n)
             # as stream_generate's adaptive width (a gated draft model sizes its own rounds)
-            if not self.min_prob:
+            if not self.min_prob and self.gate is None:
                 if n == 0:
                     s.cap = max(1, s.cap // 2)
                 elif n == len(drafts):

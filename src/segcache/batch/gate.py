@@ -1,0 +1,163 @@
+"""The speculation gate of a batched step: how many positions every row verifies.
+
+A batched verify pads every row to the longest row's drafts, and on a CPU a
+forward costs about in proportion to rows x positions, so speculation only
+pays when the tokens it is expected to add outweigh the wider forward. Each
+step the gate picks the batch's draft width K (0: a plain step, no fork) that
+maximises expected emitted tokens per second ("goodput", as SmartSpec's
+dynamic speculation length):
+
+    E(K) = sum_i 1 + sum_{j=1..min(K, avail_i)} a_i^j      a_i: row i's per-draft acceptance
+    K*   = argmax_K  E(K) / cost(rows, K)                    cost(rows, 0): a plain step
+
+avail_i is what row i can draft (its room; with prompt lookup, its match).
+a_i is the ratio of two decayed counts: drafts accepted over drafts tried,
+where a round that accepted n of k drafts tried n + (n < k) of them (the
+maximum-likelihood estimate of a geometric acceptance). A row that has not
+drafted for `probe_every` steps is re-probed with one draft, so an estimate
+that collapsed after a miss streak can recover (at most one one-draft step
+per `probe_every` steps while speculation does not pay).
+
+The gate only sets widths: rows verify their drafts exactly as before, so
+every row's output is the same whatever it decides.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol
+
+
+class StepCost(Protocol):
+    """Seconds a batched step of `rows` rows drafting `width` tokens each (0: plain) costs."""
+
+    def estimate(self, rows: int, width: int) -> Optional[float]:
+        """The expected cost, None when nothing says yet."""
+
+    def record(self, rows: int, width: int, seconds: float) -> None:
+        """A step of that shape took `seconds` (a fixed table ignores it)."""
+
+
+class TableCost:
+    """A fixed cost: `fn(rows, width)` seconds (tests and calibrated tables); records nothing."""
+
+    def __init__(self, fn: Callable[[int, int], float]):
+        self.fn = fn
+
+    def estimate(self, rows: int, width: int) -> Optional[float]:
+        return self.fn(rows, width)
+
+    def record(self, rows: int, width: int, seconds: float) -> None:
+        pass
+
+
+class MeasuredCost:
+    """Step costs measured online: a decayed mean of wall time per (rows, width).
+
+    A shape not measured yet at this row count is scaled from the nearest row
+    count where it was (by the ratio of their plain steps); a width never
+    measured is None, which the gate takes as an optimistic guess (as cheap as
+    a plain step) so it is tried once, then known.
+
+    Invariant: every value in `table` is a positive number of seconds.
+    """
+
+    def __init__(self, alpha: float = 0.25):
+        self.alpha = alpha
+        self.table: dict[tuple[int, int], float] = {}
+
+    def estimate(self, rows: int, width: int) -> Optional[float]:
+        if (rows, width) in self.table:
+            return self.table[rows, width]
+        plain = self.table.get((rows, 0))
+        known = [b for b, w in self.table if w == width and (b, 0) in self.table]
+        if plain is None or not known:
+            return None
+        b = min(known, key=lambda b: abs(b - rows))
+        return self.table[b, width] * plain / self.table[b, 0]
+
+    def record(self, rows: int, width: int, seconds: float) -> None:
+        seconds = max(seconds, 1e-6)
+        old = self.table.get((rows, width))
+        self.table[rows, width] = seconds if old is None else old + self.alpha * (seconds - old)
+
+
+@dataclass
+class Acceptance:
+    """One row's acceptance estimate: decayed counts of drafts accepted and tried.
+
+    Invariant: 0 <= hits <= tries; `idle` counts steps since the row last drafted.
+    """
+
+    hits: float = 1.0  # prior: a rate of 0.5 worth two tries, soon outweighed
+    tries: float = 2.0
+    idle: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.hits / self.tries
+
+    def update(self, drafted: int, accepted: int, decay: float) -> None:
+        if drafted == 0:
+            self.idle += 1
+            return
+        self.idle = 0
+        self.hits = decay * self.hits + accepted
+        self.tries = decay * self.tries + accepted + (accepted < drafted)
+
+    def expected(self, k: int) -> float:
+        """Drafts expected accepted out of k: a + a^2 + ... + a^k."""
+        a, total, p = self.rate, 0.0, 1.0
+        for _ in range(k):
+            p *= a
+            total += p
+        return total
+
+
+class Gate:
+    """Chooses each step's draft width from row estimates and a step cost.
+
+    Args:
+        cost: a StepCost, or a callable (rows, width) -> seconds (a fixed table);
+            None: measured online (`MeasuredCost`).
+        decay: weight of the past in each row's acceptance counts, per round drafted.
+        probe_every: a row idle that many steps drafts one token at the next
+            plain step (0: never probe).
+        clock: seconds, for measuring steps.
+    """
+
+    def __init__(self, cost=None, *, decay: float = 0.8, probe_every: int = 8,
+                 clock: Callable[[], float] = time.perf_counter):
+        if cost is None:
+            cost = MeasuredCost()
+        elif callable(cost) and not isinstance(cost, (TableCost, MeasuredCost)):
+            cost = TableCost(cost)
+        self.cost: StepCost = cost
+        self.decay = decay
+        self.probe_every = probe_every
+        self.clock = clock
+        self.last: dict = {}  # the last choice: width, expected tokens per second of each width
+
+    def choose(self, avail: list[int], rows: list[Acceptance]) -> int:
+        """The width K for a step where row i can draft avail[i] tokens."""
+        B, top = len(avail), max(avail, default=0)
+        if top == 0:
+            return 0
+        plain = self.cost.estimate(B, 0)
+        if plain is None:
+            self.last = {"width": 0, "why": "measure plain"}
+            return 0  # one plain step measures it (plain is never a loss)
+        rates = {0: B / plain}
+        for k in range(1, top + 1):
+            c = self.cost.estimate(B, k)
+            gain = sum(1 + r.expected(min(k, a)) for a, r in zip(avail, rows))
+            rates[k] = gain / (plain if c is None else c)
+        best = max(rates, key=lambda k: (rates[k], -k))
+        if best == 0 and self.probe_every and any(a > 0 and r.idle >= self.probe_every for a, r in zip(avail, rows)):
+            best = 1
+        self.last = {"width": best, "rates": rates}
+        return best
+
+    def record(self, rows: int, width: int, seconds: float) -> None:
+        self.cost.record(rows, width, seconds)

@@ -1,0 +1,135 @@
+"""The speculation gate of BatchDecoder: each step's draft width follows expected tokens per
+unit of cost. Driven by fixed cost tables (never time); every row stays token-identical to
+the same request generated alone whatever the gate decides."""
+
+import pytest
+
+from conftest import tiny
+from segcache.batch.decoder import BatchDecoder
+from segcache.batch.gate import Acceptance, Gate, MeasuredCost
+from segcache.generation import stream_generate
+from segcache.runtime import Runtime
+from segcache.testing import tokenizer as test_tokenizer
+
+PROMPTS = [
+    [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
+    [9, 10, 11],
+    [3, 4, 3, 4, 3, 4, 3, 4, 3, 4, 3, 4, 3],
+    [20, 21, 22, 23, 24, 20, 21, 22],
+]
+MAX = 16
+K = 4
+
+
+def proportional(rows, width):  # a CPU-like forward: cost in rows x positions, no fixed part
+    return rows * (1 + width)
+
+
+def flat(rows, width):  # extra positions almost free (a batch far from compute-bound)
+    return 1.0 + 0.01 * width
+
+
+def alone(model, prompt, n=MAX):
+    tk = test_tokenizer.tokenizer(eos=False)
+    return [r.token for r in stream_generate(model, tk, prompt, max_tokens=n)]
+
+
+def run(dec, model, prompts=PROMPTS):
+    got = {i: [] for i in range(len(prompts))}
+    widths = []  # per step: the longest draft of any row
+    for i, p in enumerate(prompts):
+        rt = Runtime(model)
+        rt.forward(p[:-1])
+        dec.add(i, rt, p[-1], max_tokens=MAX)
+    while dec.rows:
+        out = dec.step()
+        widths.append(max(sum(d for _, _, d in e) for e in out.values()))
+        for rid, emitted in out.items():
+            got[rid].extend(t for t, _, _ in emitted)
+            if len(got[rid]) >= MAX:
+                dec.remove(rid)
+        dec.check()
+    return got, widths
+
+
+def counting(dec):
+    """Count the target batch's forks (a plain step never forks)."""
+    forks = []
+    fork = dec.batch.fork
+    dec.batch.fork = lambda: (forks.append(1), fork())[1]
+    return forks
+
+
+@pytest.mark.parametrize("drafter", ("lookup", "draft"))
+def test_speculation_that_does_not_pay_never_forks_and_rows_stay_exact(drafter):
+    model = tiny("llama")
+    draft = model if drafter == "draft" else None  # the draft is the target: every draft accepted
+    dec = BatchDecoder(model, num_draft_tokens=K, draft_model=draft,
+                       gate=Gate(proportional, probe_every=0))
+    forks = counting(dec)
+    got, widths = run(dec, model)
+    for i, p in enumerate(PROMPTS):
+        assert got[i][:MAX] == alone(model, p), f"row {i}"
+    assert not forks and set(widths) == {0}
+
+
+@pytest.mark.parametrize("family", ("llama", "qwen3_5"))
+def test_speculation_that_pays_drafts_full_width_with_a_draft_model(family):
+    model = tiny(family)
+    dec = BatchDecoder(model, num_draft_tokens=K, draft_model=model, gate=Gate(flat))
+    forks = counting(dec)
+    got, widths = run(dec, model)
+    for i, p in enumerate(PROMPTS):
+        assert got[i][:MAX] == alone(model, p), f"row {i}"
+    # all accepted, so each step emits K + 1 per row until a row's room is smaller
+    assert widths[:3] == [K] * 3 and len(forks) == sum(1 for w in widths if w)
+    assert all(s.accepted == s.drafted for s in dec.rows.values())
+
+
+def test_lookup_rows_draft_their_match_up_to_the_width_the_gate_picks():
+    model = tiny("llama")
+    # positions past 2 cost far more: K = 2 is the best width for rows that accept all
+    dec = BatchDecoder(model, num_draft_tokens=K, gate=Gate(lambda r, w: 1.0 + 0.01 * w + 10.0 * max(0, w - 2)))
+    got, widths = run(dec, model)
+    for i, p in enumerate(PROMPTS):
+        assert got[i][:MAX] == alone(model, p), f"row {i}"
+    assert max(widths) == 2 and 2 in widths
+
+
+def test_a_row_that_stopped_drafting_is_probed_and_recovers():
+    gate = Gate(lambda r, w: 1.0 + 0.3 * w, probe_every=3)
+    row = Acceptance()
+    for _ in range(6):  # a miss streak: the rate falls and speculation stops paying
+        row.update(4, 0, gate.decay)
+    assert row.rate < 0.15 and gate.choose([4], [row]) == 0
+    widths = []
+    for _ in range(20):  # the row now accepts everything it drafts
+        k = gate.choose([4], [row])
+        widths.append(k)
+        row.update(k, k, gate.decay)
+    assert widths[:4] == [0, 0, 0, 1]  # probed with one draft after 3 idle steps
+    assert widths[4:] == sorted(widths[4:]) and widths[-1] == 4  # and back to full width once its estimate recovered
+
+
+def test_acceptance_is_the_geometric_maximum_likelihood():
+    row = Acceptance(hits=0.0, tries=0.0)
+    row.update(4, 2, 1.0)  # accepted 2, rejected the 3rd: 3 tried
+    row.update(3, 3, 1.0)  # all 3 accepted: 3 tried, none rejected
+    assert (row.hits, row.tries) == (5.0, 6.0)
+    assert row.expected(2) == pytest.approx(5 / 6 + (5 / 6) ** 2)
+
+
+def test_measured_cost_plain_first_then_each_width_then_scaled_across_row_counts():
+    cost = MeasuredCost(alpha=0.5)
+    gate = Gate(cost)
+    rows = [Acceptance(), Acceptance()]
+    assert gate.choose([3, 3], rows) == 0  # nothing known: a plain step measures it
+    cost.record(2, 0, 1.0)
+    assert gate.choose([3, 3], rows) == 3  # unknown widths are tried (optimistic), widest first
+    cost.record(2, 3, 4.0)
+    cost.record(2, 3, 2.0)
+    assert cost.estimate(2, 3) == 3.0  # decayed mean
+    assert gate.choose([3, 3], rows) == 2
+    cost.record(4, 0, 2.0)
+    assert cost.estimate(4, 3) == 6.0  # scaled by the plain steps' ratio
+    assert cost.estimate(4, 1) is None
