@@ -120,16 +120,16 @@ def test_acceptance_is_the_geometric_maximum_likelihood():
 
 
 def test_measured_cost_plain_first_then_each_width_then_scaled_across_row_counts():
-    cost = MeasuredCost(alpha=0.5)
+    cost = MeasuredCost(window=3)
     gate = Gate(cost)
     rows = [Acceptance(), Acceptance()]
     assert gate.choose([3, 3], rows) == 0  # nothing known: a plain step measures it
     cost.record(2, 0, 1.0)
     assert gate.choose([3, 3], rows) == 3  # unknown widths are tried (optimistic), widest first
-    cost.record(2, 3, 4.0)
-    cost.record(2, 3, 2.0)
-    assert cost.estimate(2, 3) == 3.0  # decayed mean
-    assert gate.choose([3, 3], rows) == 2
+    for t in (2.5, 99.0, 3.0, 3.0):  # an outlier, then it leaves the window
+        cost.record(2, 3, t)
+    assert cost.estimate(2, 3) == 3.0  # the median of the last 3
+    assert gate.choose([3, 3], rows) == 2  # width 2 is untried: as cheap as plain, worth trying
     cost.record(4, 0, 2.0)
     assert cost.estimate(4, 3) == 6.0  # scaled by the plain steps' ratio
     assert cost.estimate(4, 1) is None

@@ -24,6 +24,7 @@ every row's output is the same whatever it decides.
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
@@ -53,34 +54,38 @@ class TableCost:
 
 
 class MeasuredCost:
-    """Step costs measured online: a decayed mean of wall time per (rows, width).
+    """Step costs measured online: the median of the last `window` wall times per (rows, width).
 
-    A shape not measured yet at this row count is scaled from the nearest row
-    count where it was (by the ratio of their plain steps); a width never
-    measured is None, which the gate takes as an optimistic guess (as cheap as
-    a plain step) so it is tried once, then known.
+    A median, not a mean: a step that also evaluates lazy work left by a join
+    (or meets another process on a shared CPU) can take 30x the usual, and a
+    mean would carry that into many decisions. A shape not measured yet at this
+    row count is scaled from the nearest row count where it was (by the ratio
+    of their plain steps); a width never measured is None, which the gate takes
+    as an optimistic guess (as cheap as a plain step) so it is tried once, then known.
 
-    Invariant: every value in `table` is a positive number of seconds.
+    Invariant: every list in `samples` holds 1..window positive seconds.
     """
 
-    def __init__(self, alpha: float = 0.25):
-        self.alpha = alpha
-        self.table: dict[tuple[int, int], float] = {}
+    def __init__(self, window: int = 9):
+        self.window = window
+        self.samples: dict[tuple[int, int], list[float]] = {}
 
     def estimate(self, rows: int, width: int) -> Optional[float]:
-        if (rows, width) in self.table:
-            return self.table[rows, width]
-        plain = self.table.get((rows, 0))
-        known = [b for b, w in self.table if w == width and (b, 0) in self.table]
-        if plain is None or not known:
+        if (rows, width) in self.samples:
+            return self._median(rows, width)
+        known = [b for b, w in self.samples if w == width and (b, 0) in self.samples]
+        if (rows, 0) not in self.samples or not known:
             return None
         b = min(known, key=lambda b: abs(b - rows))
-        return self.table[b, width] * plain / self.table[b, 0]
+        return self._median(b, width) * self._median(rows, 0) / self._median(b, 0)
 
     def record(self, rows: int, width: int, seconds: float) -> None:
-        seconds = max(seconds, 1e-6)
-        old = self.table.get((rows, width))
-        self.table[rows, width] = seconds if old is None else old + self.alpha * (seconds - old)
+        kept = self.samples.setdefault((rows, width), [])
+        kept.append(max(seconds, 1e-6))
+        del kept[: -self.window]
+
+    def _median(self, rows: int, width: int) -> float:
+        return statistics.median(self.samples[rows, width])
 
 
 @dataclass
