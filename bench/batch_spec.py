@@ -41,14 +41,14 @@ def prompts(first: int, rows: int, stride: int = 2000) -> list[str]:
     return [text[i * stride : i * stride + 400] for i in range(first, first + rows)]
 
 
-def select(mode: str, model, draft, tok, rows: int, n: int, K: int) -> list[list[int]]:
-    """The `rows` of 48 candidate prompts (after the ordinary ones) where `mode` accepted the most drafts."""
+def select(mode: str, model, draft, tok, rows: int, count: int, n: int, K: int) -> list[list[int]]:
+    """The `count` of 48 candidate prompts (after the ordinary ones) where `mode` accepted the most drafts."""
     cands = [tok.encode(p) for p in prompts(9, 48, 1500)]
     score = []
     for at in range(0, len(cands), rows):
         r = run(mode, model, draft, cands[at : at + rows], n, K)
         score += [(a / max(1, d), at + i) for i, (a, d) in sorted(r["rows"].items())]
-    best = sorted(score, reverse=True)[:rows]
+    best = sorted(score, reverse=True)[:count]
     print(f"  {mode}: chosen prompts accept {min(a for a, _ in best):.2f}..{max(a for a, _ in best):.2f} "
           f"of their drafts (all 48: median {statistics.median(a for a, _ in score):.2f})")
     return [cands[i] for _, i in sorted(best, key=lambda x: x[1])]
@@ -64,26 +64,40 @@ def _settle(batch) -> None:
     mx.eval(arrays)
 
 
-def run(cfg: str, model, draft, toks: list[list[int]], n: int, K: int) -> dict:
+def run(cfg: str, model, draft, toks: list[list[int]], n: int, K: int, rows: int = 0) -> dict:
+    """Decode every prompt, at most `rows` at once (0: all at once); a row that finishes is
+    replaced by the next prompt, prefilled beforehand (untimed), as a server under load does."""
     mode, gated = cfg.split("-") if "-" in cfg else (cfg, "ungated")
     dec = BatchDecoder(model, num_draft_tokens=0 if mode == "plain" else K,
                        draft_model=draft if mode == "draft" else None,
                        draft_min_prob=DRAFT_MIN_PROB if mode == "draft" else 0.0, gate=gated == "gated")
-    for i, t in enumerate(toks):
+    ready = []
+    for t in toks:
         rt = Runtime(model)
-        rt.forward(t[:-1])
+        out = [rt.forward(t[:-1])]
         drt = None
         if mode == "draft":
             drt = Runtime(draft)
-            drt.forward(t[:-1])
-        dec.add(i, rt, t[-1], max_tokens=n, draft_runtime=drt)
+            out.append(drt.forward(t[:-1]))
+        mx.eval(out)
+        ready.append((rt, t[-1], drt))
+    rows = rows or len(toks)
+    queue = list(enumerate(ready))[::-1]
+
+    def admit():
+        while queue and len(dec.rows) < rows:
+            i, (rt, last, drt) = queue.pop()
+            dec.add(i, rt, last, max_tokens=n, draft_runtime=drt)
+
+    admit()
     _settle(dec.batch)
     if dec.draft is not None:
         _settle(dec.draft)
     got = {i: [] for i in range(len(toks))}
     steps, widths, done = 0, [], {}
     t0 = time.perf_counter()
-    while dec.rows:
+    while dec.rows or queue:
+        admit()
         out = dec.step()
         steps += 1
         if dec.gate is not None:
@@ -107,28 +121,30 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--K", type=int, default=4)
     ap.add_argument("--workload", default="ordinary,high")
+    ap.add_argument("--queue", type=int, default=0,
+                    help="prompts per workload, --rows at a time, a finished row replaced at once (0: one batch of --rows)")
     ap.add_argument("--configs", default="plain,lookup,lookup-gated,draft,draft-gated")
     args = ap.parse_args()
     model, tok = mlx_lm.load(str(MODELS / "target"))
     draft, _ = mlx_lm.load(str(MODELS / "draft"))
     configs = args.configs.split(",")
-    work = []
+    work, count = [], args.queue or args.rows
     for kind in args.workload.split(","):
         if kind == "ordinary":
-            work.append((kind, [tok.encode(p) for p in prompts(0, args.rows)], configs))
+            work.append((kind, [tok.encode(p) for p in prompts(0, count)], configs))
         else:  # one workload per drafter, chosen where it accepts most; plain as the reference
             for mode in ("lookup", "draft"):
                 mine = [c for c in configs if c == "plain" or c.startswith(mode)]
-                work.append((f"high for {mode}", select(mode, model, draft, tok, args.rows, args.tokens, args.K), mine))
+                work.append((f"high for {mode}", select(mode, model, draft, tok, args.rows, count, args.tokens, args.K), mine))
     for kind, toks, configs in work:
         run("plain", model, draft, toks, 8, args.K)  # warm-up
         res = {c: [] for c in configs}
         for r in range(args.repeats):
             order = configs[r % len(configs):] + configs[: r % len(configs)]
             for c in order:
-                res[c].append(run(c, model, draft, toks, args.tokens, args.K))
+                res[c].append(run(c, model, draft, toks, args.tokens, args.K, args.rows))
         ref = res[configs[0]][0]["tokens"]
-        print(f"\n{kind}: {args.rows} rows x {args.tokens} tokens, K={args.K}, {args.repeats} repeats interleaved")
+        print(f"\n{kind}: {len(toks)} prompts, {args.rows} rows at a time, {args.tokens} tokens each, K={args.K}, {args.repeats} repeats interleaved")
         print(f"{'config':<14}{'tok/s median (min-max)':>26}{'steps':>7}{'ms/step':>9}{'acc/drafted':>14}{'drafting steps, mean K':>24}")
         for c in configs:
             rs = res[c]

@@ -65,7 +65,7 @@ def test_speculation_that_does_not_pay_never_forks_and_rows_stay_exact(drafter):
     model = tiny("llama")
     draft = model if drafter == "draft" else None  # the draft is the target: every draft accepted
     dec = BatchDecoder(model, num_draft_tokens=K, draft_model=draft,
-                       gate=Gate(proportional, probe_every=0))
+                       gate=Gate(proportional, probe=0))
     forks = counting(dec)
     got, widths = run(dec, model)
     for i, p in enumerate(PROMPTS):
@@ -96,19 +96,24 @@ def test_lookup_rows_draft_their_match_up_to_the_width_the_gate_picks():
     assert max(widths) == 2 and 2 in widths
 
 
-def test_a_row_that_stopped_drafting_is_probed_and_recovers():
-    gate = Gate(lambda r, w: 1.0 + 0.3 * w, probe_every=3)
+def test_a_batch_that_stopped_drafting_is_probed_and_recovers():
+    gate = Gate(lambda r, w: 1.0 + 0.3 * w, probe=3, max_probe=6)
     row = Acceptance()
     for _ in range(6):  # a miss streak: the rate falls and speculation stops paying
         row.update(4, 0, gate.decay)
-    assert row.rate < 0.15 and gate.choose([4], [row]) == 0
+    widths = []
+    for _ in range(15):  # still missing: probes back off, 3 then 6 plain steps between them
+        k = gate.choose([4], [row])
+        widths.append(k)
+        row.update(k, 0, gate.decay)
+    assert widths == [0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0]
     widths = []
     for _ in range(20):  # the row now accepts everything it drafts
         k = gate.choose([4], [row])
         widths.append(k)
         row.update(k, k, gate.decay)
-    assert widths[:4] == [0, 0, 0, 1]  # probed with one draft after 3 idle steps
-    assert widths[4:] == sorted(widths[4:]) and widths[-1] == 4  # and back to full width once its estimate recovered
+    assert widths[:4] == [0, 0, 1, 0]  # the next probe, 6 plain steps after the last
+    assert widths[-1] == 4  # probes come sooner as the estimate rises: back to full width
 
 
 def test_acceptance_is_the_geometric_maximum_likelihood():

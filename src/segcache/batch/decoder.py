@@ -15,8 +15,12 @@ sync per draft forward for all rows. Row i keeps its first k_i proposals
 (its room, or up to the first the draft gives less than `draft_min_prob`);
 the proposals past k_i are fed but never committed. The last forward
 ([[dJ_i]]) runs only when some row accepted all J drafts, so that row's draft
-holds them. After a step both batches hold each row's history but the
-pending token.
+holds them. After a step the target batch holds each row's history but the
+pending token, the draft batch a prefix of that: a plain step does not feed
+the draft, whose rows catch up (one ragged forward) when they draft again.
+
+With a gate (the default), each step first picks the batch's draft width K
+(`gate.py`: expected tokens per second of step, 0 for a plain step).
 
 As `generation._Speculator` for one sequence: a row's runtime holds its
 history but the last emitted token (`pending`, fed by the next step). A row
@@ -43,8 +47,8 @@ from .runtime import BatchRuntime
 class RowState:
     """One row's generation state.
 
-    Invariant: the batch row (and the draft batch row, with a draft model)
-    holds exactly `history[:-1]`; history[-1] is `pending`.
+    Invariant: the batch row holds exactly `history[:-1]`; history[-1] is
+    `pending`; the draft batch row (with a draft model) holds a prefix of `history[:-1]`.
     """
 
     acceptor: Acceptor
@@ -205,21 +209,23 @@ class BatchDecoder:
         return out
 
     def check(self) -> None:
-        """Both batches' invariants, and each row holding its history but the pending token."""
+        """Both batches' invariants; each row holding its history but the pending token (the draft: a prefix)."""
         self.batch.check()
         if set(self.rows) != set(self.batch.ids):
             raise InvariantError(f"decoder rows {list(self.rows)} but batch rows {self.batch.ids}")
-        batches = [self.batch] if self.draft is None else [self.batch, self.draft]
         if self.draft is not None:
             self.draft.check()
             if self.draft.ids != self.batch.ids:
                 raise InvariantError(f"draft rows {self.draft.ids} but target rows {self.batch.ids}")
         if self.batch.branch_open:
             return
-        for b in batches:
-            for row in b.rows:
-                if row.tokens != self.rows[row.id].history[:-1]:
-                    raise InvariantError(f"row {row.id!r} holds {len(row.tokens)} tokens, not its history but the pending token")
+        for row in self.batch.rows:
+            if row.tokens != self.rows[row.id].history[:-1]:
+                raise InvariantError(f"row {row.id!r} holds {len(row.tokens)} tokens, not its history but the pending token")
+        for row in self.draft.rows if self.draft is not None else []:
+            if row.tokens != self.rows[row.id].history[: len(row.tokens)] or len(row.tokens) >= len(self.rows[row.id].history):
+                raise InvariantError(f"draft row {row.id!r} holds {len(row.tokens)} tokens, not a prefix of its history "
+                                     "but the pending token")
 
     def _room(self, s: RowState) -> int:
         """Drafts row s may propose this round (never past its max_tokens)."""
@@ -236,6 +242,7 @@ class BatchDecoder:
         drafts = [[] for _ in states]
         if J == 0:
             return drafts, [None] * len(states), None
+        self._catch_up(states)
         qs = [[] for _ in states]
         live = [w > 0 for w in widths]
         greedy = all(isinstance(s.acceptor, GreedyMatch) for s in states)
@@ -265,11 +272,23 @@ class BatchDecoder:
                 break
         return drafts, [mx.stack(q) if q else None for q in qs], step
 
+    def _catch_up(self, states: list) -> None:
+        """Feed each draft row the history it lags behind (plain steps skip the draft batch).
+
+        One ragged forward in a branch, each row committing what it lacked: a
+        row that lags nothing feeds a token it then drops (rows are never empty).
+        """
+        lags = [s.history[len(row.tokens) : -1] for s, row in zip(states, self.draft.rows)]
+        if not any(lags):
+            return
+        self.draft.fork()
+        self.draft.forward([lag or [0] for lag in lags])
+        self.draft.commit([len(lag) for lag in lags])
+
     def _settle_draft(self, branch: bool, pending: list, drafts: list, keep: list, last) -> None:
         """Bring the draft batch to each row's history but the new pending token."""
         draft = self.draft
-        if not draft.branch_open:  # no row drafted: the plain step feeds the pending tokens here too
-            draft.forward([[p] for p in pending])
+        if not draft.branch_open:  # no row drafted: the draft batch lags (caught up when rows draft again)
             return
         fed = draft.rows[0].branch_length  # every row fed as many
         if any(k > fed for k in keep):  # a row accepted all its drafts, the last of which is not fed yet

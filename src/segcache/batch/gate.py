@@ -13,10 +13,12 @@ dynamic speculation length):
 avail_i is what row i can draft (its room; with prompt lookup, its match).
 a_i is the ratio of two decayed counts: drafts accepted over drafts tried,
 where a round that accepted n of k drafts tried n + (n < k) of them (the
-maximum-likelihood estimate of a geometric acceptance). A row that has not
-drafted for `probe_every` steps is re-probed with one draft, so an estimate
-that collapsed after a miss streak can recover (at most one one-draft step
-per `probe_every` steps while speculation does not pay).
+maximum-likelihood estimate of a geometric acceptance). Estimates only move
+when rows draft, so after `probe` plain steps in a row the batch drafts one
+token (every row that can), and estimates that collapsed after a miss streak
+can recover; a probe finding the estimates no better than the last one did
+doubles the wait (up to `max_probe`), so while speculation does not pay
+probes cost one one-draft step per `probe`..`max_probe` steps.
 
 The gate only sets widths: rows verify their drafts exactly as before, so
 every row's output is the same whatever it decides.
@@ -92,12 +94,11 @@ class MeasuredCost:
 class Acceptance:
     """One row's acceptance estimate: decayed counts of drafts accepted and tried.
 
-    Invariant: 0 <= hits <= tries; `idle` counts steps since the row last drafted.
+    Invariant: 0 <= hits <= tries.
     """
 
     hits: float = 1.0  # prior: a rate of 0.5 worth two tries, soon outweighed
     tries: float = 2.0
-    idle: int = 0
 
     @property
     def rate(self) -> float:
@@ -105,9 +106,7 @@ class Acceptance:
 
     def update(self, drafted: int, accepted: int, decay: float) -> None:
         if drafted == 0:
-            self.idle += 1
             return
-        self.idle = 0
         self.hits = decay * self.hits + accepted
         self.tries = decay * self.tries + accepted + (accepted < drafted)
 
@@ -127,12 +126,13 @@ class Gate:
         cost: a StepCost, or a callable (rows, width) -> seconds (a fixed table);
             None: measured online (`MeasuredCost`).
         decay: weight of the past in each row's acceptance counts, per round drafted.
-        probe_every: a row idle that many steps drafts one token at the next
-            plain step (0: never probe).
+        probe: after that many plain steps in a row, one step drafts one token
+            (0: never probe); doubled after each probe finding the estimates no
+            better than the last, up to `max_probe`.
         clock: seconds, for measuring steps.
     """
 
-    def __init__(self, cost=None, *, decay: float = 0.8, probe_every: int = 8,
+    def __init__(self, cost=None, *, decay: float = 0.8, probe: int = 8, max_probe: int = 64,
                  clock: Callable[[], float] = time.perf_counter):
         if cost is None:
             cost = MeasuredCost()
@@ -140,7 +140,10 @@ class Gate:
             cost = TableCost(cost)
         self.cost: StepCost = cost
         self.decay = decay
-        self.probe_every = probe_every
+        self.probe, self.max_probe = probe, max_probe
+        self.wait = probe  # plain steps before the next probe
+        self.quiet = 0  # plain steps in a row (the gate chose 0)
+        self.probed = None  # at the last probe: expected rate of width 1 over plain
         self.clock = clock
         self.last: dict = {}  # the last choice: width, expected tokens per second of each width
 
@@ -159,8 +162,16 @@ class Gate:
             gain = sum(1 + r.expected(min(k, a)) for a, r in zip(avail, rows))
             rates[k] = gain / (plain if c is None else c)
         best = max(rates, key=lambda k: (rates[k], -k))
-        if best == 0 and self.probe_every and any(a > 0 and r.idle >= self.probe_every for a, r in zip(avail, rows)):
-            best = 1
+        if best:  # speculation pays by the estimates: probes wait the shortest again
+            self.quiet, self.wait = 0, self.probe
+        elif self.probe and self.quiet >= self.wait:
+            # back off while probes show the estimates no better than at the last probe
+            ratio = rates[1] / rates[0]
+            better = self.probed is not None and ratio > self.probed
+            best, self.quiet, self.probed = 1, 0, ratio
+            self.wait = self.probe if better else min(2 * self.wait, self.max_probe)
+        else:
+            self.quiet += 1
         self.last = {"width": best, "rates": rates}
         return best
 
