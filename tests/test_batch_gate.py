@@ -41,6 +41,7 @@ def run(dec, model, prompts=PROMPTS):
         rt = Runtime(model)
         rt.forward(p[:-1])
         dec.add(i, rt, p[-1], max_tokens=MAX)
+    states = dict(dec.rows)  # each row's counters, kept after it leaves
     while dec.rows:
         out = dec.step()
         widths.append(max(sum(d for _, _, d in e) for e in out.values()))
@@ -49,7 +50,7 @@ def run(dec, model, prompts=PROMPTS):
             if len(got[rid]) >= MAX:
                 dec.remove(rid)
         dec.check()
-    return got, widths
+    return got, widths, list(states.values())
 
 
 def counting(dec):
@@ -67,7 +68,7 @@ def test_speculation_that_does_not_pay_never_forks_and_rows_stay_exact(drafter):
     dec = BatchDecoder(model, num_draft_tokens=K, draft_model=draft,
                        gate=Gate(proportional, probe=0))
     forks = counting(dec)
-    got, widths = run(dec, model)
+    got, widths, states = run(dec, model)
     for i, p in enumerate(PROMPTS):
         assert got[i][:MAX] == alone(model, p), f"row {i}"
     assert not forks and set(widths) == {0}
@@ -78,19 +79,19 @@ def test_speculation_that_pays_drafts_full_width_with_a_draft_model(family):
     model = tiny(family)
     dec = BatchDecoder(model, num_draft_tokens=K, draft_model=model, gate=Gate(flat))
     forks = counting(dec)
-    got, widths = run(dec, model)
+    got, widths, states = run(dec, model)
     for i, p in enumerate(PROMPTS):
         assert got[i][:MAX] == alone(model, p), f"row {i}"
     # all accepted, so each step emits K + 1 per row until a row's room is smaller
     assert widths[:3] == [K] * 3 and len(forks) == sum(1 for w in widths if w)
-    assert all(s.accepted == s.drafted for s in dec.rows.values())
+    assert all(s.accepted == s.drafted > 0 for s in states)
 
 
 def test_lookup_rows_draft_their_match_up_to_the_width_the_gate_picks():
     model = tiny("llama")
     # positions past 2 cost far more: K = 2 is the best width for rows that accept all
     dec = BatchDecoder(model, num_draft_tokens=K, gate=Gate(lambda r, w: 1.0 + 0.01 * w + 10.0 * max(0, w - 2)))
-    got, widths = run(dec, model)
+    got, widths, states = run(dec, model)
     for i, p in enumerate(PROMPTS):
         assert got[i][:MAX] == alone(model, p), f"row {i}"
     assert max(widths) == 2 and 2 in widths
@@ -138,3 +139,20 @@ def test_measured_cost_plain_first_then_each_width_then_scaled_across_row_counts
     cost.record(4, 0, 2.0)
     assert cost.estimate(4, 3) == 6.0  # scaled by the plain steps' ratio
     assert cost.estimate(4, 1) is None
+
+
+@pytest.mark.parametrize("family", ("llama", "qwen3_5"))
+def test_the_draft_batch_skips_plain_steps_and_catches_up_before_drafting(family):
+    model = tiny(family)
+    # speculation never pays by the table, so only probes draft: 2 plain steps, a probe, 4, a probe, ...
+    dec = BatchDecoder(model, num_draft_tokens=K, draft_model=model, gate=Gate(proportional, probe=2))
+    lags = []
+    check = dec.check
+    dec.check = lambda: (check(), lags.append([len(dec.rows[r.id].history) - 1 - len(r.tokens) for r in dec.draft.rows]))
+    got, widths, states = run(dec, model)
+    for i, p in enumerate(PROMPTS):
+        assert got[i][:MAX] == alone(model, p), f"row {i}"
+    assert widths[:8] == [0, 0, 1, 0, 0, 0, 0, 1]
+    assert lags[1] == [2] * len(PROMPTS)  # two plain steps never fed the draft
+    # the draft is the target: after catching up it proposes what the target emits, so every probe accepts
+    assert all(s.accepted == s.drafted > 0 for s in states)
