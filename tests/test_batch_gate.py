@@ -131,14 +131,16 @@ def test_measured_cost_plain_first_then_each_width_then_scaled_across_row_counts
     rows = [Acceptance(), Acceptance()]
     assert gate.choose([3, 3], rows) == 0  # nothing known: a plain step measures it
     cost.record(2, 0, 1.0)
-    assert gate.choose([3, 3], rows) == 3  # unknown widths are tried (optimistic), widest first
-    for t in (2.5, 99.0, 3.0, 3.0):  # an outlier, then it leaves the window
-        cost.record(2, 3, t)
-    assert cost.estimate(2, 3) == 3.0  # the median of the last 3
-    assert gate.choose([3, 3], rows) == 2  # width 2 is untried: as cheap as plain, worth trying
+    assert gate.choose([3, 3], rows) == 1  # the narrowest untried width, guessed as cheap as plain
+    for t in (1.2, 99.0, 1.3, 1.3):  # an outlier, then it leaves the window
+        cost.record(2, 1, t)
+    assert cost.estimate(2, 1) == 1.3  # the median of the last 3
+    assert gate.choose([3, 3], rows) == 2  # untried, guessed as cheap as width 1: the most tokens
+    cost.record(2, 2, 4.0)
+    assert gate.choose([3, 3], rows) == 1  # 3 untried, but guessed no cheaper than 2: not worth a try
     cost.record(4, 0, 2.0)
-    assert cost.estimate(4, 3) == 6.0  # scaled by the plain steps' ratio
-    assert cost.estimate(4, 1) is None
+    assert cost.estimate(4, 1) == 2.6  # scaled by the plain steps' ratio
+    assert cost.estimate(4, 3) is None
 
 
 @pytest.mark.parametrize("family", ("llama", "qwen3_5"))

@@ -63,7 +63,8 @@ class MeasuredCost:
     mean would carry that into many decisions. A shape not measured yet at this
     row count is scaled from the nearest row count where it was (by the ratio
     of their plain steps); a width never measured is None, which the gate takes
-    as an optimistic guess (as cheap as a plain step) so it is tried once, then known.
+    as an optimistic guess (as cheap as the narrower widths; the narrowest
+    untried width only) so it is tried once if it may pay, then known.
 
     Invariant: every list in `samples` holds 1..window positive seconds.
     """
@@ -156,11 +157,16 @@ class Gate:
         if plain is None:
             self.last = {"width": 0, "why": "measure plain"}
             return 0  # one plain step measures it (plain is never a loss)
-        rates = {0: B / plain}
+        rates, floor = {0: B / plain}, plain
         for k in range(1, top + 1):
             c = self.cost.estimate(B, k)
+            # unmeasured: guessed as cheap as the narrower widths (a step is never cheaper for
+            # verifying more), the narrowest untried only, so widths are tried narrowest first
+            floor = floor if c is None else max(floor, c)
             gain = sum(1 + r.expected(min(k, a)) for a, r in zip(avail, rows))
-            rates[k] = gain / (plain if c is None else c)
+            rates[k] = gain / (floor if c is None else c)
+            if c is None:  # one untried width at a time: the frontier widens only while it pays
+                break
         best = max(rates, key=lambda k: (rates[k], -k))
         if best:  # speculation pays by the estimates: probes wait the shortest again
             self.quiet, self.wait = 0, self.probe
