@@ -39,7 +39,7 @@ from ..drafters import feed, normalize
 from ..errors import InvariantError
 from ..lookup import PromptLookup
 from ..runtime import Runtime
-from .gate import Acceptance, Gate
+from .gate import Acceptance, Gate, MeasuredCost
 from .runtime import BatchRuntime
 
 
@@ -217,6 +217,10 @@ class BatchDecoder:
             self.draft.check()
             if self.draft.ids != self.batch.ids:
                 raise InvariantError(f"draft rows {self.draft.ids} but target rows {self.batch.ids}")
+        for s in self.rows.values():
+            s.estimate.check()
+        if self.gate is not None and isinstance(self.gate.cost, MeasuredCost):
+            self.gate.cost.check()
         if self.batch.branch_open:
             return
         for row in self.batch.rows:

@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
+from ..errors import InvariantError
+
 
 class StepCost(Protocol):
     """Seconds a batched step of `rows` rows drafting `width` tokens each (0: plain) costs."""
@@ -87,6 +89,11 @@ class MeasuredCost:
         kept.append(max(seconds, 1e-6))
         del kept[: -self.window]
 
+    def check(self) -> None:
+        for key, kept in self.samples.items():
+            if not 1 <= len(kept) <= self.window or min(kept) <= 0:
+                raise InvariantError(f"step cost samples for {key}: {kept}, not 1..{self.window} positive seconds")
+
     def _median(self, rows: int, width: int) -> float:
         return statistics.median(self.samples[rows, width])
 
@@ -95,11 +102,15 @@ class MeasuredCost:
 class Acceptance:
     """One row's acceptance estimate: decayed counts of drafts accepted and tried.
 
-    Invariant: 0 <= hits <= tries.
+    Invariant: 0 <= hits <= tries, tries > 0.
     """
 
     hits: float = 1.0  # prior: a rate of 0.5 worth two tries, soon outweighed
     tries: float = 2.0
+
+    def check(self) -> None:
+        if not 0 <= self.hits <= self.tries or self.tries <= 0:
+            raise InvariantError(f"acceptance counts {self.hits} of {self.tries} tries: need 0 <= hits <= tries, tries > 0")
 
     @property
     def rate(self) -> float:
