@@ -15,8 +15,12 @@ sync per draft forward for all rows. Row i keeps its first k_i proposals
 (its room, or up to the first the draft gives less than `draft_min_prob`);
 the proposals past k_i are fed but never committed. The last forward
 ([[dJ_i]]) runs only when some row accepted all J drafts, so that row's draft
-holds them. After a step both batches hold each row's history but the
-pending token.
+holds them. After a step the target batch holds each row's history but the
+pending token, the draft batch a prefix of that: a plain step does not feed
+the draft, whose rows catch up (one ragged forward) when they draft again.
+
+With a gate (the default), each step first picks the batch's draft width K
+(`gate.py`: expected tokens per second of step, 0 for a plain step).
 
 As `generation._Speculator` for one sequence: a row's runtime holds its
 history but the last emitted token (`pending`, fed by the next step). A row
@@ -35,6 +39,7 @@ from ..drafters import feed, normalize
 from ..errors import InvariantError
 from ..lookup import PromptLookup
 from ..runtime import Runtime
+from .gate import Acceptance, Gate, MeasuredCost
 from .runtime import BatchRuntime
 
 
@@ -42,8 +47,8 @@ from .runtime import BatchRuntime
 class RowState:
     """One row's generation state.
 
-    Invariant: the batch row (and the draft batch row, with a draft model)
-    holds exactly `history[:-1]`; history[-1] is `pending`.
+    Invariant: the batch row holds exactly `history[:-1]`; history[-1] is
+    `pending`; the draft batch row (with a draft model) holds a prefix of `history[:-1]`.
     """
 
     acceptor: Acceptor
@@ -55,6 +60,7 @@ class RowState:
     accepted: int = 0
     rounds: int = 0
     per_round: list = field(default_factory=list)  # drafts accepted in each round that drafted
+    estimate: Acceptance = field(default_factory=Acceptance)  # the gate's view of this row
 
 
 class BatchDecoder:
@@ -72,10 +78,15 @@ class BatchDecoder:
             verified), as `stream_generate`'s; the round ends when every row stopped.
         prefill_step: tokens per forward when a joining row's draft runtime is
             brought up to the target's tokens.
+        gate: True: each step's draft width is chosen by a `Gate` on step
+            costs measured online (0 when speculation does not pay); a `Gate`:
+            that one (e.g. on a fixed cost table); False: every row drafts its
+            own adaptive width every step (ungated).
     """
 
     def __init__(self, model, *, num_draft_tokens: int = 0, recurrent_strategy: str = "auto",
-                 draft_model=None, draft_min_prob: float = 0.0, prefill_step: int = 2048):
+                 draft_model=None, draft_min_prob: float = 0.0, prefill_step: int = 2048,
+                 gate: bool | Gate = True):
         if draft_model is not None and num_draft_tokens < 1:
             raise ValueError(f"a draft model needs num_draft_tokens >= 1, got {num_draft_tokens}")
         if not 0.0 <= draft_min_prob <= 1.0:
@@ -86,6 +97,7 @@ class BatchDecoder:
         self.min_prob = draft_min_prob if draft_model is not None else 0.0
         self.prefill_step = prefill_step
         self.rows: dict[Hashable, RowState] = {}
+        self.gate = None if not num_draft_tokens or gate is False else Gate() if gate is True else gate
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -154,10 +166,18 @@ class BatchDecoder:
         pending = [s.history[-1] for s in states]
         widths = [self._room(s) for s in states]
         qs, last, branch = [None] * len(states), None, False
+        gate = self.gate
+        t0 = gate.clock() if gate is not None else 0.0
         try:
             if self.draft is None:
                 drafts = [s.lookup.draft(w) if s.lookup is not None and w > 0 else [] for s, w in zip(states, widths)]
+                if gate is not None:  # a row can draft what it matched; the batch verifies K + 1
+                    K = gate.choose([len(d) for d in drafts], [s.estimate for s in states])
+                    drafts = [d[:K] for d in drafts]
             else:
+                if gate is not None:
+                    K = gate.choose(widths, [s.estimate for s in states])
+                    widths = [min(w, K) for w in widths]
                 drafts, qs, last = self._draft_model(states, pending, widths)
             branch = any(drafts)
             if branch:
@@ -184,24 +204,32 @@ class BatchDecoder:
             self._advance(s, d, n, nxt)
         if branch:
             self.batch.commit(keep)
+        if gate is not None:
+            gate.record(len(states), max(map(len, drafts), default=0), gate.clock() - t0)
         return out
 
     def check(self) -> None:
-        """Both batches' invariants, and each row holding its history but the pending token."""
+        """Both batches' invariants; each row holding its history but the pending token (the draft: a prefix)."""
         self.batch.check()
         if set(self.rows) != set(self.batch.ids):
             raise InvariantError(f"decoder rows {list(self.rows)} but batch rows {self.batch.ids}")
-        batches = [self.batch] if self.draft is None else [self.batch, self.draft]
         if self.draft is not None:
             self.draft.check()
             if self.draft.ids != self.batch.ids:
                 raise InvariantError(f"draft rows {self.draft.ids} but target rows {self.batch.ids}")
+        for s in self.rows.values():
+            s.estimate.check()
+        if self.gate is not None and isinstance(self.gate.cost, MeasuredCost):
+            self.gate.cost.check()
         if self.batch.branch_open:
             return
-        for b in batches:
-            for row in b.rows:
-                if row.tokens != self.rows[row.id].history[:-1]:
-                    raise InvariantError(f"row {row.id!r} holds {len(row.tokens)} tokens, not its history but the pending token")
+        for row in self.batch.rows:
+            if row.tokens != self.rows[row.id].history[:-1]:
+                raise InvariantError(f"row {row.id!r} holds {len(row.tokens)} tokens, not its history but the pending token")
+        for row in self.draft.rows if self.draft is not None else []:
+            if row.tokens != self.rows[row.id].history[: len(row.tokens)] or len(row.tokens) >= len(self.rows[row.id].history):
+                raise InvariantError(f"draft row {row.id!r} holds {len(row.tokens)} tokens, not a prefix of its history "
+                                     "but the pending token")
 
     def _room(self, s: RowState) -> int:
         """Drafts row s may propose this round (never past its max_tokens)."""
@@ -218,6 +246,7 @@ class BatchDecoder:
         drafts = [[] for _ in states]
         if J == 0:
             return drafts, [None] * len(states), None
+        self._catch_up(states)
         qs = [[] for _ in states]
         live = [w > 0 for w in widths]
         greedy = all(isinstance(s.acceptor, GreedyMatch) for s in states)
@@ -247,11 +276,23 @@ class BatchDecoder:
                 break
         return drafts, [mx.stack(q) if q else None for q in qs], step
 
+    def _catch_up(self, states: list) -> None:
+        """Feed each draft row the history it lags behind (plain steps skip the draft batch).
+
+        One ragged forward in a branch, each row committing what it lacked: a
+        row that lags nothing feeds a token it then drops (rows are never empty).
+        """
+        lags = [s.history[len(row.tokens) : -1] for s, row in zip(states, self.draft.rows)]
+        if not any(lags):
+            return
+        self.draft.fork()
+        self.draft.forward([lag or [0] for lag in lags])
+        self.draft.commit([len(lag) for lag in lags])
+
     def _settle_draft(self, branch: bool, pending: list, drafts: list, keep: list, last) -> None:
         """Bring the draft batch to each row's history but the new pending token."""
         draft = self.draft
-        if not draft.branch_open:  # no row drafted: the plain step feeds the pending tokens here too
-            draft.forward([[p] for p in pending])
+        if not draft.branch_open:  # no row drafted: the draft batch lags (caught up when rows draft again)
             return
         fed = draft.rows[0].branch_length  # every row fed as many
         if any(k > fed for k in keep):  # a row accepted all its drafts, the last of which is not fed yet
@@ -265,13 +306,14 @@ class BatchDecoder:
             s.lookup.extend(emitted)
         if s.remaining >= 0:
             s.remaining -= len(emitted)
+        s.estimate.update(len(drafts), n, self.gate.decay if self.gate is not None else 1.0)
         if drafts:
             s.rounds += 1
             s.drafted += len(drafts)
             s.accepted += n
             s.per_round.append(n)
             # as stream_generate's adaptive width (a gated draft model sizes its own rounds)
-            if not self.min_prob:
+            if not self.min_prob and self.gate is None:
                 if n == 0:
                     s.cap = max(1, s.cap // 2)
                 elif n == len(drafts):

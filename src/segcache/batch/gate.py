@@ -1,0 +1,196 @@
+"""The speculation gate of a batched step: how many positions every row verifies.
+
+A batched verify pads every row to the longest row's drafts, and on a CPU a
+forward costs about in proportion to rows x positions, so speculation only
+pays when the tokens it is expected to add outweigh the wider forward. Each
+step the gate picks the batch's draft width K (0: a plain step, no fork) that
+maximises expected emitted tokens per second ("goodput", as SmartSpec's
+dynamic speculation length):
+
+    E(K) = sum_i 1 + sum_{j=1..min(K, avail_i)} a_i^j      a_i: row i's per-draft acceptance
+    K*   = argmax_K  E(K) / cost(rows, K)                    cost(rows, 0): a plain step
+
+avail_i is what row i can draft (its room; with prompt lookup, its match).
+a_i is the ratio of two decayed counts: drafts accepted over drafts tried,
+where a round that accepted n of k drafts tried n + (n < k) of them (the
+maximum-likelihood estimate of a geometric acceptance). Estimates only move
+when rows draft, so after `probe` plain steps in a row the batch drafts one
+token (every row that can), and estimates that collapsed after a miss streak
+can recover; a probe finding the estimates no better than the last one did
+doubles the wait (up to `max_probe`), so while speculation does not pay
+probes cost one one-draft step per `probe`..`max_probe` steps.
+
+The gate only sets widths: rows verify their drafts exactly as before, so
+every row's output is the same whatever it decides.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol
+
+from ..errors import InvariantError
+
+
+class StepCost(Protocol):
+    """Seconds a batched step of `rows` rows drafting `width` tokens each (0: plain) costs."""
+
+    def estimate(self, rows: int, width: int) -> Optional[float]:
+        """The expected cost, None when nothing says yet."""
+
+    def record(self, rows: int, width: int, seconds: float) -> None:
+        """A step of that shape took `seconds` (a fixed table ignores it)."""
+
+
+class TableCost:
+    """A fixed cost: `fn(rows, width)` seconds (tests and calibrated tables); records nothing."""
+
+    def __init__(self, fn: Callable[[int, int], float]):
+        self.fn = fn
+
+    def estimate(self, rows: int, width: int) -> Optional[float]:
+        return self.fn(rows, width)
+
+    def record(self, rows: int, width: int, seconds: float) -> None:
+        pass
+
+
+class MeasuredCost:
+    """Step costs measured online: the median of the last `window` wall times per (rows, width).
+
+    A median, not a mean: a step that also evaluates lazy work left by a join
+    (or meets another process on a shared CPU) can take 30x the usual, and a
+    mean would carry that into many decisions. A shape not measured yet at this
+    row count is scaled from the nearest row count where it was (by the ratio
+    of their plain steps); a width never measured is None, which the gate takes
+    as an optimistic guess (as cheap as the narrower widths; the narrowest
+    untried width only) so it is tried once if it may pay, then known.
+
+    Invariant: every list in `samples` holds 1..window positive seconds.
+    """
+
+    def __init__(self, window: int = 9):
+        self.window = window
+        self.samples: dict[tuple[int, int], list[float]] = {}
+
+    def estimate(self, rows: int, width: int) -> Optional[float]:
+        if (rows, width) in self.samples:
+            return self._median(rows, width)
+        known = [b for b, w in self.samples if w == width and (b, 0) in self.samples]
+        if (rows, 0) not in self.samples or not known:
+            return None
+        b = min(known, key=lambda b: abs(b - rows))
+        return self._median(b, width) * self._median(rows, 0) / self._median(b, 0)
+
+    def record(self, rows: int, width: int, seconds: float) -> None:
+        kept = self.samples.setdefault((rows, width), [])
+        kept.append(max(seconds, 1e-6))
+        del kept[: -self.window]
+
+    def check(self) -> None:
+        for key, kept in self.samples.items():
+            if not 1 <= len(kept) <= self.window or min(kept) <= 0:
+                raise InvariantError(f"step cost samples for {key}: {kept}, not 1..{self.window} positive seconds")
+
+    def _median(self, rows: int, width: int) -> float:
+        return statistics.median(self.samples[rows, width])
+
+
+@dataclass
+class Acceptance:
+    """One row's acceptance estimate: decayed counts of drafts accepted and tried.
+
+    Invariant: 0 <= hits <= tries, tries > 0.
+    """
+
+    hits: float = 1.0  # prior: a rate of 0.5 worth two tries, soon outweighed
+    tries: float = 2.0
+
+    def check(self) -> None:
+        if not 0 <= self.hits <= self.tries or self.tries <= 0:
+            raise InvariantError(f"acceptance counts {self.hits} of {self.tries} tries: need 0 <= hits <= tries, tries > 0")
+
+    @property
+    def rate(self) -> float:
+        return self.hits / self.tries
+
+    def update(self, drafted: int, accepted: int, decay: float) -> None:
+        if drafted == 0:
+            return
+        self.hits = decay * self.hits + accepted
+        self.tries = decay * self.tries + accepted + (accepted < drafted)
+
+    def expected(self, k: int) -> float:
+        """Drafts expected accepted out of k: a + a^2 + ... + a^k."""
+        a, total, p = self.rate, 0.0, 1.0
+        for _ in range(k):
+            p *= a
+            total += p
+        return total
+
+
+class Gate:
+    """Chooses each step's draft width from row estimates and a step cost.
+
+    Args:
+        cost: a StepCost, or a callable (rows, width) -> seconds (a fixed table);
+            None: measured online (`MeasuredCost`).
+        decay: weight of the past in each row's acceptance counts, per round drafted.
+        probe: after that many plain steps in a row, one step drafts one token
+            (0: never probe); doubled after each probe finding the estimates no
+            better than the last, up to `max_probe`.
+        clock: seconds, for measuring steps.
+    """
+
+    def __init__(self, cost=None, *, decay: float = 0.8, probe: int = 8, max_probe: int = 64,
+                 clock: Callable[[], float] = time.perf_counter):
+        if cost is None:
+            cost = MeasuredCost()
+        elif callable(cost) and not isinstance(cost, (TableCost, MeasuredCost)):
+            cost = TableCost(cost)
+        self.cost: StepCost = cost
+        self.decay = decay
+        self.probe, self.max_probe = probe, max_probe
+        self.wait = probe  # plain steps before the next probe
+        self.quiet = 0  # plain steps in a row (the gate chose 0)
+        self.probed = None  # at the last probe: expected rate of width 1 over plain
+        self.clock = clock
+        self.last: dict = {}  # the last choice: width, expected tokens per second of each width
+
+    def choose(self, avail: list[int], rows: list[Acceptance]) -> int:
+        """The width K for a step where row i can draft avail[i] tokens."""
+        B, top = len(avail), max(avail, default=0)
+        if top == 0:
+            return 0
+        plain = self.cost.estimate(B, 0)
+        if plain is None:
+            self.last = {"width": 0, "why": "measure plain"}
+            return 0  # one plain step measures it (plain is never a loss)
+        rates, floor = {0: B / plain}, plain
+        for k in range(1, top + 1):
+            c = self.cost.estimate(B, k)
+            # unmeasured: guessed as cheap as the narrower widths (a step is never cheaper for
+            # verifying more), the narrowest untried only, so widths are tried narrowest first
+            floor = floor if c is None else max(floor, c)
+            gain = sum(1 + r.expected(min(k, a)) for a, r in zip(avail, rows))
+            rates[k] = gain / (floor if c is None else c)
+            if c is None:  # one untried width at a time: the frontier widens only while it pays
+                break
+        best = max(rates, key=lambda k: (rates[k], -k))
+        if best:  # speculation pays by the estimates: probes wait the shortest again
+            self.quiet, self.wait = 0, self.probe
+        elif self.probe and self.quiet >= self.wait:
+            # back off while probes show the estimates no better than at the last probe
+            ratio = rates[1] / rates[0]
+            better = self.probed is not None and ratio > self.probed
+            best, self.quiet, self.probed = 1, 0, ratio
+            self.wait = self.probe if better else min(2 * self.wait, self.max_probe)
+        else:
+            self.quiet += 1
+        self.last = {"width": best, "rates": rates}
+        return best
+
+    def record(self, rows: int, width: int, seconds: float) -> None:
+        self.cost.record(rows, width, seconds)

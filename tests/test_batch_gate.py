@@ -1,0 +1,160 @@
+"""The speculation gate of BatchDecoder: each step's draft width follows expected tokens per
+unit of cost. Driven by fixed cost tables (never time); every row stays token-identical to
+the same request generated alone whatever the gate decides."""
+
+import pytest
+
+from conftest import tiny
+from segcache.batch.decoder import BatchDecoder
+from segcache.batch.gate import Acceptance, Gate, MeasuredCost
+from segcache.generation import stream_generate
+from segcache.runtime import Runtime
+from segcache.testing import tokenizer as test_tokenizer
+
+PROMPTS = [
+    [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
+    [9, 10, 11],
+    [3, 4, 3, 4, 3, 4, 3, 4, 3, 4, 3, 4, 3],
+    [20, 21, 22, 23, 24, 20, 21, 22],
+]
+MAX = 16
+K = 4
+
+
+def proportional(rows, width):  # a CPU-like forward: cost in rows x positions, no fixed part
+    return rows * (1 + width)
+
+
+def flat(rows, width):  # extra positions almost free (a batch far from compute-bound)
+    return 1.0 + 0.01 * width
+
+
+def alone(model, prompt, n=MAX):
+    tk = test_tokenizer.tokenizer(eos=False)
+    return [r.token for r in stream_generate(model, tk, prompt, max_tokens=n)]
+
+
+def run(dec, model, prompts=PROMPTS):
+    got = {i: [] for i in range(len(prompts))}
+    widths = []  # per step: the longest draft of any row
+    for i, p in enumerate(prompts):
+        rt = Runtime(model)
+        rt.forward(p[:-1])
+        dec.add(i, rt, p[-1], max_tokens=MAX)
+    states = dict(dec.rows)  # each row's counters, kept after it leaves
+    while dec.rows:
+        out = dec.step()
+        widths.append(max(sum(d for _, _, d in e) for e in out.values()))
+        for rid, emitted in out.items():
+            got[rid].extend(t for t, _, _ in emitted)
+            if len(got[rid]) >= MAX:
+                dec.remove(rid)
+        dec.check()
+    return got, widths, list(states.values())
+
+
+def counting(dec):
+    """Count the target batch's forks (a plain step never forks)."""
+    forks = []
+    fork = dec.batch.fork
+    dec.batch.fork = lambda: (forks.append(1), fork())[1]
+    return forks
+
+
+@pytest.mark.parametrize("drafter", ("lookup", "draft"))
+def test_speculation_that_does_not_pay_never_forks_and_rows_stay_exact(drafter):
+    model = tiny("llama")
+    draft = model if drafter == "draft" else None  # the draft is the target: every draft accepted
+    dec = BatchDecoder(model, num_draft_tokens=K, draft_model=draft,
+                       gate=Gate(proportional, probe=0))
+    forks = counting(dec)
+    got, widths, states = run(dec, model)
+    for i, p in enumerate(PROMPTS):
+        assert got[i][:MAX] == alone(model, p), f"row {i}"
+    assert not forks and set(widths) == {0}
+
+
+@pytest.mark.parametrize("family", ("llama", "qwen3_5"))
+def test_speculation_that_pays_drafts_full_width_with_a_draft_model(family):
+    model = tiny(family)
+    dec = BatchDecoder(model, num_draft_tokens=K, draft_model=model, gate=Gate(flat))
+    forks = counting(dec)
+    got, widths, states = run(dec, model)
+    for i, p in enumerate(PROMPTS):
+        assert got[i][:MAX] == alone(model, p), f"row {i}"
+    # all accepted, so each step emits K + 1 per row until a row's room is smaller
+    assert widths[:3] == [K] * 3 and len(forks) == sum(1 for w in widths if w)
+    assert all(s.accepted == s.drafted > 0 for s in states)
+
+
+def test_lookup_rows_draft_their_match_up_to_the_width_the_gate_picks():
+    model = tiny("llama")
+    # positions past 2 cost far more: K = 2 is the best width for rows that accept all
+    dec = BatchDecoder(model, num_draft_tokens=K, gate=Gate(lambda r, w: 1.0 + 0.01 * w + 10.0 * max(0, w - 2)))
+    got, widths, states = run(dec, model)
+    for i, p in enumerate(PROMPTS):
+        assert got[i][:MAX] == alone(model, p), f"row {i}"
+    assert max(widths) == 2 and 2 in widths
+
+
+def test_a_batch_that_stopped_drafting_is_probed_and_recovers():
+    gate = Gate(lambda r, w: 1.0 + 0.3 * w, probe=3, max_probe=6)
+    row = Acceptance()
+    for _ in range(6):  # a miss streak: the rate falls and speculation stops paying
+        row.update(4, 0, gate.decay)
+    widths = []
+    for _ in range(15):  # still missing: probes back off, 3 then 6 plain steps between them
+        k = gate.choose([4], [row])
+        widths.append(k)
+        row.update(k, 0, gate.decay)
+    assert widths == [0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0]
+    widths = []
+    for _ in range(20):  # the row now accepts everything it drafts
+        k = gate.choose([4], [row])
+        widths.append(k)
+        row.update(k, k, gate.decay)
+    assert widths[:4] == [0, 0, 1, 0]  # the next probe, 6 plain steps after the last
+    assert widths[-1] == 4  # probes come sooner as the estimate rises: back to full width
+
+
+def test_acceptance_is_the_geometric_maximum_likelihood():
+    row = Acceptance(hits=0.0, tries=0.0)
+    row.update(4, 2, 1.0)  # accepted 2, rejected the 3rd: 3 tried
+    row.update(3, 3, 1.0)  # all 3 accepted: 3 tried, none rejected
+    assert (row.hits, row.tries) == (5.0, 6.0)
+    assert row.expected(2) == pytest.approx(5 / 6 + (5 / 6) ** 2)
+
+
+def test_measured_cost_plain_first_then_each_width_then_scaled_across_row_counts():
+    cost = MeasuredCost(window=3)
+    gate = Gate(cost)
+    rows = [Acceptance(), Acceptance()]
+    assert gate.choose([3, 3], rows) == 0  # nothing known: a plain step measures it
+    cost.record(2, 0, 1.0)
+    assert gate.choose([3, 3], rows) == 1  # the narrowest untried width, guessed as cheap as plain
+    for t in (1.2, 99.0, 1.3, 1.3):  # an outlier, then it leaves the window
+        cost.record(2, 1, t)
+    assert cost.estimate(2, 1) == 1.3  # the median of the last 3
+    assert gate.choose([3, 3], rows) == 2  # untried, guessed as cheap as width 1: the most tokens
+    cost.record(2, 2, 4.0)
+    assert gate.choose([3, 3], rows) == 1  # 3 untried, but guessed no cheaper than 2: not worth a try
+    cost.record(4, 0, 2.0)
+    assert cost.estimate(4, 1) == 2.6  # scaled by the plain steps' ratio
+    assert cost.estimate(4, 3) is None
+
+
+@pytest.mark.parametrize("family", ("llama", "qwen3_5"))
+def test_the_draft_batch_skips_plain_steps_and_catches_up_before_drafting(family):
+    model = tiny(family)
+    # speculation never pays by the table, so only probes draft: 2 plain steps, a probe, 4, a probe, ...
+    dec = BatchDecoder(model, num_draft_tokens=K, draft_model=model, gate=Gate(proportional, probe=2))
+    lags = []
+    check = dec.check
+    dec.check = lambda: (check(), lags.append([len(dec.rows[r.id].history) - 1 - len(r.tokens) for r in dec.draft.rows]))
+    got, widths, states = run(dec, model)
+    for i, p in enumerate(PROMPTS):
+        assert got[i][:MAX] == alone(model, p), f"row {i}"
+    assert widths[:8] == [0, 0, 1, 0, 0, 0, 0, 1]
+    assert lags[1] == [2] * len(PROMPTS)  # two plain steps never fed the draft
+    # the draft is the target: after catching up it proposes what the target emits, so every probe accepts
+    assert all(s.accepted == s.drafted > 0 for s in states)
