@@ -175,9 +175,10 @@ def run(args: argparse.Namespace) -> int:
         return 1
     from mlx_lm import load
 
+    from ..demo import shown
     from .chat import Prompter
     from .engine import Engine
-    from .worker import Scheduler, Worker
+    from .worker import Scheduler, Worker, release_streams
 
     template = args.chat_template
     if template is not None and Path(template).is_file():
@@ -220,7 +221,8 @@ def run(args: argparse.Namespace) -> int:
         worker.stop()  # uvicorn let the requests in flight end: the queue is empty
         if store is not None and not store.closed:
             store.close()  # the RAM tier reaches disk
-            log.info("prefix store flushed and closed: %s", path)
+            log.info("prefix store flushed and closed: %s", shown(path))
+        release_streams()  # this thread loaded the models (see release_streams)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -230,8 +232,9 @@ def run(args: argparse.Namespace) -> int:
         close()
 
     mode = "draft model" if draft is not None else "prompt lookup" if args.prompt_lookup else "plain"
-    log.info("serving %s (%s decoding) on http://%s:%d; prefix store: %s", name, mode, args.host, args.port,
-             path if store is not None else "none")
+    rows = f", up to {args.decode_concurrency} rows batched" if args.decode_concurrency > 1 else ""
+    log.info("serving %s (%s decoding%s) on http://%s:%d; prefix store: %s", name, mode, rows, args.host,
+             args.port, shown(path) if store is not None else "none")
     worker.start()
     try:
         uvicorn.run(build_app(server, lifespan), host=args.host, port=args.port,

@@ -171,6 +171,8 @@ class Worker:
         except BaseException as exc:  # /health turns 503
             self.error = exc
             log.exception("the model worker died")
+        finally:
+            release_streams()
 
     def start(self) -> None:
         self.thread.start()
@@ -183,3 +185,18 @@ class Worker:
         self.scheduler.stop()
         if self.thread.is_alive():
             self.thread.join(timeout)
+
+
+def release_streams() -> None:
+    """Destroy the MLX streams this thread made, before the thread ends.
+
+    MLX no longer cleans a thread's streams up by itself in time: a process
+    whose worker thread ran MLX could abort at exit ("terminate called without
+    an active exception", ml-explore/mlx#3126; mlx-vlm#1945). MLX versions
+    without `clear_streams` clean up on their own.
+    """
+    import mlx.core as mx
+
+    clear = getattr(mx, "clear_streams", None)
+    if clear is not None:
+        clear()
