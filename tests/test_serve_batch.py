@@ -65,6 +65,8 @@ def test_eight_clients_in_one_batch_each_as_alone(tmp_path, ref, drafting):
         usage = httpx.post(srv.url + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 2},
                            timeout=120).json()["usage"]
         assert 0 < usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"], usage
+        again = [line for line in srv.log().splitlines() if f"prompt {usage['prompt_tokens']} tok, cached " in line]
+        assert again and " (ram)" in again[-1], again  # the log names the tier the resume read
         # Ctrl-C ends it cleanly: no abort at exit from MLX streams left to the interpreter's teardown
         assert srv.stop(signal.SIGINT) in (0, -signal.SIGINT), srv.log()[-2000:]
         assert "terminate called" not in srv.log()

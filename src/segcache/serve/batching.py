@@ -32,7 +32,7 @@ from ..batch.decoder import BatchDecoder, RowState
 from ..generation import DRAFT_MIN_PROB, GenerationStats
 from ..runtime import Runtime
 from ..sampling import make_sampler
-from .engine import Chunk, Engine, Finish, GenRequest, Usage
+from .engine import Chunk, Engine, Finish, GenRequest, Usage, hit_tiers
 from .text import StopText
 
 
@@ -85,7 +85,7 @@ class BatchEngine(Engine):
 
     def generate(self, req: GenRequest) -> Iterator[object]:
         """Yield None until admitted to the batch, then a Chunk per token and one Finish."""
-        rt, cached = yield from self._prefill(req)
+        rt, cached, tier = yield from self._prefill(req)
         if req.seed is not None:
             import mlx.core as mx
 
@@ -142,7 +142,7 @@ class BatchEngine(Engine):
             yield Finish(finish, Usage(len(req.ids), n, cached))
         finally:
             self._leave(req, emitted)
-            self._log(req, n, cached, "-", ttft, self._row_stats(row, n, req.arrival + ttft), outcome)
+            self._log(req, n, cached, tier, ttft, self._row_stats(row, n, req.arrival + ttft), outcome)
 
     def _draft_runtime(self, req: GenRequest) -> Runtime | None:
         """The draft's runtime for a joining row: resumed from the prefix store (its own
@@ -161,12 +161,13 @@ class BatchEngine(Engine):
         return GenerationStats(mode=self.mode, generation_tokens=n, generation_time=elapsed, rounds=row.rounds,
                                drafted=row.drafted, accepted=row.accepted)
 
-    def _prefill(self, req: GenRequest) -> Generator[None, None, tuple[Runtime, int]]:
+    def _prefill(self, req: GenRequest) -> Generator[None, None, tuple[Runtime, int, str]]:
         """Resume the prompt (all but its last token) from the store, then feed the rest one
         chunk per scheduler step, yielding between chunks so the running rows decode meanwhile.
 
         At most `prompt_concurrency` prompts are being prefilled at once; the others wait.
-        Returns (as the generator's value) the Runtime and the tokens restored from the store.
+        Returns (as the generator's value) the Runtime, the tokens restored from the store and
+        the tiers they came from ("ram", "disk", "ram+disk" or "-", as `Engine`'s log line).
         """
         while self._prefilling >= self.prompt_concurrency:
             yield None  # wait for a prefill slot
@@ -175,10 +176,12 @@ class BatchEngine(Engine):
         try:
             rt = Runtime(self.model, store=self.store, gdn_prefill="auto")  # as Engine: chunked GDN off Metal
             if len(req.ids) == 1:
-                return rt, 0
+                return rt, 0, "-"
             steps = rt.prefill_steps(req.ids[:-1], step_size=min(self.prefill_step, self.prefill_chunk),
                                      checkpoints=self._checkpoints(req))
+            before = self._stats()
             cached = held = next(steps)  # the resume: what the store held
+            tier = hit_tiers(before, self._stats()) if cached else "-"  # one thread: these reads are this resume's
             done = False
             while not done:
                 yield None  # another scheduler step: the running rows decode before the next chunk
@@ -189,7 +192,7 @@ class BatchEngine(Engine):
                 if rt.offset > held:  # nothing was left to feed after a whole-prompt hit
                     held = rt.offset
                     self.prefill_chunks += 1
-            return rt, cached
+            return rt, cached, tier
         finally:
             self._prefilling -= 1
             if steps is not None:

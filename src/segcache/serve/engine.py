@@ -92,7 +92,7 @@ class Failure:
     message: str
 
 
-def _tier(before: dict, after: dict) -> str:
+def hit_tiers(before: dict, after: dict) -> str:
     ram = after["ram_reads"] - before["ram_reads"]
     disk = after["disk_reads"] - before["disk_reads"]
     return "+".join(t for t, n in (("ram", ram), ("disk", disk)) if n) or "-"
@@ -184,7 +184,7 @@ class Engine:
                     ttft = time.perf_counter() - req.arrival
                     after = self._stats()
                     cached = after["hit_tokens"] - before["hit_tokens"]
-                    tier = _tier(before, after) if cached else "-"
+                    tier = hit_tiers(before, after) if cached else "-"
                 n += 1
                 stats = r.stats
                 text = stop.feed(r.text)
