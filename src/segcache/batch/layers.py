@@ -358,6 +358,10 @@ class BatchRecurrentLayer(RecurrentLayer):
     def commit_rows(self, ns: Sequence[int]) -> None:
         """Keep the first ns[i] recorded tokens of row i and close the branch."""
         mark = self.marks.pop()
+        if all(n == mark.appended for n in ns):
+            # every row keeps all it fed (none was padded, or it could not commit that many):
+            # the live conv tails and states are those rows' exactly, no slicing nor replay
+            return
         convs, states = [], []
         for i, n in enumerate(ns):
             conv, state = self._row_prefix(mark, i, n)
