@@ -291,7 +291,8 @@ class BatchRuntime:
         """Keep the first ns[i] tokens of row i's branch (a dict: by row id; missing rows keep 0).
 
         Raises:
-            BranchError: no branch, or some n outside 0..what the row fed; nothing changed.
+            BranchError: no branch, some n outside 0..what the row fed, or a token kept
+                is not read yet (`fill`); nothing changed.
         """
         if not self.branch_open:
             raise BranchError("commit() with no open branch: fork() first")
@@ -307,6 +308,8 @@ class BatchRuntime:
             raise BranchError(
                 f"commit({ns}): one n per row, each in 0..its branch length {[r.branch_length for r in self.rows]}"
             )
+        if any(None in r.tokens[r.base : r.base + n] for n, r in zip(ns, self.rows)):
+            raise BranchError(f"commit({ns}): tokens fed as an array are not read yet: fill() them first")
         for layer in self.cache:
             layer.commit_rows(ns)
         for row, n in zip(self.rows, ns):
