@@ -110,6 +110,12 @@ class BatchKVLayer(RowLengths):
             L = self.lengths[0]
             self.keys[..., L : L + S, :] = keys
             self.values[..., L : L + S, :] = values
+        elif S == 1:  # a decode step of rows at different lengths: one scatter, not one update per row
+            rows = mx.arange(B)[:, None]
+            heads = mx.arange(H)[None, :]
+            at = mx.array(self.lengths, dtype=mx.int32)[:, None]
+            self.keys[rows, heads, at] = keys[:, :, 0, :]
+            self.values[rows, heads, at] = values[:, :, 0, :]
         else:
             for i, L in enumerate(self.lengths):
                 self.keys[i : i + 1, :, L : L + S, :] = keys[i : i + 1]
