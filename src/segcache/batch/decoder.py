@@ -25,6 +25,17 @@ With a gate (the default), each step first picks the batch's draft width K
 As `generation._Speculator` for one sequence: a row's runtime holds its
 history but the last emitted token (`pending`, fed by the next step). A row
 leaves between steps (`remove`); the others are untouched.
+
+Plain decoding (no drafter) pipelines one step ahead, as mlx-lm's generate_step:
+
+    step t:   [commit 1 | forward [[y_i]]] ─ y'_i = choose(logits) lazily ─ fork ─
+              forward [[y'_i]] (the lookahead) ─ async_eval ─ read y'_i ─ return them
+
+so the next step's graph is built and queued before this step's tokens are
+read, and the next step only commits the lookahead (its logits are in
+flight). Between steps the batch then holds every row's whole history inside
+a branch of one token per row; a join rolls the lookahead back first (one
+forward wasted), a leaving row simply leaves with its branch.
 """
 
 from __future__ import annotations
@@ -47,8 +58,9 @@ from .runtime import BatchRuntime
 class RowState:
     """One row's generation state.
 
-    Invariant: the batch row holds exactly `history[:-1]`; history[-1] is
-    `pending`; the draft batch row (with a draft model) holds a prefix of `history[:-1]`.
+    Invariant: the batch row holds exactly `history[:-1]` (committed); history[-1] is
+    `pending`, which a plain decoder's lookahead (when in flight) holds fed in an open
+    branch of one token; the draft batch row (with a draft model) holds a prefix of `history[:-1]`.
     """
 
     acceptor: Acceptor
@@ -82,11 +94,14 @@ class BatchDecoder:
             costs measured online (0 when speculation does not pay); a `Gate`:
             that one (e.g. on a fixed cost table); False: every row drafts its
             own adaptive width every step (ungated).
+        pipeline: plain decoding only (no drafter): build and queue the next
+            step's forward before reading this step's tokens (see the module
+            docstring). False: one forward per step, synced before the next is built.
     """
 
     def __init__(self, model, *, num_draft_tokens: int = 0, recurrent_strategy: str = "auto",
                  draft_model=None, draft_min_prob: float = 0.0, prefill_step: int = 2048,
-                 gate: bool | Gate = True):
+                 gate: bool | Gate = True, pipeline: bool = True):
         if draft_model is not None and num_draft_tokens < 1:
             raise ValueError(f"a draft model needs num_draft_tokens >= 1, got {num_draft_tokens}")
         if not 0.0 <= draft_min_prob <= 1.0:
@@ -98,6 +113,11 @@ class BatchDecoder:
         self.prefill_step = prefill_step
         self.rows: dict[Hashable, RowState] = {}
         self.gate = None if not num_draft_tokens or gate is False else Gate() if gate is True else gate
+        self.pipeline = pipeline and not num_draft_tokens
+        # The lookahead in flight: (its logits [B, 1, V], the row ids it was built for, in order),
+        # or None. Invariant: not None iff the batch's branch is open between steps; then every
+        # row (a subset of those ids) has fed exactly its pending token in that branch.
+        self._ahead: tuple | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -132,6 +152,9 @@ class BatchDecoder:
             feed(drt, want[len(held):], self.prefill_step)
         elif draft_runtime is not None:
             raise ValueError(f"add({row_id!r}): a draft runtime without a draft model")
+        if runtime.model is not self.batch.model:
+            raise ValueError(f"add({row_id!r}): the runtime is of another model")
+        self._drop_lookahead()  # a row joins settled rows: theirs hold history[:-1] again
         self.batch.join(row_id, runtime)
         if drt is not None:
             try:
@@ -147,20 +170,37 @@ class BatchDecoder:
         self.rows[row_id] = RowState(acceptor or GreedyMatch(), history, lookup, self.width, max_tokens)
 
     def remove(self, row_id) -> None:
-        """The row leaves (finished or cancelled); the others keep their state."""
-        self.batch.leave(row_id)
+        """The row leaves (finished or cancelled); the others keep their state (and lookahead)."""
+        self.batch.leave(row_id)  # with a lookahead, its branch goes with it: never committed
         if self.draft is not None:
             self.draft.leave(row_id)
         del self.rows[row_id]
+        if self._ahead is not None and not len(self.batch):
+            self._drop_lookahead()
 
     def runtime(self, row_id) -> Runtime:
         """A single-sequence Runtime holding the row's history, all fed (e.g. to publish it)."""
+        if self._ahead is not None:  # the pending token is fed in the lookahead: keep it in a copy
+            one = self.batch.copy_row(row_id)
+            one.commit([1])
+            return one.to_runtime(row_id)
         rt = self.batch.to_runtime(row_id)
         rt.forward([self.rows[row_id].history[-1]])
         return rt
 
+    def held(self, row_id) -> Runtime:
+        """A single-sequence Runtime holding the row's history but the pending token (what a
+        step committed), e.g. to publish a finished row without its end-of-sequence token."""
+        if self._ahead is not None:
+            one = self.batch.copy_row(row_id)
+            one.rollback()
+            return one.to_runtime(row_id)
+        return self.batch.to_runtime(row_id)
+
     def step(self) -> dict:
         """One forward for every row; returns {row id: [(token, logprobs [V], from_draft), ...]}."""
+        if self.pipeline:
+            return self._pipelined_step()
         ids = self.batch.ids
         states = [self.rows[r] for r in ids]
         pending = [s.history[-1] for s in states]
@@ -208,11 +248,66 @@ class BatchDecoder:
             gate.record(len(states), max(map(len, drafts), default=0), gate.clock() - t0)
         return out
 
+    def _pipelined_step(self) -> dict:
+        """A plain step: commit the lookahead (or forward the pending tokens), choose, launch the next."""
+        ids = self.batch.ids
+        states = [self.rows[r] for r in ids]
+        if not states:
+            return {}
+        try:
+            if self._ahead is None:
+                logits = self.batch.forward([[s.history[-1]] for s in states])[:, -1]
+            else:
+                logits, launched = self._ahead
+                self._ahead = None
+                self.batch.commit([1] * len(states))  # each row's pending token, fed by the lookahead
+                logits = logits[:, -1]
+                if launched != ids:  # rows left since: their logits rows go too
+                    logits = logits[mx.array([launched.index(r) for r in ids], dtype=mx.int32)]
+            logprobs = normalize(logits)  # [B, V]
+            if all(isinstance(s.acceptor, GreedyMatch) for s in states):  # one argmax for the batch
+                chosen = mx.argmax(logprobs, axis=-1)
+            else:  # each row's own rule, in row order (a seeded sampler draws as unpipelined)
+                chosen = mx.stack([s.acceptor.sample(logprobs[i]) for i, s in enumerate(states)])
+            mx.async_eval(chosen, logprobs)
+            self.batch.fork()
+            ahead = self.batch.forward(chosen.reshape(-1, 1))  # built while the GPU works on `chosen`
+            mx.async_eval(ahead)
+            self._ahead = (ahead, ids)
+            toks = chosen.tolist()
+            self.batch.fill([[t] for t in toks])
+        except BaseException:  # the lookahead (if launched) never reaches committed state
+            self._drop_lookahead()
+            raise
+        out = {}
+        for rid, s, t, i in zip(ids, states, toks, range(len(ids))):
+            out[rid] = [(t, logprobs[i], False)]
+            self._advance(s, [], 0, t)
+        return out
+
+    def _drop_lookahead(self) -> None:
+        """Roll the lookahead back (the rows hold history[:-1] again); its forward is wasted."""
+        if self._ahead is not None or self.batch.branch_open:
+            self._ahead = None
+            if self.batch.branch_open:
+                self.batch.rollback()
+
     def check(self) -> None:
-        """Both batches' invariants; each row holding its history but the pending token (the draft: a prefix)."""
+        """Both batches' invariants; each row holding its history but the pending token (the draft: a
+        prefix), and with a lookahead in flight, the pending token fed in a branch of one token per row."""
         self.batch.check()
         if set(self.rows) != set(self.batch.ids):
             raise InvariantError(f"decoder rows {list(self.rows)} but batch rows {self.batch.ids}")
+        if (self._ahead is not None) != self.batch.branch_open:
+            raise InvariantError(f"lookahead in flight: {self._ahead is not None}, branch open: {self.batch.branch_open}")
+        if self._ahead is not None:
+            logits, launched = self._ahead
+            if not self.pipeline or logits.shape[0] != len(launched) or any(r not in launched for r in self.batch.ids):
+                raise InvariantError(f"lookahead built for rows {launched}, batch rows {self.batch.ids}")
+            for row in self.batch.rows:
+                if row.base is None or row.tokens[: row.base] != self.rows[row.id].history[:-1] \
+                        or row.tokens[row.base:] != self.rows[row.id].history[-1:]:
+                    raise InvariantError(f"row {row.id!r}: the lookahead branch does not hold exactly its pending token")
         if self.draft is not None:
             self.draft.check()
             if self.draft.ids != self.batch.ids:

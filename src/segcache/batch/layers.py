@@ -110,6 +110,12 @@ class BatchKVLayer(RowLengths):
             L = self.lengths[0]
             self.keys[..., L : L + S, :] = keys
             self.values[..., L : L + S, :] = values
+        elif S == 1:  # a decode step of rows at different lengths: one scatter, not one update per row
+            rows = mx.arange(B)[:, None]
+            heads = mx.arange(H)[None, :]
+            at = mx.array(self.lengths, dtype=mx.int32)[:, None]
+            self.keys[rows, heads, at] = keys[:, :, 0, :]
+            self.values[rows, heads, at] = values[:, :, 0, :]
         else:
             for i, L in enumerate(self.lengths):
                 self.keys[i : i + 1, :, L : L + S, :] = keys[i : i + 1]
@@ -358,6 +364,10 @@ class BatchRecurrentLayer(RecurrentLayer):
     def commit_rows(self, ns: Sequence[int]) -> None:
         """Keep the first ns[i] recorded tokens of row i and close the branch."""
         mark = self.marks.pop()
+        if all(n == mark.appended for n in ns):
+            # every row keeps all it fed (none was padded, or it could not commit that many):
+            # the live conv tails and states are those rows' exactly, no slicing nor replay
+            return
         convs, states = [], []
         for i, n in enumerate(ns):
             conv, state = self._row_prefix(mark, i, n)

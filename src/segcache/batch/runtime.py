@@ -36,11 +36,12 @@ class Row:
     """One sequence of the batch.
 
     Invariants: base is None iff no branch is open; 0 <= base <= len(tokens);
-    fed_in_branch == len(tokens) - base inside a branch.
+    fed_in_branch == len(tokens) - base inside a branch; a None in tokens (a
+    token fed as an unevaluated array) lies in the open branch, until `fill`.
     """
 
     id: Hashable
-    tokens: list = field(default_factory=list)  # ids at positions 0..length-1 (real tokens only)
+    tokens: list = field(default_factory=list)  # ids at positions 0..length-1 (real tokens only; None: not read yet)
     base: int | None = None  # len(tokens) when the branch began
 
     @property
@@ -171,6 +172,16 @@ class BatchRuntime:
 
     def extract(self, row_id) -> "BatchRuntime":
         """A new one-row batch with this row's state and branch records; the row leaves this batch."""
+        other = self.copy_row(row_id)
+        self.leave(row_id)
+        return other
+
+    def copy_row(self, row_id) -> "BatchRuntime":
+        """A new one-row batch with this row's state and branch records; this batch is unchanged.
+
+        Arrays are shared, never written through either batch (each forward or
+        commit makes new ones), so the copy costs no device memory until it moves.
+        """
         i = self.index(row_id)
         other = BatchRuntime.__new__(BatchRuntime)
         other.model, other.recurrent_strategy = self.model, self.recurrent_strategy
@@ -181,7 +192,6 @@ class BatchRuntime:
             clone.take([i])
             other.cache.append(clone)
         other.rows = [Row(self.rows[i].id, list(self.rows[i].tokens), self.rows[i].base)]
-        self.leave(row_id)
         return other
 
     def to_runtime(self, row_id) -> Runtime:
@@ -208,17 +218,23 @@ class BatchRuntime:
 
     # -- forward ------------------------------------------------------------------------
 
-    def forward(self, tokens: Sequence[Sequence[int]]) -> mx.array:
+    def forward(self, tokens: Sequence[Sequence[int]] | mx.array) -> mx.array:
         """One model call over every row: `tokens[i]` for row i (non-empty).
 
         Rows of different lengths are padded on the right; that needs an open
         branch and seals it (its last forward). Returns logits [B, S_max, V];
         row i's are valid at [:len(tokens[i])].
 
+        `tokens` may be an unevaluated integer array [B, S] (e.g. the tokens just
+        chosen, so the forward is built before they are read); inside a branch
+        only. The rows record None for them until `fill` gives the ids.
+
         Raises:
             ValueError: wrong number of rows or an empty row; nothing changed.
             BranchError: ragged outside a branch, or a forward in a sealed branch.
         """
+        if isinstance(tokens, mx.array):
+            return self._forward_array(tokens)
         if len(tokens) != len(self.rows) or not self.rows or any(len(t) == 0 for t in tokens):
             raise ValueError(f"forward(): one non-empty token list per row ({len(self.rows)} rows)")
         if self.sealed:
@@ -233,6 +249,31 @@ class BatchRuntime:
             row.tokens.extend(int(v) for v in t)
         self.sealed = ragged
         return logits
+
+    def _forward_array(self, tokens: mx.array) -> mx.array:
+        if tokens.ndim != 2 or tokens.shape[0] != len(self.rows) or not self.rows or tokens.shape[1] == 0:
+            raise ValueError(f"forward(): an array of [{len(self.rows)}, S >= 1] tokens, got {tokens.shape}")
+        if not self.branch_open:
+            raise BranchError("forward() of unread tokens outside a branch: fork() first (fill() records them)")
+        if self.sealed:
+            raise BranchError("forward() after a ragged forward in this branch: commit or roll it back first")
+        logits = self.model(tokens.astype(mx.uint32), cache=self.cache)
+        for row in self.rows:
+            row.tokens.extend([None] * tokens.shape[1])
+        return logits
+
+    def fill(self, ids: Sequence[Sequence[int]]) -> None:
+        """Record the ids of the unread tokens each row fed last (row i: `ids[i]`, as many as it has).
+
+        Raises:
+            ValueError: not one list per row, or a length that is not the row's unread count; nothing changed.
+        """
+        unread = [len(r.tokens) - _known(r.tokens) for r in self.rows]
+        if len(ids) != len(self.rows) or [len(t) for t in ids] != unread:
+            raise ValueError(f"fill(): one list per row of its unread tokens {unread}")
+        for row, t, n in zip(self.rows, ids, unread):
+            if n:
+                row.tokens[-n:] = [int(v) for v in t]
 
     # -- branches -----------------------------------------------------------------------
 
@@ -250,7 +291,8 @@ class BatchRuntime:
         """Keep the first ns[i] tokens of row i's branch (a dict: by row id; missing rows keep 0).
 
         Raises:
-            BranchError: no branch, or some n outside 0..what the row fed; nothing changed.
+            BranchError: no branch, some n outside 0..what the row fed, or a token kept
+                is not read yet (`fill`); nothing changed.
         """
         if not self.branch_open:
             raise BranchError("commit() with no open branch: fork() first")
@@ -266,6 +308,8 @@ class BatchRuntime:
             raise BranchError(
                 f"commit({ns}): one n per row, each in 0..its branch length {[r.branch_length for r in self.rows]}"
             )
+        if any(None in r.tokens[r.base : r.base + n] for n, r in zip(ns, self.rows)):
+            raise BranchError(f"commit({ns}): tokens fed as an array are not read yet: fill() them first")
         for layer in self.cache:
             layer.commit_rows(ns)
         for row, n in zip(self.rows, ns):
@@ -291,6 +335,8 @@ class BatchRuntime:
         for row in self.rows:
             if (row.base is None) == self.branch_open:
                 raise InvariantError(f"row {row.id!r}: branch base {row.base} but branch_open={self.branch_open}")
+            if None in row.tokens[: _known(row.tokens)] or _known(row.tokens) < (len(row.tokens) if row.base is None else row.base):
+                raise InvariantError(f"row {row.id!r}: unread tokens outside the open branch's end")
         windows = [layer for layer in self.cache if isinstance(layer, BatchWindowLayer)]
         # the model builds one window mask from one layer for all: every window layer has one layout
         if any((w.max_size, w.starts, w.lengths) != (windows[0].max_size, windows[0].starts, windows[0].lengths)
@@ -312,6 +358,14 @@ class BatchRuntime:
 
     def __repr__(self) -> str:
         return f"BatchRuntime(rows={[(r.id, len(r.tokens)) for r in self.rows]}, branch={self.branch_open})"
+
+
+def _known(tokens: list) -> int:
+    """Length of the prefix of `tokens` that is read (no None)."""
+    n = len(tokens)
+    while n and tokens[n - 1] is None:
+        n -= 1
+    return n
 
 
 def _shallow(layer):

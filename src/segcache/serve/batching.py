@@ -206,9 +206,9 @@ class BatchEngine(Engine):
         try:
             if self.store is not None:
                 held = req.ids + emitted
-                row = self.decoder.batch.tokens(req.id)
+                rt = self.decoder.held(req.id)  # history but the pending token (a lookahead never counts)
+                row = rt.tokens
                 if len(row) <= len(held) and row == held[: len(row)]:
-                    rt = self.decoder.batch.to_runtime(req.id)
                     rt.store = self.store
                     if len(row) < len(held):
                         rt.forward(held[len(row) :])
