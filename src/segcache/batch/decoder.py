@@ -287,10 +287,9 @@ class BatchDecoder:
 
     def _drop_lookahead(self) -> None:
         """Roll the lookahead back (the rows hold history[:-1] again); its forward is wasted."""
-        if self._ahead is not None or self.batch.branch_open:
-            self._ahead = None
-            if self.batch.branch_open:
-                self.batch.rollback()
+        self._ahead = None
+        if self.batch.branch_open:
+            self.batch.rollback()
 
     def check(self) -> None:
         """Both batches' invariants; each row holding its history but the pending token (the draft: a
