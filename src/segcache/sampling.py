@@ -86,7 +86,7 @@ def match_accept(drafts: Sequence[int], targets: Sequence[int]) -> int:
     return n
 
 
-def speculative_accept(p: mx.array, q: mx.array | None, drafts: Sequence[int]) -> tuple[int, int]:
+def speculative_accept(p: mx.array, q: mx.array | None, drafts: Sequence[int], rng=None) -> tuple[int, int]:
     """Exact speculative sampling of one round.
 
     Args:
@@ -94,6 +94,7 @@ def speculative_accept(p: mx.array, q: mx.array | None, drafts: Sequence[int]) -
         q: draft distributions the drafts were sampled from, [K, V]; None for
             a point mass at each draft (prompt lookup).
         drafts: d_1..d_K.
+        rng: an `acceptors.Rng` to draw from (its `next()` keys); None: mlx's global state.
 
     Returns:
         (n, token): n drafts accepted, then `token` drawn from the residual at
@@ -109,7 +110,7 @@ def speculative_accept(p: mx.array, q: mx.array | None, drafts: Sequence[int]) -
         rows = mx.arange(k)
         p_d = p[rows, idx]
         q_d = mx.ones_like(p_d) if q is None else q.astype(mx.float32)[rows, idx]
-        u = mx.random.uniform(shape=(k,))
+        u = mx.random.uniform(shape=(k,), key=None if rng is None else rng.next())
         # u < min(1, p/q)  <=>  u * q < p, for q > 0 (d was drawn from q).
         accepted = (u * q_d < p_d).tolist()
         n = accepted.index(False) if False in accepted else k
@@ -122,5 +123,5 @@ def speculative_accept(p: mx.array, q: mx.array | None, drafts: Sequence[int]) -
         # guard against it from float rounding all the same.
         if dist.sum().item() <= 0:
             dist = p[n]
-    token = mx.random.categorical(mx.log(dist)).item()
+    token = mx.random.categorical(mx.log(dist), key=None if rng is None else rng.next()).item()
     return n, token
