@@ -74,7 +74,7 @@ def _build(model, strategy: str) -> list:
 
 
 class BatchRuntime:
-    """Rows of one model in shared batched layer caches.
+    """Rows of one model in shared batched layer caches (the rows protocol of batch/rows.py).
 
     Args:
         model: an mlx-lm model with full-attention, sliding-window and/or Gated DeltaNet layers.
@@ -84,6 +84,10 @@ class BatchRuntime:
         UnsupportedModelError: a layer kind that is not batched (other recurrent
             families, attention sinks).
     """
+
+    # A plain step's lookahead runs in a branch: a row joining before the next step
+    # (its pending token not fed) rolls it back, so every row holds history[:-1] again.
+    lookahead_in_branch = True
 
     def __init__(self, model, *, recurrent_strategy: str = "auto"):
         if recurrent_strategy == "auto":
@@ -103,6 +107,11 @@ class BatchRuntime:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens each row holds, its branch included."""
+        return [len(r.tokens) for r in self.rows]
 
     def index(self, row_id) -> int:
         for i, r in enumerate(self.rows):
