@@ -1,5 +1,5 @@
 """`segcache serve --decode-concurrency N`: a joining prompt is prefilled in chunks, one per
-scheduler step, while the running rows decode between them (serve/batching.py). Driven
+scheduler step, while the running rows decode between them (serve/engine.py). Driven
 in-process through the Scheduler, so steps are counted, never timed."""
 
 import segcache  # noqa: F401, I001  (binds the system BLAS before mlx loads)
@@ -10,8 +10,7 @@ import mlx_lm
 import pytest
 
 from segcache import Runtime, open_store
-from segcache.serve.batching import BatchEngine
-from segcache.serve.engine import Chunk, Finish, GenRequest
+from segcache.serve.engine import Chunk, Engine, Finish, GenRequest
 from segcache.serve.worker import Job, Scheduler
 from serve_util import TARGET
 
@@ -40,12 +39,12 @@ def _alone(loaded, ids, n):
 
 
 class Harness:
-    """A BatchEngine under a Scheduler, stepped by hand; per step the engine's counters."""
+    """An Engine of 4 rows under a Scheduler, stepped by hand; per step the engine's counters."""
 
     def __init__(self, loaded, store=None, prompt_concurrency=1):
         model, tok = loaded
-        self.engine = BatchEngine(model, tok, decode_concurrency=4, prompt_concurrency=prompt_concurrency,
-                                  store=store)
+        self.engine = Engine(model, tok, decode_concurrency=4, prompt_concurrency=prompt_concurrency,
+                             store=store)
         self.engine.prefill_chunk = CHUNK
         self.sched = Scheduler(self.engine, max_running=4, begin_step=self.engine.begin_step)
         self.events: dict[str, list] = {}

@@ -7,7 +7,7 @@
     errors.py   `APIError`: an OpenAI-style error body with its status
     chat.py     prompts: chat templates (or the plain one) and message boundaries
     text.py     stop strings held back across streamed text segments
-    engine.py   one request's generation on a private store-backed Runtime
+    engine.py   the request engine: every request a row of one decoder, resumed, generated, published
     worker.py   the Scheduler (bounded FIFO queue, step()) and its model thread
 
 The HTTP event loop never touches MLX: requests reach the one model worker

@@ -204,16 +204,9 @@ def run(args: argparse.Namespace) -> int:
                    num_draft_tokens=args.num_draft_tokens, prefill_step=args.prefill_step_size,
                    checkpoint_interval=args.checkpoint_interval)
     running = args.decode_concurrency
-    if running > 1:
-        from .batching import BatchEngine
-
-        engine = BatchEngine(model, tokenizer, decode_concurrency=running,
-                             prompt_concurrency=args.prompt_concurrency, **options)
-    else:
-        engine = Engine(model, tokenizer, **options)
-    scheduler = Scheduler(engine, max_queue=args.max_queue, max_running=running)
-    if running > 1:
-        scheduler.begin_step = engine.begin_step
+    engine = Engine(model, tokenizer, decode_concurrency=running, prompt_concurrency=args.prompt_concurrency,
+                    **options)
+    scheduler = Scheduler(engine, max_queue=args.max_queue, max_running=running, begin_step=engine.begin_step)
     worker = Worker(scheduler)
     server = Server(settings, Prompter(tokenizer, template), scheduler, worker, store)
 
