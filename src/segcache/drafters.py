@@ -21,6 +21,7 @@ from typing import Protocol, Sequence
 import mlx.core as mx
 
 from .acceptors import GreedyMatch
+from .errors import RowError
 from .lookup import PromptLookup
 from .runtime import Runtime
 
@@ -79,6 +80,17 @@ class Draft:
     def proposals(self) -> list[list[int]]:
         """Every row's proposals as ids (evaluates a lazy chain)."""
         return self.tokens.tolist() if self.lazy else [list(d) for d in self.tokens]
+
+
+def each_row(states: list, fn) -> list:
+    """fn(i, state) for every row, a failure attributed to its row (`RowError`)."""
+    out = []
+    for i, s in enumerate(states):
+        try:
+            out.append(fn(i, s))
+        except Exception as exc:
+            raise RowError(s.row_id, exc) from exc
+    return out
 
 
 def no_draft(rows: int) -> Draft:
@@ -228,7 +240,7 @@ class DraftModel:
                 toks = mx.argmax(lp, axis=-1)
                 dists = None
             else:
-                props = [s.acceptor.propose(lp[i]) for i, s in enumerate(states)]
+                props = each_row(states, lambda i, s: s.acceptor.propose(lp[i]))
                 toks = mx.stack([t for t, _ in props])
                 dists = [q for _, q in props]
             chain.append(toks)

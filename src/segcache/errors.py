@@ -36,3 +36,13 @@ class StoreFormatError(StoreError):
 
 class ModelError(SegcacheError):
     """A model directory could not be loaded or does not fit the request."""
+
+
+class RowError(SegcacheError, RuntimeError):
+    """One row's own rule (its acceptor, sampler or logits processors) failed while a
+    decoder step was built; the decoder is as before the step. `row_id` names the row:
+    drop it and step the others again."""
+
+    def __init__(self, row_id, cause: BaseException):
+        super().__init__(f"row {row_id!r}: {type(cause).__name__}: {cause}")
+        self.row_id = row_id

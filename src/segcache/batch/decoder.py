@@ -40,8 +40,8 @@ from typing import Hashable
 import mlx.core as mx
 
 from ..acceptors import Acceptor, GreedyMatch
-from ..drafters import DraftModel, Drafter, Lookup, no_draft, normalize
-from ..errors import InvariantError
+from ..drafters import DraftModel, Drafter, Lookup, each_row, no_draft, normalize
+from ..errors import InvariantError, RowError
 from ..runtime import Runtime
 from ..stats import GenerationStats
 from .gate import Acceptance, DraftPolicy, Gate, MeasuredCost
@@ -353,13 +353,12 @@ class BatchDecoder:
             logits = self.batch.forward(draft.verify_input(pending))
             logprobs = normalize(logits)  # [B, S, V]
             rows = [logprobs[i, : 1 + w] for i, w in enumerate(draft.widths)]
-            choices = [s.acceptor.choices(lp) for s, lp in zip(states, rows)]
+            choices = each_row(states, lambda i, s: s.acceptor.choices(rows[i]))
             mx.eval(draft.tokens if draft.lazy else (), logprobs, *[c for cs in choices for c in cs])  # one sync
             proposals = draft.proposals()
             drafts = [p[:w] for p, w in zip(proposals, draft.widths)]
             # every row's acceptance before any row's state moves: a failure leaves all as they were
-            accepted = [s.acceptor.accept(lp, d, q, cs)
-                        for s, d, q, lp, cs in zip(states, drafts, draft.q, rows, choices)]
+            accepted = each_row(states, lambda i, s: s.acceptor.accept(rows[i], drafts[i], draft.q[i], choices[i]))
             if branch and draft.lazy:  # the verify input was an unread array: its ids, now read
                 self.batch.fill([[p] + d for p, d in zip(pending, proposals)])
         except BaseException:  # a failed speculative step changes nothing (a plain one has fed y_i)
@@ -421,7 +420,7 @@ class BatchDecoder:
             if all(isinstance(s.acceptor, GreedyMatch) for s in states):  # one argmax for the batch
                 chosen = mx.argmax(logprobs, axis=-1)
             else:  # each row's own rule, in row order (a seeded sampler draws as unpipelined)
-                chosen = mx.stack([s.acceptor.sample(logprobs[i]) for i, s in enumerate(states)])
+                chosen = mx.stack(each_row(states, lambda i, s: s.acceptor.sample(logprobs[i])))
             mx.async_eval(chosen, logprobs)
             in_branch = self.batch.lookahead_in_branch
             ahead = None

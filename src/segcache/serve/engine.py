@@ -41,6 +41,7 @@ import mlx.core as mx
 
 from ..acceptors import Rng, make_acceptor
 from ..batch.decoder import BatchDecoder
+from ..errors import RowError
 from ..generation import DRAFT_MIN_PROB
 from ..runtime import Runtime
 from ..sampling import make_sampler
@@ -211,12 +212,20 @@ class Engine:
             return
         self._stepped = True
         self.decode_steps += 1
-        try:
-            out = self.decoder.step()
-        except Exception as exc:
-            log.exception("a decode step of %d row(s) failed; failing each of them", len(self.decoder))
-            for buffer in self._buffers.values():
-                buffer.append(StepFailed(f"{type(exc).__name__}: {exc}"))
+        while len(self.decoder):
+            try:
+                out = self.decoder.step()
+                break
+            except RowError as exc:  # one row's own rule failed: that row fails, the others step again
+                log.error("%s: its sampling failed (%s); the other rows go on", exc.row_id, exc)
+                self._buffers[exc.row_id].append(StepFailed(str(exc)))
+                self.decoder.remove(exc.row_id)
+            except Exception as exc:  # the culprit cannot be told apart: every row of the step fails
+                log.exception("a decode step of %d row(s) failed; failing each of them", len(self.decoder))
+                for rid in self.decoder.rows:
+                    self._buffers[rid].append(StepFailed(f"{type(exc).__name__}: {exc}"))
+                return
+        else:
             return
         for rid, emitted in out.items():
             self._buffers[rid].extend(emitted)
@@ -347,6 +356,8 @@ class Engine:
         if req.id not in self._buffers:
             return
         del self._buffers[req.id]
+        if req.id not in self.decoder.rows:  # its step failed it out already
+            return
         if not publish or self.store is None:
             self.decoder.remove(req.id)
             return
