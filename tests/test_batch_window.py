@@ -15,8 +15,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from conftest import tiny
 from segcache.batch import BatchDecoder, BatchRuntime
-from segcache.batch.layers import BatchKVLayer
-from segcache.batch.window import BatchWindowLayer, temporal_window
+from segcache.layers.kv import BatchKVLayer
+from segcache.layers.window import BatchWindowLayer, temporal_window
 from segcache.errors import BranchError, UnsupportedModelError
 from segcache.layers import WindowLayer
 from segcache.runtime import Runtime

@@ -110,7 +110,7 @@ HOOKS = (
     Hook("bailing_hybrid", "LinearAttention", "x", "mask", "cache", True, "recurrent_gla", position="offset"),
     Hook("bailing_moe_v3", "BailingKDA", "x", "mask", "cache", True, "gated_delta_update"),
     Hook("kimi_k3", "KimiK3DeltaAttention", "x", "mask", "cache", True, "gated_delta_update"),
-    # a model-level module: the last n-1 token ids its n-gram embedding needs (layers/registry.py: OWNERS)
+    # a model-level module: the last n-1 token ids its n-gram embedding needs (registry.py: OWNERS)
     Hook("longcat_flash_ngram", "NgramEmbedding", "input_ids", None, "cache", False, "NgramEmbedding._get_ngram_ids",
          growing=lambda module: {0: (1, module.n - 1)}),
     Hook("baichuan_m1", "Attention", "x", None, "cache", False, "Attention._custom_convolution", child=0,

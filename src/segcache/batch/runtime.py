@@ -20,15 +20,14 @@ from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from .. import adapters
+from .. import registry
 from ..errors import BranchError, InvariantError, UnsupportedModelError, UnsupportedOperationError
-from ..layers import registry
+from ..layers.kv import BatchKVLayer
 from ..layers.quantized import QuantizedKVLayer
+from ..layers.recurrent import BatchRecurrentLayer
+from ..layers.window import BatchWindowLayer, temporal_window
 from ..runtime import Runtime, default_recurrent_strategy
-from .layers import BatchKVLayer, BatchRecurrentLayer
-from .window import BatchWindowLayer, temporal_window
 
 
 @dataclass
@@ -50,26 +49,22 @@ class Row:
 
 
 def _build(model, strategy: str) -> list:
-    native = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
-    layers = []
-    for i, (cache, layer) in enumerate(zip(native, model.layers)):
-        if type(cache) is KVCache:
-            layers.append(BatchKVLayer())
-        elif type(cache) is RotatingKVCache and cache.keep == 0:
-            layers.append(BatchWindowLayer(cache.max_size))
-        elif (
-            type(cache) is ArraysCache
-            and (found := registry.match(cache, layer)) is not None
-            and found[0].name == "recurrent"  # other recurrent families (StateLayer) are not batched
-        ):
-            module, base = found[1]
-            adapters.adapt(module, base)
-            layers.append(BatchRecurrentLayer(module.conv_kernel_size - 1, strategy))
-        else:
+    """One batched layer per cache of the model, each of the kind the registry matched.
+
+    Every layer is matched and its batched layer built before any module is
+    adapted, so a model that cannot be batched is left as it was.
+    """
+    plan = registry.plan(model)
+    for i, (kind, cache, _) in enumerate(plan):
+        if kind.batched is None:
+            batched = ", ".join(k.name for k in registry.KINDS if k.batched is not None)
             raise UnsupportedModelError(
-                f"layer {i} uses {type(cache).__name__}; batching supports KVCache, RotatingKVCache "
-                "(keep=0) and the Gated DeltaNet ArraysCache (serve other models with --decode-concurrency 1)"
+                f"layer {i} uses {type(cache).__name__} ({kind.name} segments), which is not batched; "
+                f"batched kinds: {batched} (serve other models with --decode-concurrency 1)"
             )
+    options = registry.Options(strategy, 1 << 62, strategy)  # no budget: BatchRuntime keeps one branch level
+    layers = [kind.batched(cache, matched, options) for kind, cache, matched in plan]
+    registry.adapt(plan)
     return layers
 
 
