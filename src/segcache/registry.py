@@ -21,7 +21,7 @@ from .errors import UnsupportedModelError
 from .layers.composite import CompositeLayer
 from .layers.kv import BatchKVLayer, KVLayer
 from .layers.recurrent import BatchRecurrentLayer, RecurrentLayer
-from .layers.state import StateLayer
+from .layers.state import BatchStateLayer, StateLayer
 from .layers.window import BatchWindowLayer, WindowLayer
 
 
@@ -92,6 +92,7 @@ KINDS = (
             growing=m[2].growing(m[0]) if m[2].growing else None,
         ),
         modules=lambda matched: [matched[:2]],
+        batched=lambda cache, m, o: _batched_state(cache, m[2], o),
     ),
     # CacheList: a composite whose children are matched against the same decoder layer.
     SegmentKind(
@@ -102,6 +103,15 @@ KINDS = (
         modules=lambda matched: [x for kind, found in matched for x in kind.modules(found)],
     ),
 )
+
+
+def _batched_state(cache, hook, options: Options) -> BatchStateLayer:
+    if hook.growing or hook.fresh:
+        why = "grows with the first tokens" if hook.growing else "starts otherwise from None than from zeros"
+        raise UnsupportedModelError(
+            f"{hook.family}: its {hook.cls} state {why}, so rows of one batch cannot share its slots"
+        )
+    return BatchStateLayer(len(cache.cache), hook.family, options.state_strategy, states_budget_bytes=options.states_budget_bytes)
 
 
 def _list_match(cache, layer):

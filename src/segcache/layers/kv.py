@@ -246,6 +246,18 @@ class BatchKVLayer(RowLengths):
             return None, None
         return self.keys[i : i + 1, :, :L, :] * 1, self.values[i : i + 1, :, :L, :] * 1
 
+    def row_from(self, state) -> tuple:
+        """The arguments of `add_row` for a row holding a `KVLayer`'s committed `state`
+        (None: an empty row). Changes nothing."""
+        if state is None or not state[2]:
+            return None, None
+        keys, values, n = state
+        return keys[..., :n, :], values[..., :n, :]
+
+    def row_load(self, i: int, tokens: int) -> tuple:
+        """The arguments of `KVLayer.load` for row i (which holds `tokens` tokens)."""
+        return (*self.row_state(i), tokens)
+
     def add_row(self, keys: mx.array | None, values: mx.array | None) -> None:
         """Append a row holding `keys`/`values` ([1, H, L, D]) or nothing; outside a branch."""
         L = 0 if keys is None else keys.shape[2]

@@ -45,7 +45,7 @@ from ..errors import BranchError, InvariantError, UnsupportedOperationError
 from .compat import BatchingRefused, MlxCompat
 from .kept_states import KeptStates, first_records
 from .protocol import CHECKPOINT
-from .rows import counted, ints
+from .rows import StackedRows, take_rows
 from .snapshots import SnapshotBranches
 
 STRATEGIES = ("replay", "states")
@@ -274,7 +274,7 @@ class RecurrentLayer(MlxCompat, BatchingRefused, KeptStates, SnapshotBranches, A
         self._check_kept(where)
 
 
-class BatchRecurrentLayer(RecurrentLayer):
+class BatchRecurrentLayer(StackedRows, RecurrentLayer):
     """A Gated DeltaNet cache over B rows: conv tails [B, k-1, C], states [B, ...].
 
     It is a `RecurrentLayer`, so the family adapter records each branch
@@ -328,54 +328,46 @@ class BatchRecurrentLayer(RecurrentLayer):
     # -- rows -------------------------------------------------------------------------
 
     def take(self, rows: Sequence[int]) -> None:
-        """Keep `rows` (in that order), their branch records included."""
-        idx = mx.array(list(rows), dtype=mx.int32)
+        """Keep `rows` (in that order), their branch records included (in new marks: a
+        shallow copy of this layer may share the old ones)."""
+        rows = list(rows)
         if not rows:
             self.cache = [None, None]
             self.marks = [_RecurrentMark(0, None, None) for _ in self.marks]
-            return
-        self.cache = [_take(a, idx) for a in self.cache]
-        for mark in self.marks:
-            mark.conv, mark.state = _take(mark.conv, idx), _take(mark.state, idx)
-            mark.records = [_take_steps(s, idx) for s in mark.records]
-
-    def row_state(self, i: int) -> tuple:
-        """(conv, state) of row i, [1, ...], or (None, None) for a batch that saw nothing."""
-        conv, state = self.cache
-        return (None, None) if conv is None else (conv[i : i + 1], state[i : i + 1])
-
-    def add_row(self, conv, state, rows_before: int) -> None:
-        """Append a row holding (conv, state) or nothing (zeros); outside a branch."""
-        have, _ = self.cache
-        if have is None and conv is None:
-            return
-        ref_c, ref_s = (conv, state) if conv is not None else self.cache
-        if have is None:
-            have_c = mx.zeros((rows_before, *ref_c.shape[1:]), ref_c.dtype)
-            have_s = mx.zeros((rows_before, *ref_s.shape[1:]), ref_s.dtype)
         else:
-            have_c, have_s = self.cache
-        if conv is None:
-            conv = mx.zeros((1, *ref_c.shape[1:]), ref_c.dtype)
-            state = mx.zeros((1, *ref_s.shape[1:]), ref_s.dtype)
-        self.cache = [mx.concatenate([have_c, conv]), mx.concatenate([have_s, state])]
+            idx = mx.array(rows, dtype=mx.int32)
+            self.cache = [take_rows(a, idx) for a in self.cache]
+            self.marks = [
+                _RecurrentMark(m.offset, take_rows(m.conv, idx), take_rows(m.state, idx),
+                               [_take_steps(s, idx) for s in m.records], m.kept, m.replaying)
+                for m in self.marks
+            ]
+        self.rows = len(rows)
+
+    def row_from(self, state) -> tuple:
+        """The arguments of `add_row` for a row holding a `RecurrentLayer`'s committed `state`
+        (None: an empty row). Changes nothing."""
+        return (None, None) if state is None else tuple(state[:2])
+
+    def add_row(self, conv, state) -> None:
+        """Append a row holding (conv, state), [1, ...] each, or nothing (zeros); outside a branch."""
+        self._append([conv, state], 1)
+
+    def row_load(self, i: int, tokens: int) -> tuple:
+        """The arguments of `RecurrentLayer.load` for row i holding `tokens` tokens."""
+        return (*self.row_state(i), tokens)
 
     def check(self) -> None:
         conv, state = self.cache
-        where = f"BatchRecurrentLayer(depth={len(self.marks)})"
+        where = f"BatchRecurrentLayer(rows={self.rows}, depth={len(self.marks)})"
         if (conv is None) != (state is None):
             raise InvariantError(f"{where}: conv tail and state present together")
-        if conv is not None and (conv.shape[1] != self.conv_tail or conv.shape[0] != state.shape[0]):
+        if conv is not None and (conv.shape[1] != self.conv_tail or not conv.shape[0] == state.shape[0] == self.rows):
             raise InvariantError(f"{where}: conv {conv.shape} / state {state.shape} do not line up")
         if len(self.marks) > 1:
             raise InvariantError(f"{where}: one branch level at most")
 
     # -- mlx-lm's batch-cache protocol (ArraysCache.merge, BatchGenerator) --------------------
-
-    # Tokens each row holds, for `extract` (the count a RecurrentLayer keeps); set by
-    # `merge` and kept by the calls below. None: a BatchRuntime's layer (the batch
-    # runtime counts its rows and extracts through row_state).
-    row_offsets: list[int] | None = None
 
     @classmethod
     def merge(cls, caches) -> "BatchRecurrentLayer":
@@ -404,8 +396,8 @@ class BatchRecurrentLayer(RecurrentLayer):
             raise UnsupportedOperationError(f"merge() of RecurrentLayers with conv tails {sorted(tails)}: one model's layers")
         first = caches[0]
         layer = cls(first.conv_tail, first.strategy, states_budget_bytes=first.states_budget_bytes)
-        for i, c in enumerate(caches):
-            layer.add_row(c.cache[0], c.cache[1], i)
+        for c in caches:
+            layer.add_row(*c.cache)
         layer.row_offsets = [c.offset for c in caches]
         layer.offset = max(layer.row_offsets, default=0)
         return layer
@@ -416,63 +408,18 @@ class BatchRecurrentLayer(RecurrentLayer):
         out = RecurrentLayer(self.conv_tail, self.strategy, states_budget_bytes=self.states_budget_bytes)
         n = self.row_offsets[idx]
         if n:
-            conv, state = self.cache
-            out.cache, out.offset = [conv[idx : idx + 1], state[idx : idx + 1]], n
+            out.cache, out.offset = self.row_state(idx), n
         return out
-
-    def filter(self, batch_indices) -> None:
-        """Keep the rows `batch_indices` (a list or an mx.array of ints), in that order."""
-        self._rows_known("filter")
-        rows = ints(batch_indices)
-        lengths = None if self.lengths is None else self.lengths[mx.array(rows, dtype=mx.int32)]
-        self.take(rows)
-        self.lengths = lengths
-        self.row_offsets = [self.row_offsets[i] for i in rows]
 
     def extend(self, other: "BatchRecurrentLayer") -> None:
         """Append `other`'s rows after this layer's (rows without a state are zeros)."""
-        self._rows_known("extend")
-        other._rows_known("extend")
         if other.conv_tail != self.conv_tail:
             raise UnsupportedOperationError(f"extend(): conv tails {self.conv_tail} and {other.conv_tail}")
-        n_self, n_other = len(self.row_offsets), len(other.row_offsets)
-        conv, state = other.cache
-        if conv is not None:
-            self.add_row(conv, state, n_self)  # add_row concatenates all of other's rows at once
-        else:
-            for i in range(n_other):
-                self.add_row(None, None, n_self + i)  # zeros, or nothing while no row has a state
-        if self.lengths is not None or other.lengths is not None:
-            pick = lambda a, n: mx.zeros((n,), mx.int32) if a is None else a
-            self.lengths = mx.concatenate([pick(self.lengths, n_self), pick(other.lengths, n_other)])
-        self.row_offsets = self.row_offsets + other.row_offsets
-        self.offset = max(self.row_offsets, default=0)
-
-    def prepare(self, lengths=None, **kwargs) -> None:
-        """Before a right-padded forward (BatchGenerator): mlx-lm's mask keeps pads out of the state."""
-        self._rows_known("prepare")
-        ArraysCache.prepare(self, lengths=lengths)
-
-    def finalize(self) -> None:
-        ArraysCache.finalize(self)
+        self._extend_rows(other)
 
     def advance(self, N):
-        if self.row_offsets is not None:  # a padded row counts its real tokens only
-            self.row_offsets = counted(self.row_offsets, self.lengths, N)
+        self._count_rows(N)
         super().advance(N)
-
-    def _rows_known(self, verb: str) -> None:
-        if self.row_offsets is None:
-            raise UnsupportedOperationError(
-                f"{verb}() on a BatchRuntime's recurrent layer: the batch runtime moves rows "
-                "(BatchRuntime.extract / leave / join)"
-            )
-        if self.marks:
-            raise BranchError(f"{verb}() with an open branch: commit or roll it back first")
-
-
-def _take(a, idx: mx.array):
-    return None if a is None else a[idx]
 
 
 def _row_steps(s: Steps, i: int) -> Steps:
@@ -483,6 +430,6 @@ def _row_steps(s: Steps, i: int) -> Steps:
 
 
 def _take_steps(s: Steps, idx: mx.array) -> Steps:
-    inputs = {k: _take(v, idx) for k, v in s.inputs.items()}
+    inputs = {k: take_rows(v, idx) for k, v in s.inputs.items()}
     states = None if s.states is None else [a[idx] for a in s.states]
     return Steps(s.conv_rows[idx], inputs, s.replay, states)

@@ -393,6 +393,21 @@ class BatchWindowLayer(RowLengths):
         c = L - K - self.starts[i]
         return self.keys[i : i + 1, :, c : c + K, :] * 1, self.values[i : i + 1, :, c : c + K, :] * 1, L
 
+    def row_from(self, state) -> tuple:
+        """The arguments of `add_row` for a row holding a `WindowLayer`'s committed `state`
+        (None: an empty row), its ring in temporal order. Changes nothing.
+
+        Raises:
+            UnsupportedModelError: the ring keeps attention sinks.
+            ValueError: the ring misses keys.
+        """
+        return (None, None, 0) if state is None else temporal_window(state)
+
+    def row_load(self, i: int, tokens: int) -> tuple:
+        """The arguments of `WindowLayer.load` for row i (which holds `tokens` tokens)."""
+        keys, values, length = self.row_state(i)
+        return keys, values, length, 0 if keys is None else keys.shape[2]
+
     def add_row(self, keys: mx.array | None, values: mx.array | None, length: int) -> None:
         """Append a row holding positions length-K..length-1 (`keys` [1, H, K, D]) or nothing; outside a branch.
 
@@ -451,9 +466,8 @@ class BatchWindowLayer(RowLengths):
         """Row `idx` as a single-sequence `WindowLayer` (its own copies); outside a branch."""
         if self.marks is not None:
             raise BranchError(f"extract({idx}) with a branch open: commit or roll it back first")
-        keys, values, length = self.row_state(idx)
         layer = WindowLayer(self.max_size)
-        layer.load(keys, values, length, 0 if keys is None else keys.shape[2])
+        layer.load(*self.row_load(idx, self.lengths[idx]))
         return layer
 
     def filter(self, batch_indices) -> None:
