@@ -11,6 +11,7 @@ import mlx.core as mx
 import pytest
 
 from conftest import tiny
+from test_batch import batch_of, solo
 from segcache.batch import BatchRuntime
 from segcache.batch.decoder import BatchDecoder
 from segcache.errors import UnsupportedModelError
@@ -24,21 +25,6 @@ TOL = 1e-4
 # beside attention; mamba: a hook that counts (its module never calls advance); rwkv7: 3 slots
 FAMILIES = ("nemotron_h", "mamba2", "lfm2", "mamba", "rwkv7")
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [3] * 12, [], [11, 12]]
-
-
-def solo(model, tokens):
-    rt = Runtime(model)
-    if tokens:
-        rt.forward(tokens)
-    return rt
-
-
-def batch_of(model, prompts, **kw):
-    br = BatchRuntime(model, **kw)
-    for i, p in enumerate(prompts):
-        br.join(i, solo(model, p) if p else None)
-    br.check()
-    return br
 
 
 def close(got, want, what):

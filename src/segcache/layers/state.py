@@ -319,7 +319,8 @@ class BatchStateLayer(StackedRows, StateLayer):
         raise BranchError("a batched state layer commits per row: commit_rows(ns)")
 
     def commit_rows(self, ns: Sequence[int]) -> None:
-        """Keep the first ns[i] tokens row i fed in the branch and close it."""
+        """Keep the first ns[i] tokens row i fed in the branch and close it (ns[i] at most
+        what row i really fed: `BatchRuntime.commit` checks it)."""
         mark = self.marks.pop()
         fed = mark.appended
         if all(n == fed for n in ns):
