@@ -151,7 +151,7 @@ classes:
   the same kernel runs;
 - **batched rows**: in a `BatchRuntime`, rows (one of them empty) decode a step,
   verify drafts in one ragged round and each commit its own count, every row
-  as a single `Runtime` fed its kept tokens (logits within 1e-4, same greedy
+  as a single `Runtime` fed its kept tokens (logits allclose at 1e-4, same greedy
   tokens: batched products round otherwise).
 
 """
