@@ -12,18 +12,15 @@ from __future__ import annotations
 from typing import Generator, Iterable, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 
-from . import adapters
+from . import registry
 from .adapters.chunked import chunked_threshold
 from .errors import (
     BranchError,
     InvariantError,
     StoreError,
-    UnsupportedModelError,
     UnsupportedOperationError,
 )
-from .layers import registry
 from .layers.protocol import PAGES, UNSTORED
 from .layers.recurrent import STRATEGIES, RecurrentLayer
 from .layers.state import default_state_strategy
@@ -100,35 +97,10 @@ def _build_layers(model, strategy: str, branch_state_bytes: int, state_strategy:
     First every layer is matched to a segment kind (raising before anything
     changed), then the recurrent modules are adapted, all or none.
     """
-    native = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
-    layers = registry.owners(model, native)
-    if layers is None:
-        raise UnsupportedModelError(
-            f"{type(model).__name__} makes {len(native)} caches for {len(model.layers)} layers, and "
-            "segcache does not know which layer each belongs to (layers/registry.py: OWNERS)"
-        )
-    plan = []  # (kind, native cache, what the kind matched)
-    for i, (cache, layer) in enumerate(zip(native, layers)):
-        found = registry.match(cache, layer)
-        if found is None:
-            inner = adapters.describe_layer(layer)
-            raise UnsupportedModelError(
-                f"layer {i} ({type(layer).__name__}{inner}) uses {type(cache).__name__}, which segcache "
-                f"cannot roll back; supported: {registry.supported()}"
-            )
-        plan.append((found[0], cache, found[1]))
-    recurrent = [m for kind, _, matched in plan for m in kind.modules(matched)]
-    options = registry.Options(
-        strategy, branch_state_bytes // len(recurrent) if recurrent else 0, state_strategy or strategy
-    )
-    classes = [type(module) for module, _ in recurrent]
-    try:
-        for module, base in recurrent:
-            adapters.adapt(module, base)
-    except BaseException:
-        for (module, _), cls in zip(recurrent, classes):
-            module.__class__ = cls
-        raise
+    plan = registry.plan(model)
+    recurrent = registry.recurrent_count(plan)
+    options = registry.Options(strategy, branch_state_bytes // recurrent if recurrent else 0, state_strategy or strategy)
+    registry.adapt(plan)
     return [kind.build(cache, matched, options) for kind, cache, matched in plan]
 
 
