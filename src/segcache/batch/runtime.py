@@ -23,7 +23,9 @@ import mlx.core as mx
 
 from .. import registry
 from ..errors import BranchError, InvariantError, UnsupportedModelError, UnsupportedOperationError
+from ..adapters.chunked import chunked_threshold
 from ..layers.quantized import QuantizedKVLayer
+from ..layers.recurrent import RecurrentLayer
 from ..layers.state import default_state_strategy
 from ..layers.window import BatchWindowLayer
 from ..runtime import Runtime, default_recurrent_strategy
@@ -77,6 +79,9 @@ class BatchRuntime:
         model: an mlx-lm model with full-attention, sliding-window, Gated DeltaNet and/or
             the recurrent layers of `StateLayer` families (SSM, short conv, RWKV-7, ...).
         recurrent_strategy: "auto", "replay" or "states", as for `Runtime`.
+        gdn_prefill: how Gated DeltaNet rows run blocks outside branches, as for
+            `Runtime` ("native", "chunked" or "auto"): a forward where every row feeds
+            the same block (no padding) runs the chunked recurrence over all rows.
 
     Raises:
         UnsupportedModelError: a layer kind that is not batched (`CacheList` layers,
@@ -88,7 +93,8 @@ class BatchRuntime:
     # (its pending token not fed) rolls it back, so every row holds history[:-1] again.
     lookahead_in_branch = True
 
-    def __init__(self, model, *, recurrent_strategy: str = "auto"):
+    def __init__(self, model, *, recurrent_strategy: str = "auto", gdn_prefill: str = "native"):
+        chunked_from = chunked_threshold(gdn_prefill)  # raises ValueError on a bad name
         # StateLayer families (SSM, short conv, ...): "auto" is "replay", as in Runtime
         state_strategy = default_state_strategy() if recurrent_strategy == "auto" else recurrent_strategy
         if recurrent_strategy == "auto":
@@ -96,6 +102,9 @@ class BatchRuntime:
         self.model = model
         self.recurrent_strategy = recurrent_strategy
         self.cache = _build(model, recurrent_strategy, state_strategy)
+        for layer in self.cache:
+            if isinstance(layer, RecurrentLayer):
+                layer.chunked_from = chunked_from
         self.rows: list[Row] = []  # row i of every layer is rows[i]
         self.branch_open = False
         self.sealed = False  # a ragged forward ran in the open branch: no more forwards in it
