@@ -36,3 +36,20 @@ class StoreFormatError(StoreError):
 
 class ModelError(SegcacheError):
     """A model directory could not be loaded or does not fit the request."""
+
+
+class ParamError(SegcacheError, ValueError):
+    """A sampling or output control has a value that cannot be honoured.
+
+    Attributes:
+        param: the request field at fault, dotted (e.g. "top_k",
+            "response_format.json_schema.schema"): the server answers 400 naming it.
+    """
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class GrammarError(ParamError):
+    """A `response_format` (a JSON schema) that cannot be compiled into a grammar."""
