@@ -374,6 +374,8 @@ def speculative_greedy(model, draft_model, prompt, procs: Processors, *, width, 
         stats["drafted"] += k
         stats["accepted"] += n
         emitted = drafts[:n] + [targets[n]]
+        ends = [i for i, t in enumerate(emitted) if t in eos]
+        emitted = emitted[: ends[0] + 1] if ends else emitted  # nothing is emitted after an EOS
         procs.advance(emitted)
         for t in emitted:
             out.append(t)
