@@ -103,7 +103,9 @@ class Grammars:
 
     def __init__(self, tokenizer, vocab_size: int):
         llg = _llguidance()
-        hf = getattr(tokenizer, "_tokenizer", tokenizer)
+        from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+        hf = tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
         eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [hf.eos_token_id])
         self.vocab_size = vocab_size
         self.eos = eos
