@@ -252,6 +252,8 @@ class GrammarMachine(RuleBasedStateMachine):
         k = len(drafts)
         masks = self.g.masks(drafts)
         ref = self.reference()
+        # Rows after an EOS draft are never used (generation ends at EOS): not compared.
+        k = next((i for i, d in enumerate(drafts) if d in self.eos), k)
         for j in range(k + 1):
             assert mx.array_equal(masks[j : j + 1], ref.masks([])).item()
             if j < k:

@@ -19,6 +19,7 @@ otherwise with llguidance's "x-guidance" key.
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from typing import Optional, Sequence
 
@@ -111,6 +112,8 @@ class Grammars:
         self.eos = eos
         self.tokenizer = llg.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=eos)
         self._compiled: OrderedDict = OrderedDict()
+        # compile() may run on the HTTP side (a bad schema is a 400 before any stream starts).
+        self._lock = threading.Lock()
 
     def compile(self, response_format) -> Optional["Grammar"]:
         """A fresh `Grammar` at the start of the output (None for plain text).
@@ -122,23 +125,29 @@ class Grammars:
         text = grammar_for(response_format)
         if text is None:
             return None
-        template = self._compiled.get(text)
+        with self._lock:
+            template = self._compiled.get(text)
+            if template is not None:
+                self._compiled.move_to_end(text)
         if template is None:
-            llg = _llguidance()
-            is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(text, self.tokenizer)
-            if is_error:
-                raise GrammarError("response_format.json_schema.schema",
-                                   f"the schema cannot be compiled: {messages[0] if messages else 'invalid'}")
-            template = llg.LLMatcher(self.tokenizer, text, log_level=0)
-            if template.is_error():
-                raise GrammarError("response_format.json_schema.schema",
-                                   f"the schema cannot be compiled: {template.get_error()}")
-            self._compiled[text] = template
-            if len(self._compiled) > CACHED_GRAMMARS:
-                self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(text)
+            template = self._build(text)
+            with self._lock:
+                self._compiled[text] = template
+                if len(self._compiled) > CACHED_GRAMMARS:
+                    self._compiled.popitem(last=False)
         return Grammar(template.deep_copy(), self.vocab_size, self.eos)
+
+    def _build(self, text: str):
+        llg = _llguidance()
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(text, self.tokenizer)
+        if is_error:
+            raise GrammarError("response_format.json_schema.schema",
+                               f"the schema cannot be compiled: {messages[0] if messages else 'invalid'}")
+        template = llg.LLMatcher(self.tokenizer, text, log_level=0)
+        if template.is_error():
+            raise GrammarError("response_format.json_schema.schema",
+                               f"the schema cannot be compiled: {template.get_error()}")
+        return template
 
 
 class Grammar:
@@ -161,8 +170,9 @@ class Grammar:
 
     def bitmasks(self, drafts: Sequence[int]) -> np.ndarray:
         """Packed masks [K+1, ceil(V/32)] int32 (bit t of row j: token t allowed
-        after drafts[:j]). Rows after a draft the grammar forbids allow
-        everything: the acceptors never reach them."""
+        after drafts[:j]). Rows after a draft the grammar forbids, or after an
+        EOS, allow everything: the acceptors never reach them, and nothing is
+        emitted after an EOS."""
         drafts = [int(d) for d in drafts]
         out = np.full((len(drafts) + 1, self._words), -1, dtype=np.int32)
         fill_bitmasks([(self, drafts)], out)
