@@ -14,40 +14,29 @@ Three rules, chosen by the sampler (`make_acceptor`):
 Every rule is exact: an emitted token is distributed as the target's own
 choice (see sampling.py).
 
-Randomness: a rule given an `Rng` draws from that stream only, so what a row
-samples depends on its own seed and nothing else in the process (another
-request, a batch's row order, a request that failed half-way); without one it
-draws from mlx's global state, as mlx-lm does. An `Rng(seed)` draws exactly
-what the global state draws after `mx.random.seed(seed)`.
+Randomness: a rule given `Keys` (sampling.py) draws from that stream only, so
+what a row samples depends on its own seed and nothing else in the process
+(another request, a batch's row order, a request that failed half-way);
+without them it draws from mlx's global state, as mlx-lm does. `Keys(seed)`
+hands out exactly the keys the global state hands out after
+`mx.random.seed(seed)`, so both draw the same tokens.
 """
 
 from __future__ import annotations
 
-import secrets
 from typing import Optional, Protocol, Sequence
 
 import mlx.core as mx
 
-from .sampling import Sampler, match_accept, speculative_accept
+from .sampling import Keys, Sampler, match_accept, speculative_accept
 
 
-class Rng:
-    """One row's own random stream: the keys mlx's global state would hand out after
-    `mx.random.seed(seed)` (a fresh secret seed when None)."""
+class GlobalKeys:
+    """mlx's global random state as a stream of keys: `next()` is None, so each draw takes
+    the global generator's next key (what mlx-lm's samplers draw from)."""
 
-    def __init__(self, seed: Optional[int] = None):
-        self.seed = secrets.randbits(63) if seed is None else seed
-        self._key = mx.random.key(self.seed)
-
-    def next(self) -> mx.array:
-        """The key for the next draw (the stream moves on; nothing is evaluated)."""
-        keys = mx.random.split(self._key)
-        self._key = keys[0]
-        return keys[1]
-
-
-def _key(rng: Optional[Rng]):
-    return None if rng is None else rng.next()
+    def next(self) -> None:
+        return None
 
 
 class Acceptor(Protocol):
@@ -111,36 +100,35 @@ class SamplerMatch:
 class ExactSpeculative:
     """A `Sampler` with a visible distribution: exact speculative sampling."""
 
-    def __init__(self, sampler: Sampler, rng: Optional[Rng] = None):
+    def __init__(self, sampler: Sampler, keys: Optional[Keys] = None):
         self.sampler = sampler
-        self.rng = rng
+        self.keys = keys if keys is not None else GlobalKeys()
 
     def sample(self, logprobs):
-        return mx.random.categorical(mx.log(self.sampler.probs(logprobs).astype(mx.float32)), key=_key(self.rng))
+        return self.sampler.sample(logprobs, self.keys)  # mlx-lm's sampler's draw for these keys
 
     def propose(self, logprobs):
-        q = self.sampler.probs(logprobs)
-        return mx.random.categorical(mx.log(q), key=_key(self.rng)), q
+        return self.sampler.draw(logprobs, self.keys.next())  # q: what the draft was drawn from
 
     def choices(self, logprobs):
         return ()  # the acceptance draws its own
 
     def accept(self, logprobs, drafts, q, choices):
-        return speculative_accept(self.sampler.probs(logprobs), q, drafts, rng=self.rng)
+        return speculative_accept(self.sampler.probs(logprobs), q, drafts, key=self.keys.next())
 
 
-def make_acceptor(sampler, rng: Optional[Rng] = None) -> Acceptor:
-    """The rule for `sampler`: None (greedy), a `Sampler` (drawing from `rng` if given), or
+def make_acceptor(sampler, keys: Optional[Keys] = None) -> Acceptor:
+    """The rule for `sampler`: None (greedy), a `Sampler` (drawing from `keys` if given), or
     any mlx-lm sampler (which draws from mlx's global state).
 
     Raises:
-        ValueError: an `rng` with an opaque mlx-lm sampler, which cannot take it.
+        ValueError: `keys` with an opaque mlx-lm sampler, which cannot take them.
     """
     if sampler is None:
         return GreedyMatch()
     if isinstance(sampler, Sampler):
-        return ExactSpeculative(sampler, rng)
-    if rng is not None:
+        return ExactSpeculative(sampler, keys)
+    if keys is not None:
         raise ValueError("an mlx-lm sampler draws from mlx's global random state; pass a segcache Sampler "
                          "(segcache.make_sampler) to give a generation its own seed")
     return SamplerMatch(sampler)

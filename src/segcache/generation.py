@@ -31,11 +31,12 @@ from typing import Iterator, List, Optional, Sequence, Union
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .acceptors import Rng, make_acceptor
+from .acceptors import make_acceptor
 from .batch.decoder import BatchDecoder
 from .drafters import eval_cache, feed
 from .errors import BranchError
 from .runtime import Runtime
+from .sampling import Keys
 from .stats import GenerationStats
 
 __all__ = ["DRAFT_MIN_PROB", "GenerationResponse", "GenerationStats", "generate", "stream_generate"]
@@ -246,7 +247,7 @@ def stream_generate(
         gate=False, one_row=True, adaptive=adaptive,
     )
     stats = GenerationStats(mode=decoder.mode, prompt_tokens=len(ids))
-    acceptor = make_acceptor(sampler, None if seed is None else Rng(seed))
+    acceptor = make_acceptor(sampler, None if seed is None else Keys(seed))
     tokens = _tokens(decoder, runtime, draft, ids, history, acceptor=acceptor, max_tokens=max_tokens,
                      prefill_step=prefill_step_size, checkpoints=prefill_checkpoints, stats=stats)
     return _responses(tokens, tokenizer, max_tokens, stats)

@@ -39,12 +39,12 @@ from typing import Generator, Iterator, Optional
 
 import mlx.core as mx
 
-from ..acceptors import Rng, make_acceptor
+from ..acceptors import make_acceptor
 from ..batch.decoder import BatchDecoder
 from ..errors import RowError
 from ..generation import DRAFT_MIN_PROB
 from ..runtime import Runtime
-from ..sampling import make_sampler
+from ..sampling import Keys, make_sampler
 from ..stats import GenerationStats
 from .text import StopText
 
@@ -241,7 +241,7 @@ class Engine:
                                top_k=req.top_k, min_p=req.min_p)
         drt = self._draft_runtime(req)
         stats = GenerationStats(mode=self.decoder.mode, prompt_tokens=len(req.ids))
-        self.decoder.add(req.id, rt, req.ids[-1], acceptor=make_acceptor(sampler, Rng(req.seed)),
+        self.decoder.add(req.id, rt, req.ids[-1], acceptor=make_acceptor(sampler, Keys(req.seed)),
                          max_tokens=req.max_tokens, draft_runtime=drt, stats=stats)
         self._buffers[req.id] = buffer = collections.deque()
         tok = self.tokenizer
