@@ -8,6 +8,8 @@ import mlx_lm
 import pytest
 
 from segcache import open_store
+from segcache.sampling import Sampler
+from segcache.serve import engine as engine_module
 from segcache.serve.engine import Chunk, Engine, Failure, Finish, GenRequest
 from segcache.serve.worker import Job, Scheduler
 from serve_util import TARGET
@@ -39,13 +41,22 @@ def sampled(rid, prompt, seed, **kw):
     return GenRequest(rid, prompt, 12, temperature=1.0, top_p=0.9, seed=seed, **kw)
 
 
+class Broken(Sampler):
+    """A sampler that raises while a step is built (as a filter given an impossible value would)."""
+
+    def sample(self, logprobs, keys):
+        keys.next()  # it drew from its stream before failing
+        raise ValueError("this sampler cannot sample")
+
+
 @pytest.mark.parametrize("concurrency", (1, 4))
-def test_a_failing_sampler_fails_its_request_only_and_changes_nothing_later(loaded, concurrency):
+def test_a_failing_sampler_fails_its_request_only_and_changes_nothing_later(loaded, concurrency, monkeypatch):
     tok = loaded[1]
     prompt = tok.encode(TEXT[:200])
-    # top_k above the vocabulary: mlx-lm's filter raises while the step is built (the HTTP
-    # layer refuses it with a 400; the engine must hold even where a check is missing)
-    bad = GenRequest("bad", prompt, 12, temperature=1.0, top_k=5000)
+    made = engine_module.make_sampler
+    monkeypatch.setattr(engine_module, "make_sampler",
+                        lambda temp, **kw: Broken(temp) if temp == 1.25 else made(temp, **kw))
+    bad = GenRequest("bad", prompt, 12, temperature=1.25)
     seeded = [sampled(f"s{i}", prompt, seed=i) for i in range(3)]
     unseeded = [sampled(f"u{i}", prompt, seed=None) for i in range(3)]
     got = serve(loaded, [bad, *seeded[:1], *unseeded[:1]] + seeded[1:] + unseeded[1:], concurrency=concurrency)

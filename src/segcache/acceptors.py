@@ -77,7 +77,7 @@ class GreedyMatch:
 class SamplerMatch:
     """An opaque mlx-lm sampler: sample the target at every position, accept
     drafts while they equal those samples. It draws from mlx's global random
-    state (mlx-lm's samplers take no key), so it takes no `Rng`."""
+    state (mlx-lm's samplers take no key), so it takes no `Keys`."""
 
     def __init__(self, sampler):
         self.sampler = sampler
