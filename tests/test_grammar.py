@@ -295,7 +295,11 @@ def test_greedy_speculation_with_a_schema_is_plain_greedy(grammars):
                                                           grammar=grammars.compile(fmt)))
     for processors, expect in ((make_processors(vocab_size=1536, grammar=grammars.compile(fmt)), want),
                                (procs, want_pen)):
-        got, stats = speculative_greedy(model, Draft(), prompt, processors, width=3, max_tokens=80, eos=eos)
-        assert got == expect
-        assert 0 < stats["accepted"] < stats["drafted"]
+        for draft, rows in ((Draft(), 1), (Draft(), 2), (None, 1), (None, 2)):  # a draft model or prompt lookup
+            # every row its own grammar state (Processors.fork), from the same schema
+            got, stats = speculative_greedy(model, draft, prompt, processors.fork(), width=3, max_tokens=80,
+                                            eos=eos, rows=rows)
+            assert got == expect, (draft, rows)
+            if draft is not None:
+                assert 0 < stats["accepted"] < stats["drafted"]
     json.loads(tokenizer.decode(want[:-1]))

@@ -19,6 +19,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors, make_sampler as mlx_make_sampler
 
 from segcache import Runtime
+from segcache.batch.decoder import BatchDecoder
 from segcache.errors import ParamError
 from segcache.processors import Processors, make_processors, normalize
 from segcache.sampling import Keys, Sampler, make_sampler, speculative_accept
@@ -340,49 +341,32 @@ def test_exact_speculative_sampling_follows_the_processed_target(control):
     assert stat2 < chi2_critical(df2), f"second token: chi2 {stat2:.1f} at df {df2}"
 
 
-# -- a speculative round written against the contract: greedy equals plain greedy -----
+# -- the engine's round: greedy speculation with a control equals plain greedy ---------
 
 
-def speculative_greedy(model, draft_model, prompt, procs: Processors, *, width, max_tokens, eos=()):
-    """A minimal speculative decoder on segcache runtimes (fork, verify, commit),
-    using the processors as the engine's round will: the drafter proposes from
-    `process_next`, the verify's K+1 rows go through `process`, the row
-    advances on what it emits."""
-    target, drt = Runtime(model), Runtime(draft_model)
-    target.forward(prompt[:-1])
-    history, out = list(prompt), []
-    stats = {"drafted": 0, "accepted": 0}
-    while len(out) < max_tokens:
-        k = min(width, max_tokens - len(out) - 1)
-        if drt.offset < len(history) - 1:  # tokens the draft has not seen (an accepted last draft)
-            drt.forward(history[drt.offset : -1])
-        drafts = []
-        dbr = drt.fork()
-        step = [history[-1]]
-        for _ in range(k):
-            logits = drt.forward(step)[0, -1]
-            drafts.append(mx.argmax(procs.process_next(logits, history, drafts), axis=-1).item())
-            step = drafts[-1:]
-        tbr = target.fork()
-        logits = target.forward([history[-1]] + drafts)[0]
-        targets = mx.argmax(procs.process(logits, history, drafts), axis=-1).tolist()
-        n = 0
-        while n < k and drafts[n] == targets[n]:
-            n += 1
-        tbr.commit(1 + n)
-        dbr.commit(min(dbr.length, 1 + n))
-        stats["drafted"] += k
-        stats["accepted"] += n
-        emitted = drafts[:n] + [targets[n]]
-        ends = [i for i, t in enumerate(emitted) if t in eos]
-        emitted = emitted[: ends[0] + 1] if ends else emitted  # nothing is emitted after an EOS
-        procs.advance(emitted)
-        for t in emitted:
-            out.append(t)
-            history.append(t)
-            if t in eos or len(out) == max_tokens:
-                return out, stats
-    return out, stats
+def speculative_greedy(model, draft_model, prompt, procs: Processors, *, width, max_tokens, eos=(), rows=1):
+    """Greedy decoding of `prompt` on the decoder (the one speculative round), `rows` copies
+    of it (one row: a Runtime alone; more: a batch), drafting with `draft_model` (None:
+    prompt lookup). Returns the first row's tokens (asserting every row's are the same)
+    and the drafts proposed and accepted over all rows."""
+    dec = BatchDecoder(model, num_draft_tokens=width, draft_model=draft_model, gate=False, one_row=rows == 1)
+    for r in range(rows):
+        rt = Runtime(model)
+        rt.forward(prompt[:-1])
+        dec.add(r, rt, prompt[-1], max_tokens=max_tokens, processors=procs if r == 0 else procs.fork(),
+                stop_tokens=eos)
+    states = dict(dec.rows)
+    got = {r: [] for r in range(rows)}
+    while dec.rows:
+        for rid, emitted in dec.step().items():
+            got[rid] += [t for t, _, _ in emitted]
+        dec.check()
+        for rid in [r for r, st in dec.rows.items() if st.finished]:
+            dec.remove(rid)
+    assert all(got[r] == got[0] for r in got)
+    stats = {"drafted": sum(st.drafted for st in states.values()),
+             "accepted": sum(st.accepted for st in states.values())}
+    return got[0], stats
 
 
 @pytest.mark.parametrize("control", ("repetition", "presence", "frequency", "logit_bias", "all"))
@@ -404,7 +388,9 @@ def test_greedy_speculation_with_a_control_is_plain_greedy(control):
         def __call__(self, inputs, cache=None, **kwargs):
             return self.inner(inputs, cache=cache, **kwargs) + bias
 
-    got, stats = speculative_greedy(model, Draft(), prompt, make_processors(vocab_size=1536, **kwargs),
-                                    width=3, max_tokens=40)
-    assert got == want
-    assert 0 < stats["accepted"] < stats["drafted"]  # drafts were accepted and rejected
+    for draft, rows in ((Draft(), 1), (Draft(), 3), (None, 1), (None, 3)):  # a draft model or prompt lookup
+        got, stats = speculative_greedy(model, draft, prompt, make_processors(vocab_size=1536, **kwargs),
+                                        width=3, max_tokens=40, rows=rows)
+        assert got == want, (draft, rows)
+        if draft is not None:
+            assert 0 < stats["accepted"] < stats["drafted"]  # drafts were accepted and rejected

@@ -234,8 +234,16 @@ class DraftModel:
         live = [w > 0 for w in widths]
         kept = [0] * len(states)
         chain, qs = [], [[] for _ in states]
+        processed = any(s.processors is not None for s in states)
         for j in range(J):
-            lp = normalize(self.rows.forward(step)[:, -1])  # [B, V]
+            raw = self.rows.forward(step)[:, -1]  # [B, V]
+            if processed:  # a row's processors shape its drafts as they will shape the verify
+                so_far = mx.stack(chain, axis=1) if chain else None
+                lp = mx.concatenate(each_row(states, lambda i, s: normalize(raw[i : i + 1]) if s.processors is None
+                                             else s.processors.process_next(raw[i], s.history,
+                                                                            () if so_far is None else so_far[i])))
+            else:
+                lp = normalize(raw)
             if greedy:  # one argmax for the batch instead of one graph per row
                 toks = mx.argmax(lp, axis=-1)
                 dists = None

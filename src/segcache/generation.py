@@ -35,6 +35,7 @@ from .acceptors import make_acceptor
 from .batch.decoder import BatchDecoder
 from .drafters import eval_cache, feed
 from .errors import BranchError
+from .processors import Processors
 from .runtime import Runtime
 from .sampling import Keys
 from .stats import GenerationStats
@@ -77,7 +78,7 @@ class GenerationResponse:
 
 
 def _tokens(decoder: BatchDecoder, runtime: Runtime, draft: Optional[Runtime], ids: list, history: list, *,
-            acceptor, max_tokens: int, prefill_step: int, checkpoints, stats) -> Iterator[tuple]:
+            acceptor, max_tokens: int, prefill_step: int, checkpoints, stats, processors, stops) -> Iterator[tuple]:
     """Prefill, then the decoder's steps on the runtime as a row of one: yields (token, logprobs,
     from_draft) until closed. Every exit settles the open round at the tokens yielded."""
     if len(ids) > 1:
@@ -85,7 +86,8 @@ def _tokens(decoder: BatchDecoder, runtime: Runtime, draft: Optional[Runtime], i
             runtime.prefill(history[:-1], step_size=prefill_step, checkpoints=checkpoints)
         else:
             feed(runtime, ids[:-1], prefill_step)
-    decoder.add(0, runtime, history[-1], acceptor=acceptor, max_tokens=max_tokens, draft_runtime=draft, stats=stats)
+    decoder.add(0, runtime, history[-1], acceptor=acceptor, max_tokens=max_tokens, draft_runtime=draft, stats=stats,
+                processors=processors, stop_tokens=stops)
     clean = False
     emitted, taken = (), None  # the step whose tokens are being yielded, and how many were
     try:
@@ -158,6 +160,7 @@ def stream_generate(
     draft_min_prob: float = DRAFT_MIN_PROB,
     prefill_checkpoints: Sequence[int] = (),
     seed: Optional[int] = None,
+    processors: Optional[Processors] = None,
 ) -> Iterator[GenerationResponse]:
     """Generate on segcache runtimes, speculatively with a draft model or prompt lookup.
 
@@ -197,6 +200,10 @@ def stream_generate(
         seed: with a `Sampler`, draw from a random stream of this generation's own,
             the one mlx's global state gives after `mx.random.seed(seed)` (None:
             mlx's global state, as mlx-lm).
+        processors: logits processors (`segcache.make_processors`: penalties, logit
+            bias, a grammar), applied at every position the target computes as plain
+            decoding would, drafted positions included; the output equals plain
+            decoding with them.
 
     Yields:
         GenerationResponse per token; the last one has `finish_reason` set.
@@ -249,7 +256,8 @@ def stream_generate(
     stats = GenerationStats(mode=decoder.mode, prompt_tokens=len(ids))
     acceptor = make_acceptor(sampler, None if seed is None else Keys(seed))
     tokens = _tokens(decoder, runtime, draft, ids, history, acceptor=acceptor, max_tokens=max_tokens,
-                     prefill_step=prefill_step_size, checkpoints=prefill_checkpoints, stats=stats)
+                     prefill_step=prefill_step_size, checkpoints=prefill_checkpoints, stats=stats,
+                     processors=processors, stops=tokenizer.eos_token_ids)
     return _responses(tokens, tokenizer, max_tokens, stats)
 
 

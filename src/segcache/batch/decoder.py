@@ -42,6 +42,7 @@ import mlx.core as mx
 from ..acceptors import Acceptor, GreedyMatch
 from ..drafters import DraftModel, Drafter, Lookup, each_row, no_draft, normalize
 from ..errors import InvariantError, RowError
+from ..processors import Processors
 from ..runtime import Runtime
 from ..stats import GenerationStats
 from .gate import Acceptance, DraftPolicy, Gate, MeasuredCost
@@ -66,7 +67,11 @@ class RowState:
     remaining: int = -1  # tokens it may still emit (-1: no limit)
     stats: GenerationStats = field(default_factory=GenerationStats)
     estimate: Acceptance = field(default_factory=Acceptance)  # the gate's view of this row
-    finished: bool = False  # it took fewer tokens than its last step emitted: it must leave
+    processors: Processors | None = None  # its logits processors (penalties, a grammar), if any
+    stops: frozenset = frozenset()  # tokens that end it (EOS): nothing is emitted past one
+    # It emitted a stop token or its last token, or took fewer tokens than its last step
+    # emitted: it must leave (release or remove) before the next step.
+    finished: bool = False
 
     @property
     def drafted(self) -> int:
@@ -80,6 +85,26 @@ class RowState:
     def per_round(self) -> list:
         """Drafts accepted in each round in which this row drafted."""
         return [a for d, a in zip(self.stats.drafted_per_round, self.stats.accepted_per_round) if d]
+
+
+def _logprobs(states: list, logits: mx.array, draft) -> list:
+    """Each row's logprobs over the positions it verifies, [1 + w_i, V]: its processors'
+    output where it has some (position j as plain decoding after history + drafts[:j]),
+    else the model's, normalized once for the batch."""
+    plain = None
+    out = []
+    for i, (s, w) in enumerate(zip(states, draft.widths)):
+        if s.processors is None:
+            if plain is None:
+                plain = normalize(logits)  # [B, S, V]
+            out.append(plain[i, : 1 + w])
+        else:
+            drafts = draft.tokens[i, :w] if draft.lazy else draft.tokens[i]
+            try:
+                out.append(s.processors.process(logits[i, : 1 + w], s.history, drafts))
+            except Exception as exc:
+                raise RowError(s.row_id, exc) from exc
+    return out
 
 
 @dataclass
@@ -162,13 +187,17 @@ class BatchDecoder:
 
     def add(self, row_id, runtime: Runtime, pending: int, *, acceptor: Acceptor | None = None,
             max_tokens: int = -1, draft_runtime: Runtime | None = None,
-            stats: GenerationStats | None = None) -> None:
+            stats: GenerationStats | None = None, processors: Processors | None = None,
+            stop_tokens=()) -> None:
         """Add a row whose `runtime` holds its prompt but the last token `pending`.
 
         With a draft model, `draft_runtime` (of the draft model) holds a prefix
         of those tokens, e.g. resumed from the prefix store; the rest is fed to
         it here. None: a fresh draft runtime fed all of them. `stats`: where the
-        row's figures are counted (a new `GenerationStats` if None).
+        row's figures are counted (a new `GenerationStats` if None). `processors`:
+        the row's logits processors, applied at every verified position as plain
+        decoding would (the acceptor decides on their output). `stop_tokens`: a
+        step emits nothing past one of them (the row is then finished).
 
         Raises:
             ValueError: the id is taken, a lone row's decoder holds one already, the
@@ -198,7 +227,8 @@ class BatchDecoder:
             raise
         if stats is None:
             stats = GenerationStats(mode=self.mode)
-        state = RowState(row_id, acceptor or GreedyMatch(), history, self.width, max_tokens, stats)
+        state = RowState(row_id, acceptor or GreedyMatch(), history, self.width, max_tokens, stats,
+                         processors=processors or None, stops=frozenset(stop_tokens))
         self.rows[row_id] = state
         if self._ahead is not None:
             self._feed_joiner(row_id, pending)
@@ -314,6 +344,8 @@ class BatchDecoder:
             if k < emitted:
                 state = self.rows[rid]
                 del state.history[len(state.history) - emitted + k :]
+                if state.processors is not None:
+                    state.processors.rollback(emitted - k)
                 self._round.keep[rid] = k
                 state.finished = True
 
@@ -325,7 +357,8 @@ class BatchDecoder:
         """
         finished = [rid for rid, s in self.rows.items() if s.finished]
         if finished:
-            raise ValueError(f"step(): rows {finished} took fewer tokens than they emitted: release them first")
+            raise ValueError(f"step(): rows {finished} are finished (a stop token, their last token, or fewer "
+                             "tokens taken than emitted): release or remove them first")
         tic = time.perf_counter()
         self._close()
         commit_time = time.perf_counter() - tic
@@ -350,11 +383,10 @@ class BatchDecoder:
             branch = bool(draft)
             if branch:
                 self.batch.fork()
-            logits = self.batch.forward(draft.verify_input(pending))
-            logprobs = normalize(logits)  # [B, S, V]
-            rows = [logprobs[i, : 1 + w] for i, w in enumerate(draft.widths)]
+            logits = self.batch.forward(draft.verify_input(pending))  # raw: processors need the model's own
+            rows = _logprobs(states, logits, draft)
             choices = each_row(states, lambda i, s: s.acceptor.choices(rows[i]))
-            mx.eval(draft.tokens if draft.lazy else (), logprobs, *[c for cs in choices for c in cs])  # one sync
+            mx.eval(draft.tokens if draft.lazy else (), rows, *[c for cs in choices for c in cs])  # one sync
             proposals = draft.proposals()
             drafts = [p[:w] for p, w in zip(proposals, draft.widths)]
             # every row's acceptance before any row's state moves: a failure leaves all as they were
@@ -368,15 +400,15 @@ class BatchDecoder:
                 drafter.rollback()
             raise
         t2 = time.perf_counter()
-        out = {}
+        out, keep = {}, {}
         for rid, s, d, lp, (n, nxt) in zip(ids, states, drafts, rows, accepted):
-            out[rid] = [(t, lp[j], True) for j, t in enumerate(d[:n])] + [(nxt, lp[n], False)]
-            self._advance(s, d, n, nxt, branch)
+            emitted = self._advance(s, d, n, nxt, branch)
+            out[rid] = [(t, lp[j], j < n) for j, t in enumerate(emitted)]
+            keep[rid] = len(emitted)
             st = s.stats
             st.draft_time += t1 - t0
             st.verify_time += t2 - t1
             st.commit_time += commit_time
-        keep = {rid: 1 + n for rid, (n, _) in zip(ids, accepted)}
         if branch:
             self._round = _Round(keep=keep, emitted=dict(keep))
             if drafter is not None:
@@ -416,7 +448,12 @@ class BatchDecoder:
                 logits = logits[:, -1]
                 if built_for != ids:  # rows left since: their logits rows go too
                     logits = logits[mx.array([built_for.index(r) for r in ids], dtype=mx.int32)]
-            logprobs = normalize(logits)  # [B, V]
+            if any(s.processors is not None for s in states):
+                logprobs = mx.concatenate(each_row(states, lambda i, s: normalize(logits[i : i + 1])
+                                                   if s.processors is None
+                                                   else s.processors.process(logits[i : i + 1], s.history)))
+            else:
+                logprobs = normalize(logits)  # [B, V]
             if all(isinstance(s.acceptor, GreedyMatch) for s in states):  # one argmax for the batch
                 chosen = mx.argmax(logprobs, axis=-1)
             else:  # each row's own rule, in row order (a seeded sampler draws as unpipelined)
@@ -456,9 +493,16 @@ class BatchDecoder:
             self._ahead = None
             self.batch.rollback()
 
-    def _advance(self, s: RowState, drafts: list, n: int, nxt: int, branch: bool) -> None:
+    def _advance(self, s: RowState, drafts: list, n: int, nxt: int, branch: bool) -> list:
+        """Move a row past the step: what it emitted (cut after a stop token), its stats, cap
+        and processors; returns the tokens it emitted."""
         emitted = drafts[:n] + [nxt]
+        stop = next((j for j, t in enumerate(emitted) if t in s.stops), None)
+        if stop is not None:
+            emitted = emitted[: stop + 1]
         s.history.extend(emitted)
+        if s.processors is not None:
+            s.processors.advance(emitted)
         if self.drafter is not None:
             self.drafter.extend(s.row_id, emitted)
         if s.remaining >= 0:
@@ -471,6 +515,9 @@ class BatchDecoder:
             st.drafted_per_round.append(len(drafts))
             st.accepted_per_round.append(n)
             s.cap = self.policy.update(s.cap, s.estimate, len(drafts), n)
+        if stop is not None or s.remaining == 0:
+            s.finished = True
+        return emitted
 
     # -- invariants -------------------------------------------------------------------
 
