@@ -165,6 +165,8 @@ def test_cors_is_off_by_default(tmp_path):
     srv = Server(tmp_path / "store", log_path=tmp_path / "serve.log").start()
     try:
         r = httpx.get(srv.url + "/v1/models", headers={"Origin": "http://any.example"}, timeout=10)
+        assert r.status_code == 403 and "access-control-allow-origin" not in r.headers  # cross-origin: refused
+        r = httpx.get(srv.url + "/v1/models", timeout=10)
         assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
         assert oct((tmp_path / "store").stat().st_mode & 0o777) == oct(0o700)
     finally:
