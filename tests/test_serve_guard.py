@@ -344,7 +344,7 @@ def test_connection_limit_closes_the_longest_idle_then_refuses_with_503(tmp_path
         r = srv.post("/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 2}))
         assert r.status_code == 200, r.text  # it made room by closing the longest idle connection
         closed = _closed_at(idle[:1], time.monotonic() + 3)
-        assert 0 in closed and closed[0][0] - idle[0][1] < 4  # before its own timeout
+        assert 0 in closed and closed[0][1] == b""  # closed for the newcomer, not timed out (a 408)
         for s, _ in idle:
             s.close()
         # requests whose body is being read are never closed for a newcomer
