@@ -2,6 +2,7 @@
 
     cli.py      the command line: flags, loading, the store, uvicorn, shutdown
     app.py      the Starlette app: routes, auth, CORS, body limit, SSE
+    guard.py    connections (timeouts, a limit), Host / Origin / Content-Type checks, 500s, log floods
     shapes.py   response bodies in OpenAI's shapes
     schemas.py  pydantic request models and their validation into 4xx errors
     errors.py   `APIError`: an OpenAI-style error body with its status

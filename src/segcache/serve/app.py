@@ -28,6 +28,7 @@ from . import schemas
 from .chat import Prompter
 from .engine import Chunk, Failure, Finish, GenRequest
 from .errors import APIError
+from .guard import HostPolicy, RequestGuard
 from .shapes import Shape, sse
 from .worker import Job, QueueFull, Scheduler, Worker
 
@@ -47,7 +48,9 @@ class Settings:
         vocab_size: token ids a prompt may hold are < this.
         max_tokens, temperature, top_p, top_k, min_p: defaults for requests that leave them out.
         api_key: required as a Bearer token on every route but /health (None: open).
-        allowed_origins: CORS origins (empty: no CORS headers at all).
+        allowed_origins: origins browsers may call from (CORS; empty: none but the server's own).
+        bind_host: the address bound (--host); its name is one `Host` may carry.
+        allowed_hosts: more names `Host` may carry (see `guard.HostPolicy`).
         max_body_bytes: larger request bodies get a 413.
         ram_bytes, disk_bytes: the prefix store's budgets (reported by /stats).
     """
@@ -63,6 +66,8 @@ class Settings:
     min_p: float = 0.0
     api_key: Optional[str] = None
     allowed_origins: list = field(default_factory=list)
+    bind_host: str = "127.0.0.1"
+    allowed_hosts: list = field(default_factory=list)
     max_body_bytes: int = 8 << 20
     ram_bytes: int = 0  # the store's budgets, for /stats
     disk_bytes: int = 0
@@ -136,6 +141,14 @@ class Server:
         limit = max_tokens if max_tokens is not None else s.max_tokens
         return min(limit, ctx - len(ids)) if ctx is not None else limit
 
+    def _check_sampling(self, gen: GenRequest, req) -> None:
+        """Refuse what the sampler cannot take (it would fail on the model thread, as a 500)."""
+        vocab = self.settings.vocab_size
+        if not 0 <= gen.top_k < vocab:
+            whose = "the server's --top-k" if getattr(req, "top_k", None) is None else "'top_k'"
+            raise APIError(400, f"{whose} is {gen.top_k}; it takes 0 (off) or 1..{vocab - 1} (the vocabulary "
+                                f"has {vocab} tokens)", param="top_k", code="invalid_value")
+
     # -- routes -----------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
@@ -189,6 +202,7 @@ class Server:
             top_k=s.top_k if req.top_k is None else req.top_k, min_p=s.min_p if req.min_p is None else req.min_p,
             seed=req.seed, stops=req.stops(), top_logprobs=top,
         )
+        self._check_sampling(gen, req)
         events: asyncio.Queue = asyncio.Queue()
 
         def deliver(event) -> None:  # on the worker thread
@@ -223,7 +237,7 @@ class Server:
                     yield "data: [DONE]\n\n"
                     return
                 elif isinstance(event, Failure):
-                    yield sse(APIError(500, event.message, type="server_error").body())
+                    yield sse(_failed(shape.id).body())
                     yield "data: [DONE]\n\n"
                     return
         finally:
@@ -250,7 +264,7 @@ class Server:
                 elif isinstance(event, Finish):
                     return JSONResponse(shape.whole("".join(text), logprobs, event))
                 elif isinstance(event, Failure):
-                    raise APIError(500, event.message, type="server_error")
+                    raise _failed(shape.id)
         finally:
             job.cancel()
 
@@ -265,8 +279,15 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
 
+def _failed(request_id: str) -> APIError:
+    # the exception's text stays in the log (the worker logs it under the request id), out of the body
+    return APIError(500, f"generation failed; the server log has the details under {request_id}",
+                    type="server_error")
+
+
 async def _server_error(request: Request, exc: Exception) -> Response:
-    err = APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+    # RequestGuard answers (and logs) the exceptions of the routes; this is the last resort
+    err = APIError(500, "internal error (the server log has the details)", type="server_error")
     return JSONResponse(err.body(), status_code=500)
 
 
@@ -285,5 +306,9 @@ def build_app(server: Server, lifespan=None) -> Starlette:
         middleware.append(Middleware(CORSMiddleware, allow_origins=server.settings.allowed_origins,
                                      allow_methods=["GET", "POST", "OPTIONS"],
                                      allow_headers=["Authorization", "Content-Type"]))
+    s = server.settings
+    # outermost: Host, Origin and Content-Type are checked before anything (CORS, auth, routes) runs
+    middleware.insert(0, Middleware(RequestGuard, hosts=HostPolicy(s.bind_host, s.allowed_hosts),
+                                    origins=s.allowed_origins))
     handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _server_error}
     return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers, lifespan=lifespan)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 log = logging.getLogger("segcache.serve")
 
+_BACKLOG = 2048  # uvicorn's default listen queue (asyncio also accepts up to this many at once)
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 
 
@@ -63,8 +64,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("SEGCACHE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(default: $SEGCACHE_API_KEY, else no key)")
-    p.add_argument("--allowed-origins", type=lambda x: [o for o in x.split(",") if o], default=[],
-                   help="comma-separated origins allowed by CORS (default: none, CORS off)")
+    p.add_argument("--allowed-origins", type=_names, default=[],
+                   help="comma-separated origins browsers may call from (CORS); other origins get 403 "
+                        "(default: none but the server's own; '*': any)")
+    p.add_argument("--allowed-hosts", type=_names, default=[],
+                   help="comma-separated names requests may carry as Host, besides IP addresses, localhost and "
+                        "the --host name: 'name', '.suffix' for names under it, '*' for any (default: none)")
+    p.add_argument("--request-timeout", type=float, default=10.0,
+                   help="seconds a client has to send a whole request, plus 1 s per 16 KiB of body; then 408 "
+                        "and the connection is closed (default 10)")
+    p.add_argument("--max-connections", type=int, default=0,
+                   help="connections open at most; past it the longest idle one is closed, or a 503 when none "
+                        "is idle (default 0: from the descriptor limit, raised to the hard limit at start)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting at most; more get 429 (default 64)")
     p.add_argument("--max-body-bytes", type=parse_size, default=8 << 20, help="largest request body (default 8M)")
     p.add_argument("--decode-concurrency", type=int, default=1,
@@ -79,6 +90,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     p.set_defaults(handler=run)
     return p
+
+
+def _names(text: str) -> list:
+    return [o.strip() for o in text.split(",") if o.strip()]
 
 
 def default_cache_dir(identity: bytes) -> Path:
@@ -153,6 +168,7 @@ def _settings(args, model, tokenizer):
         max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, api_key=args.api_key or None,
         allowed_origins=args.allowed_origins, max_body_bytes=args.max_body_bytes,
+        bind_host=args.host, allowed_hosts=args.allowed_hosts,
         ram_bytes=args.ram_bytes, disk_bytes=args.disk_bytes,
     )
 
@@ -161,18 +177,25 @@ def run(args: argparse.Namespace) -> int:
     """Run `segcache serve` until SIGINT/SIGTERM; returns the process exit code."""
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(message)s")
     if (args.num_draft_tokens < 1 or args.max_tokens < 1 or args.prefill_step_size < 1 or args.max_queue < 0
-            or args.checkpoint_interval < 0 or args.decode_concurrency < 1 or args.prompt_concurrency < 1):
+            or args.checkpoint_interval < 0 or args.decode_concurrency < 1 or args.prompt_concurrency < 1
+            or not args.request_timeout > 0 or args.max_connections < 0):
         print("segcache serve: --num-draft-tokens, --max-tokens, --prefill-step-size, --decode-concurrency and "
-              "--prompt-concurrency must be >= 1, "
-              "--max-queue and --checkpoint-interval >= 0", file=sys.stderr)
+              "--prompt-concurrency must be >= 1, --request-timeout > 0, "
+              "--max-queue, --checkpoint-interval and --max-connections >= 0", file=sys.stderr)
         return 2
     try:
         import uvicorn
 
+        from .guard import connection_protocol, default_max_connections, install_repeats, raise_open_files
+
+        open_files = raise_open_files()  # before mlx-lm loads: its import would lower the hard limit
         from .app import Server, build_app
     except ImportError as exc:
         print(f"segcache serve: {exc.name or exc} is not installed; pip install 'segcache[serve]'", file=sys.stderr)
         return 1
+    # uvicorn's and asyncio's records reach the root handler too (log_config=None below), so
+    # one filter there holds every repeated warning or error to one line per interval
+    install_repeats()
     from mlx_lm import load
 
     from ..demo import shown
@@ -228,10 +251,14 @@ def run(args: argparse.Namespace) -> int:
     rows = f", up to {args.decode_concurrency} rows batched" if args.decode_concurrency > 1 else ""
     log.info("serving %s (%s decoding%s) on http://%s:%d; prefix store: %s", name, mode, rows, args.host,
              args.port, shown(path) if store is not None else "none")
+    max_connections = args.max_connections or default_max_connections(open_files, _BACKLOG)
+    log.info("connections: at most %d open, requests whole within %g s; open files: %s", max_connections,
+             args.request_timeout, open_files or "no limit")
     worker.start()
     try:
         uvicorn.run(build_app(server, lifespan), host=args.host, port=args.port,
-                    log_level=args.log_level.lower(), access_log=False)
+                    log_level=args.log_level.lower(), access_log=False, log_config=None, backlog=_BACKLOG,
+                    http=connection_protocol(args.request_timeout, max_connections))
     finally:
         close()
     return 0
