@@ -32,7 +32,7 @@ from ..batch.decoder import BatchDecoder, RowState
 from ..generation import DRAFT_MIN_PROB, GenerationStats
 from ..runtime import Runtime
 from ..sampling import make_sampler
-from .engine import Chunk, Engine, Finish, GenRequest, Usage, hit_tiers
+from .engine import Chunk, Engine, Finish, GenRequest, Usage
 from .text import StopText
 
 
@@ -179,9 +179,8 @@ class BatchEngine(Engine):
                 return rt, 0, "-"
             steps = rt.prefill_steps(req.ids[:-1], step_size=min(self.prefill_step, self.prefill_chunk),
                                      checkpoints=self._checkpoints(req))
-            before = self._stats()
-            cached = held = next(steps)  # the resume: what the store held
-            tier = hit_tiers(before, self._stats()) if cached else "-"  # one thread: these reads are this resume's
+            resume = next(steps)  # what the store held, and which tiers served it
+            cached, tier, held = resume.restored, resume.tier, resume.tokens
             done = False
             while not done:
                 yield None  # another scheduler step: the running rows decode before the next chunk

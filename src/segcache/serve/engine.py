@@ -92,12 +92,6 @@ class Failure:
     message: str
 
 
-def hit_tiers(before: dict, after: dict) -> str:
-    ram = after["ram_reads"] - before["ram_reads"]
-    disk = after["disk_reads"] - before["disk_reads"]
-    return "+".join(t for t, n in (("ram", ram), ("disk", disk)) if n) or "-"
-
-
 class Engine:
     """The models, the store and the generation settings shared by every request.
 
@@ -124,13 +118,6 @@ class Engine:
         self.prefill_step = prefill_step
         self.checkpoint_interval = checkpoint_interval
         self._dirty = False  # published records may still be only in RAM
-
-    def _stats(self) -> dict:
-        keys = ("hit_tokens", "ram_reads", "disk_reads")
-        if self.store is None or self.store.closed:
-            return dict.fromkeys(keys, 0)
-        st = self.store.stats()
-        return {k: st[k] for k in keys}
 
     def warm_up(self) -> None:
         """Run each model once on a few tokens, so the first request does not pay for MLX's first calls."""
@@ -163,13 +150,6 @@ class Engine:
             draft_rt = Runtime(self.draft_model, store=self.store, gdn_prefill="auto")
             if self.store is not None and len(req.ids) > 1:
                 draft_rt.prefill(req.ids[:-1], step_size=self.prefill_step)  # its own records, same store
-        before = self._stats()
-        responses = stream_generate(
-            self.model, tok, req.ids, runtime=rt, draft_runtime=draft_rt,
-            draft_model=self.draft_model, prompt_lookup=self.prompt_lookup,
-            num_draft_tokens=self.num_draft_tokens, max_tokens=req.max_tokens, sampler=sampler,
-            prefill_step_size=self.prefill_step, prefill_checkpoints=self._checkpoints(req),
-        )
         stop = StopText(req.stops)
         eos = tok.eos_token_ids
         n = cached = 0
@@ -178,13 +158,23 @@ class Engine:
         finish = "length"
         stats = None
         outcome = "cancelled"  # unless it ends or fails
+        responses = None
         try:
+            if self.store is not None and len(req.ids) > 1:  # all but the last token: generation's first forward takes it
+                steps = rt.prefill_steps(req.ids[:-1], step_size=self.prefill_step, checkpoints=self._checkpoints(req))
+                resume = next(steps)  # where the prompt resumed from: this request's own answer
+                cached, tier = resume.restored, resume.tier
+                for _ in steps:
+                    pass
+            responses = stream_generate(
+                self.model, tok, req.ids[rt.offset:], runtime=rt, draft_runtime=draft_rt,
+                draft_model=self.draft_model, prompt_lookup=self.prompt_lookup,
+                num_draft_tokens=self.num_draft_tokens, max_tokens=req.max_tokens, sampler=sampler,
+                prefill_step_size=self.prefill_step,
+            )
             for r in responses:
                 if n == 0:
                     ttft = time.perf_counter() - req.arrival
-                    after = self._stats()
-                    cached = after["hit_tokens"] - before["hit_tokens"]
-                    tier = hit_tiers(before, after) if cached else "-"
                 n += 1
                 stats = r.stats
                 text = stop.feed(r.text)
@@ -209,7 +199,8 @@ class Engine:
             outcome = "failed"
             raise
         finally:
-            responses.close()
+            if responses is not None:
+                responses.close()
             self._dirty = self._dirty or self.store is not None
             self._log(req, n, cached, tier, ttft, stats, outcome)
 

@@ -46,6 +46,7 @@ MAX_KEY = 511  # LMDB's default maximum key size
 _U64 = struct.Struct("<Q")
 _MIN_MAP = 64 << 20
 _LOW_WATER = 0.95  # evict to 95% of the budget so a full store does not scan on every put
+_BATCH_BYTES = 256 << 20  # encoded bytes per write transaction when writing many records
 _MIN_FREE = 1 << 20  # LMDB maps its lock file: creating it on a full file system faults (SIGBUS)
 _LMDB_MAGIC = 0xBEEFC0DE
 _LMDB_VERSION = 1
@@ -184,7 +185,9 @@ def _check_space(path: str) -> None:
 
 
 class DiskTier:
-    """LMDB-backed record storage bounded by ``disk_bytes`` of encoded values."""
+    """LMDB-backed record storage bounded by ``disk_bytes`` of encoded values (the tiers' interface, `tier.py`)."""
+
+    name = "disk"
 
     def __init__(
         self,
@@ -204,6 +207,7 @@ class DiskTier:
         self.evictions = 0  # records removed to respect the budget, since open
         self.corrupt_dropped = 0  # bad records found and deleted, since open
         self.dropped = 0  # writes given up (too large, or the map could not hold them)
+        self.reads = 0  # records read and checked, since open
         self._touched: dict[bytes, float] = {}  # last-use updates not yet written
         self._warned: set[bytes] = set()  # keys already reported as corrupt (one warning per record)
         self._closed = True
@@ -328,8 +332,45 @@ class DiskTier:
 
     # -- writes -------------------------------------------------------------
 
+    def put(self, key: bytes, record: Record) -> None:
+        """Encode and write one record (a failure is warned and counted in `dropped`)."""
+        self.write([(key, record)])
+
+    def write(self, items: list[tuple[bytes, Record]]) -> set[bytes]:
+        """Encode records and write them in few transactions; returns the keys now on disk.
+
+        Never raises: a record that cannot be encoded or written (full file system,
+        I/O error, over the budget) is warned about and counted in `dropped`.
+        """
+        written: set[bytes] = set()
+        batch, size = [], 0
+        now = time.time()
+        for key, rec in items:
+            try:
+                value = codec.encode(rec, key=key, compress=self.compress)
+            except StoreError as e:  # validated at put, so this is a bug or a changed array
+                warnings.warn(f"segcache store: not writing {key.hex()[:16]}: {e}", StoreWarning, stacklevel=2)
+                self.dropped += 1
+                continue
+            batch.append((key, value, Entry(key, rec.tokens, len(value), rec.kind, now, safe_cost(rec.cost), now, rec.parent)))
+            size += len(value)
+            if size >= _BATCH_BYTES:
+                written.update(self._write_batch(batch))
+                batch, size = [], 0
+        if batch:
+            written.update(self._write_batch(batch))
+        return written
+
+    def _write_batch(self, batch) -> list[bytes]:
+        try:
+            return self.put_many(batch)
+        except (lmdb.Error, StoreError, OSError) as e:  # e.g. the file system is full: a cache may lose entries
+            warnings.warn(f"segcache store: {len(batch)} records not written to {self.path}: {e}", StoreWarning, stacklevel=3)
+            self.dropped += len(batch)
+            return []
+
     def put_many(self, items: list[tuple[bytes, bytes, Entry]]) -> list[bytes]:
-        """Store encoded records in one transaction, evicting to the budget; never raises on space.
+        """Store encoded records (key, value, entry) in one transaction, evicting to the budget; never raises on space.
 
         Returns:
             The keys now on disk (a record larger than the budget, or one the map
@@ -531,10 +572,6 @@ class DiskTier:
 
     # -- reads --------------------------------------------------------------
 
-    def renew(self, key: bytes) -> None:
-        """A new record was put under key: a corruption found in it later warns again."""
-        self._warned.discard(key)
-
     def _report(self, key: bytes, err: Exception) -> None:
         if key not in self._warned:
             self._warned.add(key)
@@ -569,6 +606,7 @@ class DiskTier:
             if not isinstance(r, Exception):
                 out[i] = r
                 self._touched[keys[i]] = now
+                self.reads += 1
         for k, v, err in bad:
             if self.delete(k, only_if=v):
                 self.corrupt_dropped += 1
@@ -592,6 +630,11 @@ class DiskTier:
 
     def used_bytes(self) -> int:
         return self._run(self._used)
+
+    def stats(self) -> dict[str, int]:
+        used, entries = self._run(lambda txn: (self._used(txn), txn.stat(self.records)["entries"]))
+        return {"disk_reads": self.reads, "disk_evictions": self.evictions, "disk_corrupt": self.corrupt_dropped,
+                "disk_dropped": self.dropped, "disk_bytes": used, "disk_entries": entries}
 
     def count(self) -> int:
         return self._run(lambda txn: txn.stat(self.records)["entries"])
