@@ -38,6 +38,8 @@ import warnings
 from typing import Callable, Iterator, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
+import mlx.core as mx
+
 from ..errors import StoreError, StoreWarning
 from . import codec
 from .codec import Expect
@@ -218,6 +220,7 @@ class RemoteTier:
 
     def put(self, key: bytes, record: Record) -> None:
         """Queue a write-through of record (encoded on the writer thread; dropped and counted if the queue is full)."""
+        mx.eval(list(record.arrays.values()))  # MLX evaluates on the caller's stream, never on the writer thread
         self._absent.pop(key, None)
         compress = self.compress
         self._offer(("put", key, lambda: codec.encode(record, key=key, compress=compress)))
