@@ -162,6 +162,11 @@ class Runtime:
         model: an mlx-lm model (dense, sliding-window or Gated DeltaNet hybrid).
         store: a `PrefixStore` (`segcache.open_store`) for `prefill`/`publish`;
             clones share it.
+        cache_salt: the runtime's isolation domain in the store (a non-empty
+            str or bytes; None: the shared domain). Its prefill resumes, and its
+            publish stores, only what runtimes of the same salt see: another
+            salt shares no prefix with it (e.g. one per user or API key, so no
+            one can learn whether another's prompt is cached). Clones keep it.
         recurrent_strategy: "auto", "replay" or "states" (see
             `default_recurrent_strategy`; for the generic recurrent-state
             layers of SSM / short-conv families "auto" is "replay",
@@ -182,9 +187,12 @@ class Runtime:
     Attributes:
         model: the model.
         cache: the layer caches, usable anywhere mlx-lm takes a prompt cache.
+        cache_salt: the isolation domain (see Args); may be set before a prefill
+            or publish, e.g. on a runtime split off a batch.
 
     Raises:
         UnsupportedModelError: a layer's cache cannot be rolled back.
+        ValueError: `cache_salt` is empty or not a str or bytes.
     """
 
     def __init__(
@@ -192,6 +200,7 @@ class Runtime:
         model,
         *,
         store=None,
+        cache_salt: str | bytes | None = None,
         recurrent_strategy: str = "auto",
         branch_state_bytes: int = BRANCH_STATE_BYTES,
         gdn_prefill: str = "native",
@@ -200,6 +209,8 @@ class Runtime:
             raise ValueError(f"recurrent_strategy must be one of {RECURRENT_STRATEGIES}")
         if not isinstance(branch_state_bytes, int) or isinstance(branch_state_bytes, bool) or branch_state_bytes < 0:
             raise ValueError(f"branch_state_bytes must be an int >= 0, got {branch_state_bytes!r}")
+        if cache_salt is not None and (not isinstance(cache_salt, (str, bytes)) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty str or bytes (or None), got {cache_salt!r:.40}")
         # StateLayer (SSM, short conv, ...): "auto" is "replay" (layers/state.py)
         state_strategy = default_state_strategy() if recurrent_strategy == "auto" else recurrent_strategy
         chunked_from = chunked_threshold(gdn_prefill)  # raises ValueError on a bad name
@@ -220,6 +231,7 @@ class Runtime:
         # _branches[i].base_offset == every layer's mark i offset; innermost last.
         self._branches: list[Branch] = []
         self.store = store
+        self.cache_salt = cache_salt
         self._prefix: PrefixCache | None = None  # for `store`, made on first use; shared with clones
 
     # -- what the cache holds -------------------------------------------------
@@ -627,7 +639,7 @@ class Runtime:
         other._layers = tuple(other.cache)
         other._ledger = self._ledger.copy(self.committed_offset)
         other._branches = []
-        other.store, other._prefix = self.store, self._prefix
+        other.store, other._prefix, other.cache_salt = self.store, self._prefix, self.cache_salt
         return other
 
     # -- invariants -------------------------------------------------------------

@@ -164,8 +164,9 @@ class PrefixCache:
     """The automatic prefix cache of one runtime (shared by its clones) over its store.
 
     It reads the runtime only through its public surface: `store`, `model`,
-    `recurrent_strategy`, `cache` (the layers' persistence protocol),
-    `committed_tokens` and `committed_offset`; it never changes it.
+    `recurrent_strategy`, `cache_salt` (its isolation domain), `cache` (the
+    layers' persistence protocol), `committed_tokens` and `committed_offset`;
+    it never changes it.
     """
 
     def __init__(self, rt):
@@ -173,7 +174,7 @@ class PrefixCache:
         self.layout = layout_of(rt)
 
     def _prompt(self, rt, ids: list[int]) -> PromptKeys:
-        return PromptKeys(self.store, self.layout, ids, rt.cache)
+        return PromptKeys(self.store, self.layout, ids, rt.cache, rt.cache_salt)
 
     # -- lookup and load --
 
@@ -237,7 +238,7 @@ class PrefixCache:
                     d, src = n, c
             tail, key = None, None
             if d:
-                key = (PAGE if len(src) == P else CKPT) + chain_key(ix.chain[j_max], src, lay.identity)
+                key = (PAGE if len(src) == P else CKPT) + chain_key(ix.chain[j_max], src, ix.identity)
                 spec = ix.rows_spec(len(src)) if len(src) == P else ix.ckpt_spec(j_max * P + len(src))
                 try:
                     tail = self._fetch(ix, key, spec, (), "the rows' tail")

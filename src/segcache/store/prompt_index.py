@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..layers.protocol import CHECKPOINT, PAGES
-from .keys import chain_key, root_key
+from .keys import chain_key, domain_identity, root_key
 from .layout import Layout
 from .record import Record
 
@@ -88,16 +88,18 @@ class PromptKeys:
     """Keys and specs of one prompt under one layout, and its reads (one lookup or publish).
 
     Attributes:
+        identity: the layout's identity in the prompt's isolation domain (`salt`); every key chains from it.
         tiers: key -> the tier ("ram", "disk", "remote") each record read by `find_many` came from.
     """
 
-    def __init__(self, store, lay: Layout, ids: list[int], layers: list):
+    def __init__(self, store, lay: Layout, ids: list[int], layers: list, salt: bytes | str | None = None):
         self.store, self.lay, self.ids = store, lay, ids
         self.layers = layers  # the runtime's layers; only their persistence protocol is used
         self.P = lay.page_tokens
-        self.chain = [root_key(lay.identity)]
+        self.identity = domain_identity(lay.identity, salt)
+        self.chain = [root_key(self.identity)]
         for j in range(1, len(ids) // self.P + 1):
-            self.chain.append(chain_key(self.chain[-1], ids[(j - 1) * self.P : j * self.P], lay.identity))
+            self.chain.append(chain_key(self.chain[-1], ids[(j - 1) * self.P : j * self.P], self.identity))
         self._nodes: dict[int, Node] = {}
         self._brought: set[bytes] = set()  # keys the remote sent ahead (`prefetch`), held locally since
         self.tiers: dict[bytes, str] = {}
@@ -120,7 +122,7 @@ class PromptKeys:
 
     def ckpt_key(self, r: int) -> bytes:
         j = r // self.P
-        return CKPT + chain_key(self.chain[j], self.ids[j * self.P : r], self.lay.identity)
+        return CKPT + chain_key(self.chain[j], self.ids[j * self.P : r], self.identity)
 
     def node_key(self, j: int) -> bytes:
         return NODE + self.chain[j]
