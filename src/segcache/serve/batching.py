@@ -150,7 +150,7 @@ class BatchEngine(Engine):
         or a store (the decoder feeds a fresh one)."""
         if self.draft_model is None or self.store is None:
             return None
-        drt = Runtime(self.draft_model, store=self.store)
+        drt = Runtime(self.draft_model, store=self.store, cache_salt=req.cache_salt)
         if len(req.ids) > 1:
             drt.prefill(req.ids[:-1], step_size=self.prefill_step)
         return drt
@@ -174,7 +174,7 @@ class BatchEngine(Engine):
         self._prefilling += 1
         steps = None
         try:
-            rt = Runtime(self.model, store=self.store, gdn_prefill="auto")  # as Engine: chunked GDN off Metal
+            rt = Runtime(self.model, store=self.store, cache_salt=req.cache_salt, gdn_prefill="auto")  # as Engine
             if len(req.ids) == 1:
                 return rt, 0, "-"
             steps = rt.prefill_steps(req.ids[:-1], step_size=min(self.prefill_step, self.prefill_chunk),
@@ -208,12 +208,12 @@ class BatchEngine(Engine):
                 rt = self.decoder.held(req.id)  # history but the pending token (a lookahead never counts)
                 row = rt.tokens
                 if len(row) <= len(held) and row == held[: len(row)]:
-                    rt.store = self.store
+                    rt.store, rt.cache_salt = self.store, req.cache_salt
                     if len(row) < len(held):
                         rt.forward(held[len(row) :])
                     rt.publish()
                 else:  # the row ran ahead of the client (drafts buffered, not sent): recompute from the store
-                    Runtime(self.model, store=self.store).prefill(held, step_size=self.prefill_step)
+                    Runtime(self.model, store=self.store, cache_salt=req.cache_salt).prefill(held, step_size=self.prefill_step)
                 self._dirty = True
         finally:
             self.decoder.remove(req.id)

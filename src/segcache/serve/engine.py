@@ -38,6 +38,7 @@ class GenRequest:
         checkpoints: prompt positions to checkpoint (chat message boundaries).
         max_tokens: tokens to generate at most (>= 1).
         top_logprobs: alternatives per token; -1 for no logprobs at all.
+        cache_salt: the request's prefix-cache isolation domain (`isolation.domain`; None: shared).
         arrival: time.perf_counter() when the request arrived (for TTFT).
     """
 
@@ -52,6 +53,7 @@ class GenRequest:
     seed: Optional[int] = None
     stops: list[str] = field(default_factory=list)
     top_logprobs: int = -1
+    cache_salt: Optional[str] = None
     arrival: float = field(default_factory=time.perf_counter)
 
 
@@ -144,10 +146,10 @@ class Engine:
             mx.random.seed(req.seed)
         sampler = make_sampler(req.temperature, top_p=req.top_p if req.top_p < 1.0 else 0.0,
                                top_k=req.top_k, min_p=req.min_p)
-        rt = Runtime(self.model, store=self.store, gdn_prefill="auto")
+        rt = Runtime(self.model, store=self.store, cache_salt=req.cache_salt, gdn_prefill="auto")
         draft_rt = None
         if self.draft_model is not None:
-            draft_rt = Runtime(self.draft_model, store=self.store, gdn_prefill="auto")
+            draft_rt = Runtime(self.draft_model, store=self.store, cache_salt=req.cache_salt, gdn_prefill="auto")
             if self.store is not None and len(req.ids) > 1:
                 draft_rt.prefill(req.ids[:-1], step_size=self.prefill_step)  # its own records, same store
         stop = StopText(req.stops)
