@@ -421,7 +421,9 @@ class PrefixStore:
         (``evictions`` both), ``ram_corrupt``/``disk_corrupt`` records dropped as
         damaged (``corrupt_dropped`` both), ``disk_dropped`` (``dropped``) writes
         given up; ``ram_bytes``/``disk_bytes`` and ``*_entries`` the sizes, ``entries``
-        the records held in either.
+        the records held in either; ``disk_page_bytes`` the pages the disk tier's
+        records really take and ``disk_file_bytes`` the size of data.mdb (what
+        ``disk_bytes`` the budget bounds).
         ``remote_reads``/``remote_writes`` the records the remote served and
         stored, ``remote_errors`` its failed round trips (down, slow, full),
         ``remote_dropped`` write-throughs given up for good (queue full, too large,
@@ -481,11 +483,18 @@ class PrefixStore:
             with _store_errors(self.path, "verify"):
                 return self._disk.verify()
 
-    def gc(self, max_bytes: int) -> int:
+    def gc(self, max_bytes: int, *, file: bool = False) -> int:
         """Evict disk records until the disk tier holds <= max_bytes; returns the count.
 
         Leaves go first (records no stored record names as parent), least useful per
         byte and oldest first among them, so no record is left without its parent.
+        Then, if data.mdb is larger than max_bytes and no other process has the store
+        open, it is rewritten without its free pages (LMDB never shrinks it itself).
+
+        Args:
+            max_bytes: bytes of record values to keep at most.
+            file: also evict until the pages the records take (LMDB's own count, more
+                than their values) fit max_bytes, so the rewritten file does too.
 
         Raises:
             StoreError: max_bytes < 0 (nothing is evicted).
@@ -493,7 +502,7 @@ class PrefixStore:
         with self._lock:
             self._check_open()
             with _store_errors(self.path, "gc"):
-                return self._disk.gc(max_bytes)
+                return self._disk.gc(max_bytes, pages=max_bytes if file else None)
 
     def check(self) -> None:
         """Raise InvariantError unless both tiers are consistent and within budget."""
@@ -570,7 +579,8 @@ def open_store(
     Args:
         path: Directory of the store.
         ram_bytes: Budget of the RAM tier (array bytes).
-        disk_bytes: Budget of the disk tier (encoded bytes).
+        disk_bytes: Budget of the disk tier: of data.mdb's size (at least 1 MiB) and of the
+            encoded records in it (docs/format.md, "Budgets and eviction").
         page_tokens: Tokens per KV page; part of key derivation.
         salt: Optional salt mixed into model identities (separates tenants).
         compress: Compress records with zstd where it saves >= 5%. Off by default:
