@@ -11,6 +11,7 @@ import pytest
 
 from segcache import Runtime, open_store
 from segcache.serve.engine import Chunk, Engine, Finish, GenRequest
+from segcache.store import Resume
 from segcache.serve.worker import Job, Scheduler
 from serve_util import TARGET
 
@@ -182,11 +183,11 @@ def test_prefill_steps_yield_the_resume_then_between_forwards_and_end_as_prefill
                 break
         # resume (nothing stored), then before each forward but the first: chunks end at 100, 150, 250, ...
         fed = sorted({*range(100, 150, 100), *range(150, len(ids), 100)})
-        assert seen == [0] + fed
+        assert seen == [Resume(0, 0, "-")] + fed
         assert (got == want).all().item()
         assert sorted((e.key, e.kind, e.tokens) for e in a.entries()) == sorted(
             (e.key, e.kind, e.tokens) for e in b.entries())
         again = Runtime(model, store=b).prefill_steps(ids + [1])
-        assert next(again) == len(ids)  # the first step resumes from the store
+        assert next(again) == Resume(len(ids), len(ids), "ram")  # the first step resumes from the store, from RAM
         again.close()  # stopped there: nothing more fed, nothing published
         assert b.stats()["prefills"] == 1

@@ -9,7 +9,6 @@ its job; the worker sees it at the next step.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import schemas
+from . import isolation, schemas
 from .chat import Prompter
 from .engine import Chunk, Failure, Finish, GenRequest
 from .errors import APIError
@@ -47,7 +46,9 @@ class Settings:
         context_length: prompt + completion tokens the model takes (None: unknown).
         vocab_size: token ids a prompt may hold are < this.
         max_tokens, temperature, top_p, top_k, min_p: defaults for requests that leave them out.
-        api_key: required as a Bearer token on every route but /health (None: open).
+        api_keys: one of them required as a Bearer token on every route but /health (empty: open).
+        isolation: "per-key": each API key is a prefix-cache isolation domain of its own
+            (`isolation.domain`); "none": requests share prefixes unless they send `cache_salt`.
         allowed_origins: origins browsers may call from (CORS; empty: none but the server's own).
         bind_host: the address bound (--host); its name is one `Host` may carry.
         allowed_hosts: more names `Host` may carry (see `guard.HostPolicy`).
@@ -64,7 +65,8 @@ class Settings:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    api_key: Optional[str] = None
+    api_keys: tuple = ()
+    isolation: str = "none"
     allowed_origins: list = field(default_factory=list)
     bind_host: str = "127.0.0.1"
     allowed_hosts: list = field(default_factory=list)
@@ -88,15 +90,18 @@ class Server:
 
     # -- guards ---------------------------------------------------------------------
 
-    def _authorize(self, request: Request) -> None:
-        key = self.settings.api_key
-        if key is None:
-            return
+    def _authorize(self, request: Request) -> Optional[str]:
+        """The API key the request authenticated with (None when the server has none)."""
+        keys = self.settings.api_keys
+        if not keys:
+            return None
         auth = request.headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        key = isolation.match(token.strip(), keys) if scheme.lower() == "bearer" else None
+        if key is None:
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return key
 
     async def _body(self, request: Request) -> bytes:
         limit = self.settings.max_body_bytes
@@ -181,7 +186,7 @@ class Server:
         return await self._generate(request, schemas.ChatRequest)
 
     async def _generate(self, request: Request, kind) -> Response:
-        self._authorize(request)
+        key = self._authorize(request)
         req = schemas.parse(await self._body(request), kind)
         self._check_model(req.model)
         chat = kind is schemas.ChatRequest
@@ -201,6 +206,7 @@ class Server:
             top_p=s.top_p if req.top_p is None else req.top_p,
             top_k=s.top_k if req.top_k is None else req.top_k, min_p=s.min_p if req.min_p is None else req.min_p,
             seed=req.seed, stops=req.stops(), top_logprobs=top,
+            cache_salt=isolation.domain(key, req.cache_salt, s.isolation == "per-key"),
         )
         self._check_sampling(gen, req)
         events: asyncio.Queue = asyncio.Queue()

@@ -61,9 +61,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--min-p", type=float, default=0.0, help="default min-p sampling (default 0: off)")
     p.add_argument("--chat-template", default=None,
                    help="a chat template (Jinja text, or a file holding it) replacing the tokenizer's")
-    p.add_argument("--api-key", default=os.environ.get("SEGCACHE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
-                        "(default: $SEGCACHE_API_KEY, else no key)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health; repeat it for several "
+                        "keys, any of which is accepted (default: $SEGCACHE_API_KEY, else no key)")
+    p.add_argument("--api-key-file", metavar="PATH",
+                   help="more accepted API keys, one per line ('#' starts a comment line)")
+    p.add_argument("--prompt-cache-isolation", choices=("none", "per-key"), default="none",
+                   help="per-key: requests share cached prefixes only with requests of the same API key (so no "
+                        "key can learn whether another's prompt is cached); none (default): all requests share, "
+                        "except across different 'cache_salt' request fields")
     p.add_argument("--allowed-origins", type=_names, default=[],
                    help="comma-separated origins browsers may call from (CORS); other origins get 403 "
                         "(default: none but the server's own; '*': any)")
@@ -155,7 +161,19 @@ def _open_store(args, model):
     return store, path
 
 
-def _settings(args, model, tokenizer):
+def api_keys(args) -> list[str]:
+    """The accepted API keys: every --api-key (else $SEGCACHE_API_KEY) and the --api-key-file's.
+
+    Raises:
+        ValueError: the keys file cannot be read, or a key is malformed.
+    """
+    from .isolation import read_keys
+
+    given = args.api_key if args.api_key else [os.environ.get("SEGCACHE_API_KEY") or ""]
+    return read_keys(given, args.api_key_file)
+
+
+def _settings(args, model, tokenizer, keys):
     from .app import DEFAULT_MODEL, Settings
 
     cfg = _config(args.model) or _model_args(model)  # a hub id has no local config.json
@@ -166,7 +184,7 @@ def _settings(args, model, tokenizer):
         vocab_size=_lookup(cfg, "vocab_size") or len(tokenizer.vocab),
         context_length=_lookup(cfg, "max_position_embeddings", "max_seq_len", "n_positions", "seq_length"),
         max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, api_key=args.api_key or None,
+        min_p=args.min_p, api_keys=tuple(keys), isolation=args.prompt_cache_isolation,
         allowed_origins=args.allowed_origins, max_body_bytes=args.max_body_bytes,
         bind_host=args.host, allowed_hosts=args.allowed_hosts,
         ram_bytes=args.ram_bytes, disk_bytes=args.disk_bytes,
@@ -182,6 +200,15 @@ def run(args: argparse.Namespace) -> int:
         print("segcache serve: --num-draft-tokens, --max-tokens, --prefill-step-size, --decode-concurrency and "
               "--prompt-concurrency must be >= 1, --request-timeout > 0, "
               "--max-queue, --checkpoint-interval and --max-connections >= 0", file=sys.stderr)
+        return 2
+    try:
+        keys = api_keys(args)
+    except ValueError as exc:
+        print(f"segcache serve: {exc}", file=sys.stderr)
+        return 2
+    if args.prompt_cache_isolation == "per-key" and not keys:
+        print("segcache serve: --prompt-cache-isolation per-key needs API keys (--api-key, --api-key-file or "
+              "$SEGCACHE_API_KEY): without them every request is in one domain", file=sys.stderr)
         return 2
     try:
         import uvicorn
@@ -221,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
               "its tokenizer", file=sys.stderr)
         return 2
     store, path = _open_store(args, model)
-    settings = _settings(args, model, tokenizer)
+    settings = _settings(args, model, tokenizer, keys)
     name = settings.served_name
     options = dict(store=store, draft_model=draft, prompt_lookup=args.prompt_lookup,
                    num_draft_tokens=args.num_draft_tokens, prefill_step=args.prefill_step_size,

@@ -41,11 +41,13 @@ import mlx.core as mx
 
 from ..acceptors import make_acceptor
 from ..batch.decoder import BatchDecoder
+from ..batch.prefill import PrefillBatch
 from ..errors import RowError
 from ..generation import DRAFT_MIN_PROB
 from ..runtime import Runtime
 from ..sampling import Keys, make_sampler
 from ..stats import GenerationStats
+from ..store import Resume
 from .text import StopText
 
 log = logging.getLogger("segcache.serve")
@@ -63,6 +65,7 @@ class GenRequest:
         seed: the request's own random stream (None: a fresh secret one); a request
             never draws from a stream another request can touch.
         top_logprobs: alternatives per token; -1 for no logprobs at all.
+        cache_salt: the request's prefix-cache isolation domain (`isolation.domain`; None: shared).
         arrival: time.perf_counter() when the request arrived (for TTFT).
     """
 
@@ -77,6 +80,7 @@ class GenRequest:
     seed: Optional[int] = None
     stops: list[str] = field(default_factory=list)
     top_logprobs: int = -1
+    cache_salt: Optional[str] = None
     arrival: float = field(default_factory=time.perf_counter)
 
 
@@ -122,10 +126,18 @@ class StepFailed(RuntimeError):
     cannot be told apart); the decoder is as before the step."""
 
 
-def hit_tiers(before: dict, after: dict) -> str:
-    ram = after["ram_reads"] - before["ram_reads"]
-    disk = after["disk_reads"] - before["disk_reads"]
-    return "+".join(t for t, n in (("ram", ram), ("disk", disk)) if n) or "-"
+@dataclass
+class _Joining:
+    """A prompt the prefill batch is feeding (its row there), until `runtime` holds it whole."""
+
+    ids: list
+    resume: Resume
+    cache: object  # the runtime's PrefixCache, None without a store
+    salt: Optional[str]
+    snaps: list = field(default_factory=list)  # the store's snapshots at its checkpoints so far
+    seconds: float = 0.0  # its share of the forwards that fed it
+    runtime: Optional[Runtime] = None  # the prompt, all fed: set when done
+    failed: Optional[str] = None  # a forward that fed it failed
 
 
 class Engine:
@@ -179,7 +191,11 @@ class Engine:
                                     gate=not one, one_row=one)
         self._buffers: dict[str, collections.deque] = {}
         self._prefilling = 0  # prompts being prefilled (at most prompt_concurrency)
-        self._stepped = False  # the decoder's step of this scheduler step has run
+        # Prompts fed together (several rows only): the batch holds exactly the `_joining` entries
+        # whose runtime is not ready yet.
+        self.prefill_batch = None if one else PrefillBatch(model, gdn_prefill="auto")
+        self._joining: dict[str, _Joining] = {}
+        self._stepped = self._prefilled = False  # the decoder's / prefill batch's step of this scheduler step ran
         self._dirty = False  # published records may still be only in RAM
         self.decode_steps = 0  # decoder steps run (counters for tests and logs)
         self.prefill_chunks = 0  # prompt chunks forwarded
@@ -204,7 +220,7 @@ class Engine:
             self._dirty = False
 
     def begin_step(self) -> None:
-        self._stepped = False
+        self._stepped = self._prefilled = False
 
     def _step(self) -> None:
         """The decoder's step for every row, once per scheduler step; its tokens go to the buffers."""
@@ -307,48 +323,96 @@ class Engine:
         or a store (the decoder feeds a fresh one)."""
         if self.draft_model is None or self.store is None:
             return None
-        drt = Runtime(self.draft_model, store=self.store, gdn_prefill="auto")
+        drt = Runtime(self.draft_model, store=self.store, cache_salt=req.cache_salt, gdn_prefill="auto")
         if len(req.ids) > 1:
             drt.prefill(req.ids[:-1], step_size=self.prefill_step)
         return drt
 
     def _prefill(self, req: GenRequest) -> Generator[None, None, tuple[Runtime, int, str]]:
-        """Resume the prompt (all but its last token) from the store, then feed the rest one
-        chunk per scheduler step, yielding between chunks so the running rows decode meanwhile.
+        """Resume the prompt (all but its last token) from the store, then feed the rest, yielding
+        between forwards so the running rows decode meanwhile.
 
+        With several rows, the rest goes through the engine's `PrefillBatch`: every prompt being
+        prefilled advances in one forward per scheduler step. A prompt the store mostly restored
+        is fed alone instead (copying its prefix into the batch would cost more than its rest),
+        one chunk per scheduler step, as is a lone row's (in `prefill_step` chunks, no yield).
         At most `prompt_concurrency` prompts are being prefilled at once; the others wait.
         Returns (as the generator's value) the Runtime, the tokens restored from the store and
-        the tiers they came from ("ram", "disk", "ram+disk" or "-").
+        the tiers they came from ("ram", "disk", "ram+disk", "remote" or "-").
         """
         while self._prefilling >= self.prompt_concurrency:
             yield None  # wait for a prefill slot
         self._prefilling += 1
         steps = None
         try:
-            rt = Runtime(self.model, store=self.store, gdn_prefill="auto")  # chunked GDN off Metal
+            rt = Runtime(self.model, store=self.store, cache_salt=req.cache_salt, gdn_prefill="auto")
             if len(req.ids) == 1:
                 return rt, 0, "-"
-            chunk = self.prefill_step if self.decoder.one_row else min(self.prefill_step, self.prefill_chunk)
-            steps = rt.prefill_steps(req.ids[:-1], step_size=chunk, checkpoints=self._checkpoints(req))
-            before = self._stats()
-            cached = held = next(steps)  # the resume: what the store held
-            tier = hit_tiers(before, self._stats()) if cached else "-"  # one thread: these reads are this resume's
-            done = False
-            while not done:
-                if not self.decoder.one_row:
-                    yield None  # another scheduler step: the running rows decode before the next chunk
-                try:
-                    next(steps)  # one forward (the last one also publishes)
-                except StopIteration:
-                    done = True
-                if rt.offset > held:  # nothing was left to feed after a whole-prompt hit
-                    held = rt.offset
+            ids = req.ids[:-1]
+            one = self.decoder.one_row
+            chunk = self.prefill_step if one else min(self.prefill_step, self.prefill_chunk)
+            steps = rt.prefill_steps(ids, step_size=chunk, checkpoints=self._checkpoints(req))
+            resume = next(steps)  # where the prompt resumed from: this request's own answer
+            left = len(ids) - resume.tokens
+            if one or not left or resume.tokens > left:
+                while True:
+                    if not one:
+                        yield None  # another scheduler step: the running rows decode before the next chunk
+                    try:
+                        next(steps)  # one forward (the last one also publishes)
+                    except StopIteration:
+                        break
                     self.prefill_chunks += 1
-            return rt, cached, tier
+                return rt, resume.restored, resume.tier
+            steps.close()  # resumed; the batch feeds the rest (and this publishes nothing)
+            stops = [p for p in (*resume.stops, *self._checkpoints(req)) if resume.tokens < p < len(ids)]
+            joining = self._joining[req.id] = _Joining(ids, resume, rt.prefix_cache() if self.store else None,
+                                                       req.cache_salt)
+            self.prefill_batch.add(req.id, rt, ids, stops)
+            while joining.runtime is None:
+                yield None  # the batch's forward for this scheduler step runs once, for every prompt
+                self._prefill_step()
+                if joining.failed is not None:
+                    raise StepFailed(joining.failed)
+            return joining.runtime, resume.restored, resume.tier
         finally:
             self._prefilling -= 1
             if steps is not None:
                 steps.close()  # cancelled mid-prefill: stop there (a finished one is unaffected)
+            if self._joining.pop(req.id, None) is not None and req.id in self.prefill_batch.prompts:
+                self.prefill_batch.remove(req.id)  # cancelled mid-prefill: its row leaves, nothing published
+
+    def _prefill_step(self) -> None:
+        """One forward of the prefill batch per scheduler step: at most `prefill_chunk` tokens
+        while rows decode (their stall stays one chunk), else up to `prefill_step`; snapshots
+        at each prompt's checkpoints, and a finished prompt published as `Runtime.prefill` does."""
+        batch = self.prefill_batch
+        if self._prefilled or not len(batch):
+            return
+        self._prefilled = True
+        rows = len(batch)
+        tic = time.perf_counter()
+        try:
+            reached = batch.step(self.prefill_chunk if len(self.decoder) else self.prefill_step)
+        except Exception as exc:  # every prompt of the forward fails; the batch is dropped whole
+            log.exception("a prefill forward of %d prompt(s) failed; failing each of them", rows)
+            for rid in list(batch.prompts):
+                self._joining[rid].failed = f"{type(exc).__name__}: {exc}"
+                batch.remove(rid)
+            return
+        self.prefill_chunks += 1
+        share = (time.perf_counter() - tic) / rows
+        for joining in self._joining.values():
+            joining.seconds += share
+        for r in reached:
+            joining = self._joining[r.row_id]
+            r.runtime.store, r.runtime.cache_salt = self.store, joining.salt
+            if joining.cache is not None:
+                joining.snaps.append(joining.cache.snapshot(r.runtime, r.logits))
+            if r.done:
+                if joining.cache is not None:
+                    joining.cache.prefilled(r.runtime, joining.ids, joining.resume, joining.snaps, joining.seconds)
+                joining.runtime = r.runtime
 
     def _leave(self, req: GenRequest, drt: Runtime | None, publish: bool, pending: bool = True) -> None:
         """Free the row now; publish prompt + what the client received (an EOS only where a
@@ -362,20 +426,13 @@ class Engine:
             self.decoder.remove(req.id)
             return
         rt = self.decoder.release(req.id, pending=pending)  # what the client took; the row has left
-        rt.store = self.store
+        rt.store, rt.cache_salt = self.store, req.cache_salt  # a batch row's copy has neither
         rt.publish()
         if self.decoder.one_row and drt is not None:
             drt.publish()  # the draft's runtime itself was the draft row: the next turn resumes it too
         self._dirty = True
 
     # -- helpers ----------------------------------------------------------------------
-
-    def _stats(self) -> dict:
-        keys = ("hit_tokens", "ram_reads", "disk_reads")
-        if self.store is None or self.store.closed:
-            return dict.fromkeys(keys, 0)
-        st = self.store.stats()
-        return {k: st[k] for k in keys}
 
     def _checkpoints(self, req: GenRequest) -> list[int]:
         """The request's own boundaries, plus every `checkpoint_interval` tokens of its prompt."""

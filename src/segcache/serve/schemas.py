@@ -43,6 +43,7 @@ class _Request(_Strict):
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict] = None
+    cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=1024)  # vLLM's: the prefix-cache domain
 
     def stops(self) -> list[str]:
         """The stop strings, as a list."""
