@@ -86,8 +86,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=parse_size, default=8 << 20, help="largest request body (default 8M)")
     p.add_argument("--decode-concurrency", type=int, default=1,
                    help="requests decoded together in one batched forward (default 1), with or without a drafter")
-    p.add_argument("--prompt-concurrency", type=int, default=1,
-                   help="prompts being prefilled at once, at most (each in chunks between decode steps; default 1)")
+    p.add_argument("--prompt-concurrency", type=int, default=8,
+                   help="prompts being prefilled at once, at most (default 8, as mlx_lm.server): with "
+                        "--decode-concurrency above 1 they advance together, one forward per step for all "
+                        "(a step feeds at most one chunk while other rows decode)")
     p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill forward")
     p.add_argument("--checkpoint-interval", type=int, default=256,
                    help="checkpoint a long prompt every N tokens, so another prompt sharing only its start "

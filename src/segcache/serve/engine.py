@@ -170,7 +170,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, *, store=None, draft_model=None, prompt_lookup: bool = False,
                  num_draft_tokens: int = 4, prefill_step: int = 2048, checkpoint_interval: int = 256,
-                 decode_concurrency: int = 1, prompt_concurrency: int = 1):
+                 decode_concurrency: int = 1, prompt_concurrency: int = 8):
         self.model = model
         self.tokenizer = tokenizer
         self.store = store
