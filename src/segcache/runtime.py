@@ -425,13 +425,14 @@ class Runtime:
             except Exception as exc:  # states that do not load are a miss, never a failed prefill
                 cache.failed("restoring the resumed prefix", exc)
                 resume = Resume(held)
-        yield dataclasses.replace(resume, states=None, logits=None)  # the caller may run other work first
+        # The layers hold the states now. No other reference may stay: the next forward writes
+        # into a KV buffer in place only if nothing else references it (else it copies it whole).
+        last, resume = resume.logits, dataclasses.replace(resume, states=None, logits=None)
+        yield resume  # the caller may run other work first
         start, stops, snaps, seconds = resume.tokens, [L], [], 0.0
         if cache is not None:
             stops = sorted({L, *resume.stops, *(p for p in checkpoints if isinstance(p, int) and start < p < L)})
-        if start == L:  # the whole prompt restored from a checkpoint
-            last = resume.logits
-        else:
+        if start < L:
             take = None if cache is None else (lambda logits: snaps.append(cache.snapshot(self, logits)))
             last, seconds = yield from self._feed(ids, start, stops, step_size, take)
         if cache is not None:
