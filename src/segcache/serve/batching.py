@@ -139,7 +139,7 @@ class BatchEngine(Engine):
                     break
             outcome = finish
             self._leave(req, emitted)
-            yield Finish(finish, Usage(len(req.ids), n, cached))
+            yield Finish(finish, Usage(len(req.ids), n, cached), stop.matched)
         finally:
             self._leave(req, emitted)
             self._log(req, n, cached, tier, ttft, self._row_stats(row, n, req.arrival + ttft), outcome)

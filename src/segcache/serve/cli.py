@@ -32,6 +32,16 @@ def parse_size(text: str) -> int:
     return int(m.group(1)) << (10 * "_kmgt".index((m.group(2) or "_").lower()))
 
 
+def _template_args(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("a JSON object is needed, e.g. '{\"enable_thinking\": false}'")
+    return value
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register the `serve` subcommand on an argparse `subparsers` object."""
     p = subparsers.add_parser(
@@ -60,6 +70,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--min-p", type=float, default=0.0, help="default min-p sampling (default 0: off)")
     p.add_argument("--chat-template", default=None,
                    help="a chat template (Jinja text, or a file holding it) replacing the tokenizer's")
+    p.add_argument("--chat-template-args", type=_template_args, default={}, metavar="JSON",
+                   help="template variables for every chat, as a JSON object, e.g. '{\"enable_thinking\": false}' "
+                        "(as mlx_lm.server); a request's chat_template_kwargs override them")
     p.add_argument("--api-key", default=os.environ.get("SEGCACHE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(default: $SEGCACHE_API_KEY, else no key)")
@@ -215,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
     if running > 1:
         scheduler.begin_step = engine.begin_step
     worker = Worker(scheduler)
-    server = Server(settings, Prompter(tokenizer, template), scheduler, worker, store)
+    server = Server(settings, Prompter(tokenizer, template, args.chat_template_args), scheduler, worker, store)
 
     def close() -> None:
         worker.stop()  # uvicorn let the requests in flight end: the queue is empty

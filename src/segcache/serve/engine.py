@@ -79,10 +79,15 @@ class Usage:
 
 @dataclass
 class Finish:
-    """The request's end: "stop" (EOS or a stop string) or "length"."""
+    """The request's end: "stop" (EOS or a stop string) or "length".
+
+    Attributes:
+        stop: the stop string that ended the text (None: EOS or length).
+    """
 
     reason: str
     usage: Usage
+    stop: Optional[str] = None
 
 
 @dataclass
@@ -204,7 +209,7 @@ class Engine:
             if draft_rt is not None and self.store is not None:
                 draft_rt.publish()
             self._dirty = self.store is not None
-            yield Finish(finish, Usage(len(req.ids), n, cached))
+            yield Finish(finish, Usage(len(req.ids), n, cached), stop.matched)
         except Exception:
             outcome = "failed"
             raise

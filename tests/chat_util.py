@@ -1,0 +1,92 @@
+"""`segcache serve`'s app in this process, on 127.0.0.1, for the chat-surface tests.
+
+The same Server, Engine, Scheduler and Worker `segcache serve` builds, with
+uvicorn on a thread: a scripted model per tool-parser family costs a load of
+a tiny model, not a process start.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from serve_util import free_port
+
+START_TIMEOUT = 30
+
+
+class LocalServer:
+    """Serve the model directory `model_dir` until `stop()` (use as a context manager).
+
+    Args:
+        model_dir: an mlx-lm model directory.
+        store_dir: a prefix store directory, or None to serve without one.
+        chat_template, template_args: as --chat-template, --chat-template-args.
+        api_key: as --api-key.
+    """
+
+    def __init__(self, model_dir, *, store_dir=None, chat_template=None, template_args=None, api_key=None):
+        self.model_dir = Path(model_dir)
+        self.store_dir = store_dir
+        self.chat_template = chat_template
+        self.template_args = template_args
+        self.api_key = api_key
+        self.port = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "LocalServer":
+        import mlx_lm
+        import uvicorn
+
+        from segcache.serve.app import DEFAULT_MODEL, Server, Settings, build_app
+        from segcache.serve.chat import Prompter
+        from segcache.serve.engine import Engine
+        from segcache.serve.worker import Scheduler, Worker
+
+        self.model, self.tokenizer = mlx_lm.load(str(self.model_dir))
+        self.store = None
+        if self.store_dir is not None:
+            from segcache.store import open_store
+
+            self.store = open_store(self.store_dir, ram_bytes=64 << 20, disk_bytes=256 << 20)
+        name = self.model_dir.name
+        settings = Settings(served_name=name, names={name, DEFAULT_MODEL}, vocab_size=len(self.tokenizer),
+                            context_length=self.model.args.max_position_embeddings, api_key=self.api_key)
+        self.engine = Engine(self.model, self.tokenizer, store=self.store)
+        self.worker = Worker(Scheduler(self.engine))
+        self.prompter = Prompter(self.tokenizer, self.chat_template, self.template_args)
+        app = build_app(Server(settings, self.prompter, self.worker.scheduler, self.worker, self.store))
+        self.port = free_port()
+        self.uvicorn = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                     lifespan="off"))
+        self.worker.start()
+        self.thread = threading.Thread(target=self.uvicorn.run, name="uvicorn", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + START_TIMEOUT
+        while not self.uvicorn.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                self.__exit__()
+                raise RuntimeError("the in-process server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.uvicorn.should_exit = True
+        self.thread.join(START_TIMEOUT)
+        self.worker.stop(START_TIMEOUT)
+        if self.store is not None:
+            self.store.close()
+
+    def openai(self, api_key: str = "none"):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, timeout=60, max_retries=0)
+
+    def anthropic(self, api_key: str = "none"):
+        import anthropic
+
+        return anthropic.Anthropic(base_url=self.url, api_key=api_key, timeout=60, max_retries=0)
