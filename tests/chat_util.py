@@ -44,6 +44,7 @@ class LocalServer:
 
         from segcache.serve.app import DEFAULT_MODEL, Server, Settings, build_app
         from segcache.serve.chat import Prompter
+        from segcache.serve.cli import _config, _lookup
         from segcache.serve.engine import Engine
         from segcache.serve.worker import Scheduler, Worker
 
@@ -55,7 +56,7 @@ class LocalServer:
             self.store = open_store(self.store_dir, ram_bytes=64 << 20, disk_bytes=256 << 20)
         name = self.model_dir.name
         settings = Settings(served_name=name, names={name, DEFAULT_MODEL}, vocab_size=len(self.tokenizer),
-                            context_length=self.model.args.max_position_embeddings, api_key=self.api_key)
+                            context_length=_lookup(_config(self.model_dir), "max_position_embeddings"), api_key=self.api_key)
         self.engine = Engine(self.model, self.tokenizer, store=self.store)
         self.worker = Worker(Scheduler(self.engine))
         self.prompter = Prompter(self.tokenizer, self.chat_template, self.template_args)
@@ -90,3 +91,58 @@ class LocalServer:
         import anthropic
 
         return anthropic.Anthropic(base_url=self.url, api_key=api_key, timeout=60, max_retries=0)
+
+
+class MlxLmServer:
+    """`mlx_lm.server --model MODEL` as a subprocess on a free loopback port (a context manager)."""
+
+    def __init__(self, model_dir, log_path, *args):
+        self.model_dir = Path(model_dir)
+        self.log_path = Path(log_path)
+        self.args = [str(a) for a in args]
+        self.proc = None
+        self.port = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "MlxLmServer":
+        import subprocess
+        import sys
+
+        import httpx
+
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(self.model_dir), "--host", "127.0.0.1",
+               "--port", str(self.port), *self.args]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlx_lm.server exited:\n{self.log_path.read_text(errors='replace')}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.__exit__()
+        raise RuntimeError("mlx_lm.server did not answer /health in 90 s")
+
+    def __exit__(self, *exc) -> None:
+        import subprocess
+
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+
+    def openai(self):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", timeout=60, max_retries=0)

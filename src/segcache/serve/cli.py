@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
 
         from .app import Server, build_app
     except ImportError as exc:
-        print(f"segcache serve: {exc.name or exc} is not installed; pip install 'segcache[serve]'", file=sys.stderr)
+        print(f"segcache serve: {exc.name or exc} is not installed; reinstall segcache (it depends on it)", file=sys.stderr)
         return 1
     from mlx_lm import load
 

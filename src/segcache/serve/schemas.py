@@ -368,6 +368,7 @@ class ResponsesRequest(_Common):
         "prompt": "stored prompt templates are not available",
         "top_logprobs": "logprobs are not returned by /v1/responses here; use /v1/chat/completions",
         "image": "image generation is not available",
+        "background_options": "responses run in the foreground here",
         "access_programs": "not available",
         "context_management": "not available",
         "moderation": "segcache serve runs no moderation",
@@ -571,7 +572,7 @@ def _check_fields(body: dict, kind: type[_Common]) -> dict:
         if body.get(name) is not None:
             raise APIError(400, f"'{name}' is not supported by segcache serve: {why}", param=name,
                            code="unsupported_field")
-    return {k: v for k, v in body.items() if k not in kind.ignored}
+    return {k: v for k, v in body.items() if k not in kind.ignored and k not in kind.refused}
 
 
 def parse(raw: bytes, kind: type[_Common]) -> _Common:
@@ -592,7 +593,7 @@ def parse(raw: bytes, kind: type[_Common]) -> _Common:
         req = kind.model_validate(body)
     except ValidationError as exc:
         # the deepest error: a union reports a mismatch for each of its members first
-        err = max(exc.errors(), key=lambda e: len(_param(e["loc"]).split(".")))
+        err = max(exc.errors(), key=lambda e: (len(_param(e["loc"]).split(".")), e["type"] != "missing"))
         param = _param(err["loc"])
         if err["type"] == "missing":
             raise APIError(400, f"'{param}' is required", param=param, code="missing_field") from None

@@ -129,16 +129,23 @@ def _pieces(text: str, used: set, size: int = 5) -> list[str]:
     return out
 
 
-def build(directory, *, family: str = "json_tools", scripts: dict, thinking: bool = False) -> Path:
+def build(directory, *, family: str | None = "json_tools", scripts: dict | None = None, thinking: bool = False,
+          forced: str | None = None, random_model: str | None = None) -> Path:
     """Write a scripted model directory for `mlx_lm.load` (and `segcache serve --model`).
 
     Args:
         directory: where to write it (created).
-        family: the mlx-lm tool-parser family of its tokenizer (a key of CALLS).
+        family: the mlx-lm tool-parser family of its tokenizer (a key of CALLS), or
+            None for a tokenizer without tool calling.
         scripts: script name -> the reply text; "default" is the reply to a prompt
             without the selector.
         thinking: make "<think>"/"</think>" tokens and open a reasoning block in the
             generation prompt (mlx-lm then gives the tokenizer a reasoning channel).
+        forced: the reply to a prompt that ends with the tool-call start marker (a
+            forced call); the marker is then a token.
+        random_model: instead of the scripted model, a tiny random-weight model of
+            this family (`models.build`) over the same tokenizer, e.g. "qwen3_5" for
+            a hybrid one: for tests of prompts and the prefix cache, not of replies.
 
     Returns:
         The directory's path.
@@ -150,9 +157,15 @@ def build(directory, *, family: str = "json_tools", scripts: dict, thinking: boo
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    used: set = set(ROLE_TOKENS) | (set(THINK) if thinking else set())
+    scripts = dict(scripts or {})
+    start = markers(family)[0] if family else None
+    heads = {n: "\n" if n == "default" else f"<|s:{n}|>" for n in scripts}
+    if forced is not None:
+        scripts = {**scripts, "forced": forced}
+        heads["forced"] = start
+    used: set = set(ROLE_TOKENS) | (set(THINK) if thinking else set()) | set(heads.values())
     chains = {name: _pieces(text, used) for name, text in scripts.items()}
-    added = ROLE_TOKENS + (list(THINK) if thinking else []) + [f"<|s:{n}|>" for n in scripts if n != "default"]
+    added = ROLE_TOKENS + (list(THINK) if thinking else []) + [h for h in heads.values() if h != "\n"]
     added += [p for chain in chains.values() for p in chain]
     base = [EOS, UNK] + CHARS
     core = Tokenizer(models.WordLevel({t: i for i, t in enumerate(base)}, unk_token=UNK))
@@ -161,18 +174,28 @@ def build(directory, *, family: str = "json_tools", scripts: dict, thinking: boo
     core.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=EOS, unk_token=UNK,
                                   clean_up_tokenization_spaces=False)
-    tok.chat_template = template(family)
+    tok.chat_template = template(family or "json_tools")
     tok.save_pretrained(str(directory))
-    cfg_path = directory / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["tool_parser_type"] = family
-    cfg_path.write_text(json.dumps(cfg, indent=2))
+    if family:
+        cfg_path = directory / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["tool_parser_type"] = family
+        cfg_path.write_text(json.dumps(cfg, indent=2))
 
     vocab = len(tok)
+    if random_model is not None:
+        from .models import config as model_config
+
+        config = model_config(random_model, vocab_size=vocab)
+        model = build_model(random_model, vocab_size=vocab)
+        mx.save_safetensors(str(directory / "model.safetensors"), dict(tree_flatten(model.parameters())),
+                            metadata={"format": "mlx"})
+        (directory / "config.json").write_text(json.dumps(dict(config, eos_token_id=tok.eos_token_id), indent=2))
+        return directory
     nxt = {}
     for name, chain in chains.items():
         ids = [tok.convert_tokens_to_ids(p) for p in chain]
-        head = tok.convert_tokens_to_ids("\n" if name == "default" else f"<|s:{name}|>")
+        head = tok.convert_tokens_to_ids(heads[name])
         for a, b in zip([head] + ids, ids + [tok.eos_token_id]):
             nxt[a] = b
     hidden = -(-vocab // 16) * 16
