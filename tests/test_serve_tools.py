@@ -200,25 +200,26 @@ def test_reasoning_and_template_arguments(models, tmp_path):
 
 
 def test_agent_turns_resume_all_but_the_new_messages(models, tmp_path):
-    """On the scripted (KV) model and on a hybrid one: each turn of an agent loop resumes at
-    least the previous turn's conversation (its prompt without the generation prompt)."""
-    hybrid = build(tmp_path / "hybrid", random_model="qwen3_5", thinking=True)
+    """An agent loop on the model's own answers (calls parsed, results sent back), on the
+    scripted KV model and on a scripted hybrid: each turn resumes at least the previous
+    request's conversation (its prompt but the generation prompt)."""
+    hybrid = build(tmp_path / "hybrid", arch="qwen3_next", thinking=True,
+                   scripts={"default": "Read it.</think>\n\n" + CALL})
     for path in (models["tools"], hybrid):
-        tok = mlx_lm.load(str(path))[1]
-        p = Prompter(tok)
+        p = Prompter(mlx_lm.load(str(path))[1])
         with LocalServer(path, store_dir=tmp_path / f"store-{path.name}") as srv:
             c = srv.openai()
-            msgs = list(ASK)
+            msgs, prev = list(ASK), None
             for turn in range(4):
-                r = c.chat.completions.create(model=path.name, messages=msgs, tools=TOOLS, max_tokens=12)
-                if turn:
-                    before = p.chat(template_messages(msgs[:-2]), TOOLS).checkpoints[-1]
-                    assert r.usage.prompt_tokens_details.cached_tokens >= before, (turn, before)
-                call_id = f"call_{turn}"
-                msgs = msgs + [{"role": "assistant", "content": "", "tool_calls": [
-                    {"id": call_id, "type": "function", "function": {
-                        "name": "read_file", "arguments": json.dumps({"path": f"src/m{turn}.py"})}}]},
-                    {"role": "tool", "tool_call_id": call_id, "content": f"x = {turn}\n" * 20}]
+                r = c.chat.completions.create(model=path.name, messages=msgs, tools=TOOLS)
+                if prev is not None:
+                    floor = p.chat(template_messages(prev), TOOLS).checkpoints[-1]
+                    assert r.usage.prompt_tokens_details.cached_tokens >= floor, (path.name, turn, floor)
+                msg = r.choices[0].message
+                assert r.choices[0].finish_reason == "tool_calls"
+                prev = msgs
+                msgs = msgs + [msg.model_dump(exclude_none=True)] + [
+                    {"role": "tool", "tool_call_id": t.id, "content": f"x = {turn}\n" * 20} for t in msg.tool_calls]
 
 
 def test_same_tool_calls_and_prompt_tokens_as_mlx_lm_server(models, tmp_path):
@@ -237,3 +238,12 @@ def test_same_tool_calls_and_prompt_tokens_as_mlx_lm_server(models, tmp_path):
             assert a.choices[0].finish_reason == b.choices[0].finish_reason == "tool_calls"
             assert (getattr(a.choices[0].message, "reasoning", None) or "") == \
                 (getattr(b.choices[0].message, "reasoning", None) or "")
+
+
+def test_chat_template_args_flag_takes_a_json_object(capsys):
+    from segcache.cli import main
+
+    for bad in ("[1]", "{not json"):
+        with pytest.raises(SystemExit):
+            main(["serve", "--model", str(TARGET), "--chat-template-args", bad])
+        assert "--chat-template-args" in capsys.readouterr().err

@@ -46,8 +46,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register the `serve` subcommand on an argparse `subparsers` object."""
     p = subparsers.add_parser(
         "serve", help="an OpenAI-compatible HTTP server with a persistent prefix cache",
-        description="Serve a local mlx-lm model over OpenAI's API (/v1/completions, /v1/chat/completions, "
-        "/v1/models, /health) on segcache runtimes: every request resumes the longest prefix cached in RAM "
+        description="Serve a local mlx-lm model over OpenAI's API (/v1/completions, /v1/chat/completions with "
+        "tool calls and reasoning, /v1/responses, /v1/models, /health) and Anthropic's (/v1/messages) on segcache "
+        "runtimes: every request resumes the longest prefix cached in RAM "
         "or on disk, and greedy output is token-identical to mlx-lm, speculative or not.",
     )
     p.add_argument("--model", required=True, help="model directory (mlx_lm.load)")

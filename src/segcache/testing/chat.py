@@ -1,7 +1,7 @@
 """Scripted chat models for the serving tests: a tokenizer per mlx-lm tool-parser family,
 a chat template that renders tools, and a tiny model whose greedy reply is a given text.
 
-The model is mlx-lm's own llama class with hand-set weights: the attention and
+The model is mlx-lm's own llama (or qwen3_next, a hybrid) class with hand-set weights: the attention and
 MLP outputs are zero, so the residual stream is the current token's one-hot
 embedding, and the output head maps each token to the next token of a script
 (EOS for every other token). Its greedy continuation depends on the prompt's
@@ -130,7 +130,7 @@ def _pieces(text: str, used: set, size: int = 5) -> list[str]:
 
 
 def build(directory, *, family: str | None = "json_tools", scripts: dict | None = None, thinking: bool = False,
-          forced: str | None = None, random_model: str | None = None) -> Path:
+          forced: str | None = None, arch: str = "llama") -> Path:
     """Write a scripted model directory for `mlx_lm.load` (and `segcache serve --model`).
 
     Args:
@@ -143,9 +143,11 @@ def build(directory, *, family: str | None = "json_tools", scripts: dict | None 
             generation prompt (mlx-lm then gives the tokenizer a reasoning channel).
         forced: the reply to a prompt that ends with the tool-call start marker (a
             forced call); the marker is then a token.
-        random_model: instead of the scripted model, a tiny random-weight model of
-            this family (`models.build`) over the same tokenizer, e.g. "qwen3_5" for
-            a hybrid one: for tests of prompts and the prefix cache, not of replies.
+        arch: the scripted model's class: "llama", or "qwen3_next" for a hybrid (Gated
+            DeltaNet layers whose outputs are zero: the recurrent states are kept,
+            checkpointed and restored as on any hybrid, and do not change the reply).
+            Not "qwen3_5": transformers gives that model type its own tokenizer class,
+            which rebuilds the tokenizer as a BPE.
 
     Returns:
         The directory's path.
@@ -176,22 +178,14 @@ def build(directory, *, family: str | None = "json_tools", scripts: dict | None 
                                   clean_up_tokenization_spaces=False)
     tok.chat_template = template(family or "json_tools")
     tok.save_pretrained(str(directory))
+    cfg_path = directory / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"  # not the one transformers keeps for the model type
     if family:
-        cfg_path = directory / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text())
         cfg["tool_parser_type"] = family
-        cfg_path.write_text(json.dumps(cfg, indent=2))
+    cfg_path.write_text(json.dumps(cfg, indent=2))
 
     vocab = len(tok)
-    if random_model is not None:
-        from .models import config as model_config
-
-        config = model_config(random_model, vocab_size=vocab)
-        model = build_model(random_model, vocab_size=vocab)
-        mx.save_safetensors(str(directory / "model.safetensors"), dict(tree_flatten(model.parameters())),
-                            metadata={"format": "mlx"})
-        (directory / "config.json").write_text(json.dumps(dict(config, eos_token_id=tok.eos_token_id), indent=2))
-        return directory
     nxt = {}
     for name, chain in chains.items():
         ids = [tok.convert_tokens_to_ids(p) for p in chain]
@@ -199,10 +193,16 @@ def build(directory, *, family: str | None = "json_tools", scripts: dict | None 
         for a, b in zip([head] + ids, ids + [tok.eos_token_id]):
             nxt[a] = b
     hidden = -(-vocab // 16) * 16
-    config = dict(model_type="llama", hidden_size=hidden, num_hidden_layers=1, intermediate_size=16,
-                  num_attention_heads=2, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=vocab,
-                  rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=8192)
-    model = build_model("llama", **{k: v for k, v in config.items() if k != "model_type"})
+    if arch == "llama":
+        config = dict(model_type="llama", hidden_size=hidden, num_hidden_layers=1, intermediate_size=16,
+                      num_attention_heads=2, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=vocab,
+                      rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=32768)
+    else:
+        from .models import config as model_config
+
+        config = model_config(arch, hidden_size=hidden, vocab_size=vocab, intermediate_size=16,
+                              max_position_embeddings=32768)
+    model = build_model(arch, **{k: v for k, v in config.items() if k != "model_type"})
     eye = np.zeros((vocab, hidden), np.float32)
     eye[np.arange(vocab), np.arange(vocab)] = 1.0
     head_w = np.zeros((vocab, hidden), np.float32)
@@ -212,9 +212,9 @@ def build(directory, *, family: str | None = "json_tools", scripts: dict | None 
     for name, w in tree_flatten(model.parameters()):
         if name.endswith("norm.weight"):
             weights.append((name, mx.ones_like(w)))
-        elif name == "model.embed_tokens.weight":
+        elif name.endswith("embed_tokens.weight"):
             weights.append((name, mx.array(eye)))
-        elif name == "lm_head.weight":
+        elif name.endswith("lm_head.weight"):
             weights.append((name, mx.array(head_w)))
         else:
             weights.append((name, mx.zeros_like(w)))
