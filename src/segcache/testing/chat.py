@@ -167,13 +167,17 @@ def build(directory, *, family: str | None = "json_tools", scripts: dict | None 
         heads["forced"] = start
     used: set = set(ROLE_TOKENS) | (set(THINK) if thinking else set()) | set(heads.values())
     chains = {name: _pieces(text, used) for name, text in scripts.items()}
-    added = ROLE_TOKENS + (list(THINK) if thinking else []) + [h for h in heads.values() if h != "\n"]
-    added += [p for chain in chains.values() for p in chain]
+    markers_ = ROLE_TOKENS + (list(THINK) if thinking else []) + [h for h in heads.values() if h != "\n"]
+    pieces = [p for chain in chains.values() for p in chain]
     base = [EOS, UNK] + CHARS
     core = Tokenizer(models.WordLevel({t: i for i, t in enumerate(base)}, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
-    core.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+    # Markers are matched in a prompt before pieces (non-normalized added tokens are split
+    # out first), so a piece that overlaps one never hides it: "</think>" in a rendered
+    # history is one token, as in a real vocabulary.
+    core.add_tokens([AddedToken(t, special=False, normalized=False) for t in markers_])
+    core.add_tokens([AddedToken(t, special=False, normalized=True) for t in pieces])
     tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=EOS, unk_token=UNK,
                                   clean_up_tokenization_spaces=False)
     tok.chat_template = template(family or "json_tools")
