@@ -126,3 +126,11 @@ def test_parallel_calls_get_indices_and_the_formats_own_ids():
     markup = Markup(None, TOOLS, mod.parse_tool_call)
     calls = [p for p in split_all(markup, [call_text("json_tools") * 2]) if isinstance(p, Call)]
     assert [c.index for c in calls] == [0, 1] and calls[0].id != calls[1].id and calls[0].id.startswith("call_")
+
+
+def test_a_limit_of_one_call_keeps_the_first():
+    mod = importlib.import_module("mlx_lm.tool_parsers.mistral")
+    markup = Markup(None, markers("mistral"), mod.parse_tool_call)
+    two = markers("mistral")[0] + CALLS["mistral"] + CALLS["mistral"].replace("read_file", "search")
+    assert [p.name for p in split_all(markup, [two]) if isinstance(p, Call)] == ["read_file", "search"]
+    assert [p.name for p in split_all(markup, [two], limit=1) if isinstance(p, Call)] == ["read_file"]

@@ -96,14 +96,18 @@ class Splitter:
             ends inside a reasoning block) or TOOL (the prompt ends with the
             tool-call start marker: a forced call).
         new_id: makes a call id when the format carries none.
+        limit: calls returned at most (parallel_tool_calls false: 1); the server also
+            ends the answer at the first call's end marker, so this matters only for a
+            format without one (mistral), whose text may hold several calls.
 
     Invariant: `_held` is the longest suffix of the text seen in the current
     state that is a proper prefix of one of that state's exit markers.
     """
 
     def __init__(self, markup: Markup, *, tools: Optional[list] = None, calls: bool = True, start: str = TEXT,
-                 new_id: Callable[[], str] = new_call_id):
+                 new_id: Callable[[], str] = new_call_id, limit: Optional[int] = None):
         self.markup = markup
+        self.limit = limit
         self.tools = tools
         self.new_id = new_id
         exits: dict[str, list[tuple[str, str]]] = {TEXT: [], REASONING: [], TOOL: []}
@@ -188,6 +192,9 @@ class Splitter:
             self._emit(self.markup.tool[0] + body + end, out)
             return
         for name, arguments, cid in calls:
+            if self.limit is not None and self.calls >= self.limit:
+                log.info("a call beyond parallel_tool_calls' limit of %d was left out: %s", self.limit, name)
+                continue
             out.append(Call(self.calls, cid or self.new_id(), name, arguments))
             self.calls += 1
 

@@ -95,7 +95,8 @@ class Run:
         """The output splitter for this run's turn."""
         turn = self.turn
         return Splitter(self.markup, tools=turn.tools if turn else None, calls=bool(turn and turn.calls),
-                        start=self.prompt.start if self.prompt else "text", new_id=new_id)
+                        start=self.prompt.start if self.prompt else "text", new_id=new_id,
+                        limit=None if turn is None or turn.parallel else 1)
 
     def user_stop(self, finish: Finish) -> Optional[str]:
         """The stop string of the request's own that ended the text (not the one-call stop)."""
