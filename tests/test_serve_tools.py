@@ -16,7 +16,7 @@ from mlx_lm.server import process_message_content
 from chat_util import LocalServer, MlxLmServer
 from segcache.serve.chat import Prompter, template_messages
 from segcache.serve.errors import APIError
-from segcache.testing.chat import CALLS, FAMILIES, READ_FILE, SEARCH, build, call_text, markers
+from segcache.testing.chat import FAMILIES, READ_FILE, SEARCH, build, call_text
 from serve_util import TARGET
 
 TOOLS = [READ_FILE, SEARCH]

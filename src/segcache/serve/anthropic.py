@@ -184,26 +184,12 @@ async def messages(server: "Server", request, raw: bytes) -> Response:
     if req.stream:
         return server._sse(_stream(run, mid, model), run)
     try:
-        pieces, _, finish = await _collect(run, request)
+        pieces, _, finish = await run.collect(request, _new_tool_id)
     except ClientGone:
         return Response(status_code=499)
     calls = sum(isinstance(p, Call) for p in pieces)
     reason, seq = _stop(run, finish, calls)
     return JSONResponse(_message(mid, model, content_blocks(pieces), reason, seq, _usage(finish.usage)))
-
-
-async def _collect(run: "Run", request):
-    split = run.splitter(_new_tool_id)
-    pieces = []
-    async for event in run.events_of(request):
-        if isinstance(event, Chunk):
-            pieces.extend(split.feed(event.text))
-        elif isinstance(event, Finish):
-            pieces.extend(split.close())
-            return pieces, [], event
-        elif isinstance(event, Failure):
-            raise APIError(500, event.message, type="server_error")
-    raise APIError(500, "the generation ended without finishing", type="server_error")
 
 
 async def count_tokens(server: "Server", request, raw: bytes) -> Response:

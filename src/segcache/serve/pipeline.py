@@ -129,9 +129,10 @@ class Run:
         finally:
             self.job.cancel()
 
-    async def collect(self, request: "Request"):
-        """The whole output: (pieces, logprobs, finish). Raises APIError(500) on a failure."""
-        split = self.splitter()
+    async def collect(self, request: "Request", new_id=new_call_id):
+        """The whole output: (pieces, logprobs, finish). Raises APIError(500) on a failure,
+        ClientGone when the client left."""
+        split = self.splitter(new_id)
         pieces, logprobs = [], []
         async for event in self.events_of(request):
             if isinstance(event, Chunk):

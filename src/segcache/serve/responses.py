@@ -166,23 +166,14 @@ async def create(server: "Server", request, raw: bytes) -> Response:
     resp = _Response(server, req)
     if req.stream:
         return server._sse(_stream(run, resp), run)
-    split = run.splitter()
-    pieces = []
     try:
-        async for event in run.events_of(request):
-            if isinstance(event, Chunk):
-                pieces.extend(split.feed(event.text))
-            elif isinstance(event, Finish):
-                pieces.extend(split.close())
-                resp.output = output_items(pieces)
-                cut = event.reason == "length"
-                return JSONResponse(resp.body("incomplete" if cut else "completed", event.usage,
-                                              "max_output_tokens" if cut else None))
-            elif isinstance(event, Failure):
-                raise APIError(500, event.message, type="server_error")
+        pieces, _, finish = await run.collect(request)
     except ClientGone:
         return Response(status_code=499)
-    raise APIError(500, "the generation ended without finishing", type="server_error")
+    resp.output = output_items(pieces)
+    cut = finish.reason == "length"
+    return JSONResponse(resp.body("incomplete" if cut else "completed", finish.usage,
+                                  "max_output_tokens" if cut else None))
 
 
 class _Events:

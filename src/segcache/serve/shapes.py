@@ -81,9 +81,7 @@ class Shape:
                 "text_offset": offsets}
 
     def chunk(self, text: str, entries, finish: Optional[str]) -> dict:
-        """A completions chunk (or a chat chunk of plain text)."""
-        if self.chat:
-            return self.delta([Text(text)] if text else [], entries, finish)
+        """A completions chunk."""
         body = self._head("text_completion")
         body["choices"] = [{"index": 0, "finish_reason": finish, "logprobs": self._logprobs(entries), "text": text}]
         return body
@@ -113,9 +111,7 @@ class Shape:
         return body
 
     def whole(self, text: str, entries, finish: Finish) -> dict:
-        """A completions body (or a chat body of plain text)."""
-        if self.chat:
-            return self.message([Text(text)], entries, finish.reason, finish.usage)
+        """A completions body."""
         body = self._head("text_completion")
         body["choices"] = [{"index": 0, "finish_reason": finish.reason, "logprobs": self._logprobs(entries),
                             "text": text}]
