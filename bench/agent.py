@@ -151,10 +151,48 @@ FILES = ["src/dates.py", "src/http/reader.py", "src/cli.py", "tests/test_dates.p
          "README.md", "src/config.py", "src/util.py"]
 
 
-def tool_result(call: dict, corpus: str) -> str:
-    """A deterministic result for a call: a slice of the held-out corpus, keyed by the call."""
-    key = sum(ord(c) for c in json.dumps(call, sort_keys=True)) % max(1, len(corpus) - 2000)
-    return corpus[key: key + 700]
+DEMO_TASKS = [
+    "Where is the size of a prefix store budget parsed from the command line? Show me the function.",
+    "Which function checks that a draft model shares the target's vocabulary? Read it.",
+    "Find where a chat template is rendered for a request and read that code.",
+]
+
+
+class Setup:
+    """What the agent sends and how its tools answer: tools, system prompt, tasks.
+
+    With the shipped target's own tools (segcache.models.agent) the three it learned
+    (search, read_file, run_tests) run on this repository's source, and the bench's
+    other tools pad the schemas to about 2,000 tokens; otherwise all tools are the
+    bench's, answered with slices of a held-out corpus.
+    """
+
+    def __init__(self, corpus: str, overview: str, demo: bool):
+        self.corpus = corpus
+        self.workspace = None
+        self.tools, self.system, self.tasks = TOOLS, SYSTEM + overview, TASKS
+        if demo:
+            from segcache.models import agent as demo_agent
+
+            self.workspace = demo_agent.Workspace.from_directory(ROOT / "src")
+            names = {t["function"]["name"] for t in demo_agent.TOOLS}
+            self.tools = demo_agent.TOOLS + [t for t in TOOLS if t["function"]["name"] not in names]
+            self.system = demo_agent.SYSTEM_PROMPT
+            self.tasks = DEMO_TASKS
+        self.names = {t["function"]["name"] for t in self.tools}
+
+    def execute(self, call: dict) -> str:
+        """A tool's answer to `call` ({"name", "arguments" as JSON text})."""
+        if self.workspace is not None and call["name"] in ("search", "read_file", "run_tests"):
+            try:
+                args = json.loads(call["arguments"] or "{}")
+            except json.JSONDecodeError:
+                return "error: the arguments are not JSON"
+            if call["name"] == "run_tests":
+                return "3 passed in 0.41s"  # not run: the bench times the server, not pytest
+            return self.workspace.call(call["name"], args if isinstance(args, dict) else {})
+        key = sum(ord(c) for c in json.dumps(call, sort_keys=True)) % max(1, len(self.corpus) - 2000)
+        return self.corpus[key: key + 700]
 
 
 def prepare_model(model: str, work: Path, force: bool) -> tuple[Path, str]:
@@ -164,7 +202,7 @@ def prepare_model(model: str, work: Path, force: bool) -> tuple[Path, str]:
 
     tok = load_tokenizer(Path(model))
     if tok.has_chat_template and tok.has_tool_calling and not force:
-        return Path(model), "the model's own chat template"
+        return Path(model), "its own chat template"
     copy = work / "model"
     copy.mkdir()
     for f in Path(model).iterdir():
@@ -181,10 +219,9 @@ def prepare_model(model: str, work: Path, force: bool) -> tuple[Path, str]:
 class Trace:
     """One server's pass over the trace; its records and the tool calls it parsed."""
 
-    def __init__(self, name: str, client, prompter, tokens: int, corpus: str, overview: str):
+    def __init__(self, name: str, client, prompter, tokens: int, setup: Setup):
         self.name, self.client, self.prompter, self.tokens = name, client, prompter, tokens
-        self.corpus = corpus
-        self.system = SYSTEM + overview
+        self.setup = setup
         self.records: list[dict] = []
         self.sessions: list[list[dict]] = []
         self.last: dict[int, list[dict]] = {}  # session -> its last request's messages
@@ -196,7 +233,8 @@ class Trace:
         tic = time.perf_counter()
         ttft, content, reasoning, calls, usage = None, "", "", {}, None
         stream = self.client.chat.completions.create(
-            model="default_model", messages=messages, tools=TOOLS, max_tokens=self.tokens, temperature=0.0,
+            model="default_model", messages=messages, tools=self.setup.tools, max_tokens=self.tokens,
+            temperature=0.0,
             stream=True, stream_options={"include_usage": True})
         for ev in stream:
             if ev.usage is not None:
@@ -212,11 +250,11 @@ class Trace:
             for tc in d.tool_calls or []:
                 calls[len(calls)] = {"name": tc.function.name, "arguments": tc.function.arguments}
         ttft = ttft if ttft is not None else time.perf_counter() - tic
-        ids = self.prompter.chat(template_messages(messages), TOOLS).ids
+        ids = self.prompter.chat(template_messages(messages), self.setup.tools).ids
         prev = self.prev.get(s)
         conv = lcp = 0
         if prev is not None:
-            old = self.prompter.chat(template_messages(prev), TOOLS)
+            old = self.prompter.chat(template_messages(prev), self.setup.tools)
             conv = old.checkpoints[-1] if old.checkpoints else 0  # the previous conversation's end
             lcp = next((i for i, (a, b) in enumerate(zip(ids, old.ids)) if a != b), min(len(ids), len(old.ids)))
             lcp = min(lcp, conv)
@@ -242,20 +280,21 @@ class Trace:
         if rec["calls"]:
             ids = [f"call_{s}_{turn}_{i}" for i in range(len(rec["calls"]))]
             msg["tool_calls"] = [{"id": i, "type": "function", "function": c} for i, c in zip(ids, rec["calls"])]
-            results = [{"role": "tool", "tool_call_id": i, "content": tool_result(c, self.corpus)}
+            results = [{"role": "tool", "tool_call_id": i, "content": self.setup.execute(c)}
                        for i, c in zip(ids, rec["calls"])]
             return messages + [msg] + results
         nudge = NUDGE.format(path=FILES[(s * 3 + turn) % len(FILES)])
         return messages + [msg, {"role": "user", "content": nudge}]
 
 
-def run_openai(name: str, proc: Proc, prompter, args, corpus: str, overview: str) -> Trace:
+def run_openai(name: str, proc: Proc, prompter, args, setup: Setup) -> Trace:
     proc.start()
-    t = Trace(name, proc.client(), prompter, args.tokens, corpus, overview)
+    t = Trace(name, proc.client(), prompter, args.tokens, setup)
     try:
         histories = []
         for s in range(args.sessions):
-            msgs = [{"role": "system", "content": t.system}, {"role": "user", "content": TASKS[s % len(TASKS)]}]
+            msgs = [{"role": "system", "content": setup.system},
+                    {"role": "user", "content": setup.tasks[s % len(setup.tasks)]}]
             histories.append(t.step("cold" if s == 0 else "2nd session", s, msgs, 0))
         for turn in range(1, args.turns):
             for s in range(args.sessions):
@@ -265,13 +304,13 @@ def run_openai(name: str, proc: Proc, prompter, args, corpus: str, overview: str
         proc.stop()
         proc.start()
         t.client = proc.client()
-        t.request("restart", 1, t.last[1])
+        t.request("restart", 1 % args.sessions, t.last[1 % args.sessions])
     finally:
         proc.stop()
     return t
 
 
-def run_anthropic(proc: Proc, args, corpus: str, overview: str) -> list[dict]:
+def run_anthropic(proc: Proc, args, setup: Setup) -> list[dict]:
     """The sessions through the anthropic client (segcache only): TTFT and cache reads per turn."""
     import anthropic
 
@@ -279,14 +318,14 @@ def run_anthropic(proc: Proc, args, corpus: str, overview: str) -> list[dict]:
     client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{proc.port}", api_key="none", timeout=600,
                                  max_retries=0)
     tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
-              "input_schema": t["function"]["parameters"]} for t in TOOLS]
+              "input_schema": t["function"]["parameters"]} for t in setup.tools]
     out = []
     try:
-        histories = [[{"role": "user", "content": TASKS[s % len(TASKS)]}] for s in range(args.sessions)]
+        histories = [[{"role": "user", "content": setup.tasks[s % len(setup.tasks)]}] for s in range(args.sessions)]
         for turn in range(args.turns):
             for s in range(args.sessions):
                 tic, ttft = time.perf_counter(), None
-                with client.messages.stream(model="default_model", max_tokens=args.tokens, system=SYSTEM + overview,
+                with client.messages.stream(model="default_model", max_tokens=args.tokens, system=setup.system,
                                             tools=tools, messages=histories[s]) as stream:
                     for ev in stream:
                         if ev.type == "content_block_delta" and ttft is None:
@@ -305,7 +344,7 @@ def run_anthropic(proc: Proc, args, corpus: str, overview: str) -> list[dict]:
                                                                                             "text": ""}]}]
                 if uses:
                     results = [{"type": "tool_result", "tool_use_id": b.id,
-                                "content": tool_result({"name": b.name, "arguments": json.dumps(b.input)}, corpus)}
+                                "content": setup.execute({"name": b.name, "arguments": json.dumps(b.input)})}
                                for b in uses]
                     histories[s].append({"role": "user", "content": results})
                 else:
@@ -351,15 +390,23 @@ def main() -> int:
     prompter = Prompter(load_tokenizer(model))
     corpus = (MODELS / "heldout_stdlib.txt").read_text()
     overview = (MODELS / "heldout_other.txt").read_text()[: args.overview_chars]
-    tools_tokens = len(prompter.chat([{"role": "user", "content": "x"}], TOOLS).ids) - \
-        len(prompter.chat([{"role": "user", "content": "x"}]).ids)
+    try:
+        import segcache.models.agent  # noqa: F401  (the shipped target's tools, once it learned them)
+
+        demo = how == "its own chat template" and not args.scripted
+    except ImportError:
+        demo = False
+    setup = Setup(corpus, overview, demo)
+    probe = [{"role": "user", "content": "x"}]
+    tools_tokens = len(prompter.chat(probe, setup.tools).ids) - len(prompter.chat(probe).ids)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
     mlx_env, blas = dict(env), "the mlx[cpu] wheel's BLAS"
     libs = glob.glob("/usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0")
     if args.mlx_blas == "same" and libs and sys.platform.startswith("linux"):
         mlx_env.update(LD_PRELOAD=libs[0], OPENBLAS_THREAD_TIMEOUT="4")
         blas = f"OpenBLAS, LD_PRELOAD={libs[0]}"
-    print(f"model {args.model} with {how}; tool schemas {tools_tokens} tokens; {args.sessions} sessions x "
+    print(f"model {args.model} with {how}{' and tools' if demo else ''}; tool schemas {tools_tokens} tokens; "
+          f"{args.sessions} sessions x "
           f"{args.turns} turns; {args.tokens} tokens per answer")
     print(f"mlx_lm.server on {blas}; logs in {work}")
 
@@ -369,14 +416,13 @@ def main() -> int:
                                        "--port", str(port), "--prompt-cache-dir", str(work / store),
                                        "--log-level", "WARNING"], env, port, work / f"segcache-{store}.log")
 
-    traces = [run_openai("segcache serve", segcache_proc("store"), prompter, args, corpus, overview)]
+    traces = [run_openai("segcache serve", segcache_proc("store"), prompter, args, setup)]
     if not args.no_mlx_lm:
         port = _port()
         mlx = Proc("mlx_lm.server", [sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port",
                                      str(port), "--log-level", "WARNING"], mlx_env, port, work / "mlx_lm.log")
-        traces.append(run_openai("mlx_lm.server", mlx, prompter, args, corpus, overview))
-    anthropic_rows = [] if args.no_anthropic else run_anthropic(segcache_proc("store-anthropic"), args, corpus,
-                                                                   overview)
+        traces.append(run_openai("mlx_lm.server", mlx, prompter, args, setup))
+    anthropic_rows = [] if args.no_anthropic else run_anthropic(segcache_proc("store-anthropic"), args, setup)
     report(traces, anthropic_rows)
     return 0
 
