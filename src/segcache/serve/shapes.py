@@ -150,15 +150,41 @@ def error_event(message: str) -> str:
     return sse(APIError(500, message, type="server_error").body())
 
 
+class _Space:
+    """Holds back an answer's leading whitespace until text follows: a whole answer whose
+    text is only whitespace next to tool calls has content null, so a stream must not
+    send that whitespace early."""
+
+    def __init__(self):
+        self.held = ""
+        self.sent = False  # non-whitespace text went out: nothing is held from then on
+
+    def pass_(self, pieces) -> list:
+        out = []
+        for p in pieces:
+            if isinstance(p, Text) and not p.reasoning and not self.sent:
+                text = self.held + p.text
+                self.sent = bool(text.strip())
+                self.held = "" if self.sent else text
+                if not self.sent:
+                    continue
+                p = Text(text)
+            out.append(p)
+        return out
+
+
 async def chat_stream(run: "Run", shape: Shape, usage: bool):
     split = run.splitter()
+    space = _Space()
     async for event in run.events_of():
         if isinstance(event, Chunk):
-            pieces = split.feed(event.text)
+            pieces = space.pass_(split.feed(event.text))
             if pieces or event.logprobs:
                 yield sse(shape.delta(pieces, event.logprobs, None))
         elif isinstance(event, Finish):
-            pieces = split.close()
+            pieces = space.pass_(split.close())
+            if space.held and not split.calls:
+                pieces.append(Text(space.held))
             if pieces:
                 yield sse(shape.delta(pieces, [], None))
             yield sse(shape.delta([], [], finish_reason(event, split.calls)))
