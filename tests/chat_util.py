@@ -7,6 +7,8 @@ a tiny model, not a process start.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 import time
 from pathlib import Path
@@ -56,9 +58,10 @@ class LocalServer:
             self.store = open_store(self.store_dir, ram_bytes=64 << 20, disk_bytes=256 << 20)
         name = self.model_dir.name
         settings = Settings(served_name=name, names={name, DEFAULT_MODEL}, vocab_size=len(self.tokenizer),
-                            context_length=_lookup(_config(self.model_dir), "max_position_embeddings"), api_key=self.api_key)
+                            context_length=_lookup(_config(self.model_dir), "max_position_embeddings"),
+                            api_keys=(self.api_key,) if self.api_key else ())
         self.engine = Engine(self.model, self.tokenizer, store=self.store)
-        self.worker = Worker(Scheduler(self.engine))
+        self.worker = Worker(Scheduler(self.engine, begin_step=self.engine.begin_step))
         self.prompter = Prompter(self.tokenizer, self.chat_template, self.template_args)
         app = build_app(Server(settings, self.prompter, self.worker.scheduler, self.worker, self.store))
         self.port = free_port()
@@ -146,3 +149,25 @@ class MlxLmServer:
         import openai
 
         return openai.OpenAI(base_url=self.url + "/v1", api_key="none", timeout=60, max_retries=0)
+
+
+@contextlib.contextmanager
+def warnings_logged(name: str = "segcache.serve"):
+    """The messages of the warnings `name` logs inside the block (a handler of the test's own:
+    a filter the server installs on the root handlers cannot hide them)."""
+    records: list[str] = []
+
+    class _Handler(logging.Handler):
+        def emit(self, record) -> None:
+            records.append(record.getMessage())
+
+    logger = logging.getLogger(name)
+    handler = _Handler(logging.WARNING)
+    logger.addHandler(handler)
+    old = logger.level
+    logger.setLevel(min(old or logging.WARNING, logging.WARNING))
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)

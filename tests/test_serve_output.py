@@ -5,13 +5,13 @@ import segcache  # noqa: F401, I001  (binds the system BLAS before mlx loads)
 
 import importlib
 import json
-import logging
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.generate import TextStateMachine
 
+from chat_util import warnings_logged
 from segcache.serve.output import REASONING, TEXT, TOOL, Call, Markup, Splitter, Text, split_all
 from segcache.testing.chat import CALLS, FAMILIES, call_text, markers
 
@@ -89,14 +89,14 @@ def test_each_parser_family_gives_its_parsers_call(family):
         assert [(c.name, json.loads(c.arguments)) for c in calls] == [("read_file", {"path": "src/app.py"})]
 
 
-def test_markup_that_does_not_parse_is_text_with_a_warning(caplog):
+def test_markup_that_does_not_parse_is_text_with_a_warning():
     mod = importlib.import_module("mlx_lm.tool_parsers.json_tools")
     markup = Markup(THINK, TOOLS, mod.parse_tool_call)
     bad = '<tool_call>{"name": "read_file", "arguments": {"path": </tool_call>'
-    with caplog.at_level(logging.WARNING, logger="segcache.serve"):
+    with warnings_logged() as logged:
         pieces = split_all(markup, ["Sure. ", bad[:9], bad[9:], " done"])
     assert pieces == [Text("Sure. " + bad + " done")]
-    assert "did not parse" in caplog.text
+    assert any("did not parse" in m for m in logged)
     # JSON that is not a call ({"name", "parameters"} is another format's shape): text too
     other = '<tool_call>{"name": "f", "parameters": {"x": 1}}</tool_call>'
     assert split_all(markup, [other]) == [Text(other)]

@@ -2,6 +2,7 @@
 
     cli.py        the command line: flags, loading, the store, uvicorn, shutdown
     app.py        the Starlette app: routes, auth, CORS, body limit, SSE
+    guard.py      connections (timeouts, a limit), Host / Origin / Content-Type checks, 500s, log floods
     pipeline.py   the chat surfaces' one pipeline: a ChatTurn rendered, queued, its events relayed
     output.py     the output split into reasoning, text and tool calls (mlx-lm's parsers)
     shapes.py     OpenAI's completions and chat completions: turns in, response bodies out
@@ -11,7 +12,7 @@
     errors.py     `APIError`: an OpenAI-style error body with its status
     chat.py       prompts: chat templates (or the plain one), tools, message boundaries
     text.py       stop strings held back across streamed text segments
-    engine.py     one request's generation on a private store-backed Runtime
+    engine.py     the request engine: every request a row of one decoder, resumed, generated, published
     worker.py     the Scheduler (bounded FIFO queue, step()) and its model thread
 
 The HTTP event loop never touches MLX: requests reach the one model worker

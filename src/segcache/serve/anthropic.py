@@ -32,7 +32,7 @@ from . import schemas
 from .engine import Chunk, Failure, Finish
 from .errors import APIError
 from .output import Call, Text, new_call_id
-from .pipeline import ChatTurn, ClientGone
+from .pipeline import ChatTurn, ClientGone, failed
 from .shapes import sse
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ def turn(req) -> ChatTurn:
         extra = dict(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                      stops=list(req.stop_sequences or []))
     return ChatTurn(messages=messages, tools=tools, tool_choice=choice, parallel=parallel, template_kwargs=kwargs,
-                    **extra)
+                    cache_salt=req.cache_salt, **extra)
 
 
 def _user(i: int, blocks) -> list[dict]:
@@ -175,10 +175,10 @@ def _message(mid: str, model: str, content: list, stop_reason, stop_sequence, us
             "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
 
 
-async def messages(server: "Server", request, raw: bytes) -> Response:
+async def messages(server: "Server", request, raw: bytes, key) -> Response:
     req = schemas.parse(raw, schemas.MessagesRequest)
     server._check_model(req.model)
-    run = await server.start_chat(turn(req), "msg")
+    run = await server.start_chat(turn(req), "msg", key)
     mid = "msg_" + uuid.uuid4().hex[:24]
     model = server.settings.served_name
     if req.stream:
@@ -272,4 +272,4 @@ async def _stream(run: "Run", mid: str, model: str):
                        "usage": _usage(event.usage)}, "message_delta")
             yield sse({"type": "message_stop"}, "message_stop")
         elif isinstance(event, Failure):
-            yield sse(error_body(APIError(500, event.message, type="server_error")), "error")
+            yield sse(error_body(failed(run.gen.id)), "error")

@@ -11,7 +11,6 @@ Anthropic's Messages, Responses) share one pipeline (pipeline.py):
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -26,10 +25,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import anthropic, responses, schemas, shapes
+from . import anthropic, isolation, responses, schemas, shapes
 from .chat import Prompt, Prompter
 from .engine import GenRequest
 from .errors import APIError
+from .guard import HostPolicy, RequestGuard
 from .pipeline import ChatTurn, ClientGone, Run
 from .shapes import Shape
 from .worker import Job, QueueFull, Scheduler, Worker
@@ -48,8 +48,12 @@ class Settings:
         context_length: prompt + completion tokens the model takes (None: unknown).
         vocab_size: token ids a prompt may hold are < this.
         max_tokens, temperature, top_p, top_k, min_p: defaults for requests that leave them out.
-        api_key: required as a Bearer token on every route but /health (None: open).
-        allowed_origins: CORS origins (empty: no CORS headers at all).
+        api_keys: one of them required as a Bearer token on every route but /health (empty: open).
+        isolation: "per-key": each API key is a prefix-cache isolation domain of its own
+            (`isolation.domain`); "none": requests share prefixes unless they send `cache_salt`.
+        allowed_origins: origins browsers may call from (CORS; empty: none but the server's own).
+        bind_host: the address bound (--host); its name is one `Host` may carry.
+        allowed_hosts: more names `Host` may carry (see `guard.HostPolicy`).
         max_body_bytes: larger request bodies get a 413.
         ram_bytes, disk_bytes: the prefix store's budgets (reported by /stats).
     """
@@ -63,8 +67,11 @@ class Settings:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    api_key: Optional[str] = None
+    api_keys: tuple = ()
+    isolation: str = "none"
     allowed_origins: list = field(default_factory=list)
+    bind_host: str = "127.0.0.1"
+    allowed_hosts: list = field(default_factory=list)
     max_body_bytes: int = 8 << 20
     ram_bytes: int = 0  # the store's budgets, for /stats
     disk_bytes: int = 0
@@ -85,17 +92,20 @@ class Server:
 
     # -- guards ---------------------------------------------------------------------
 
-    def _authorize(self, request: Request) -> None:
-        key = self.settings.api_key
-        if key is None:
-            return
+    def _authorize(self, request: Request) -> Optional[str]:
+        """The API key the request authenticated with (None when the server has none)."""
+        keys = self.settings.api_keys
+        if not keys:
+            return None
         auth = request.headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
         if "x-api-key" in request.headers:  # Anthropic's clients send the key so
             scheme, token = "bearer", request.headers["x-api-key"]
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        key = isolation.match(token.strip(), keys) if scheme.lower() == "bearer" else None
+        if key is None:
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return key
 
     async def _body(self, request: Request) -> bytes:
         limit = self.settings.max_body_bytes
@@ -140,6 +150,15 @@ class Server:
         limit = max_tokens if max_tokens is not None else s.max_tokens
         return min(limit, ctx - len(ids)) if ctx is not None else limit
 
+    def _check_sampling(self, gen: GenRequest, top_k: Optional[int]) -> None:
+        """Refuse what the sampler cannot take (it would fail on the model thread, as a 500);
+        `top_k` is the request's own (None: the server's default was used)."""
+        vocab = self.settings.vocab_size
+        if not 0 <= gen.top_k < vocab:
+            whose = "the server's --top-k" if top_k is None else "'top_k'"
+            raise APIError(400, f"{whose} is {gen.top_k}; it takes 0 (off) or 1..{vocab - 1} (the vocabulary "
+                                f"has {vocab} tokens)", param="top_k", code="invalid_value")
+
     # -- routes -----------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
@@ -166,13 +185,13 @@ class Server:
         return JSONResponse(body)
 
     async def completions(self, request: Request) -> Response:
-        self._authorize(request)
+        key = self._authorize(request)
         req = schemas.parse(await self._body(request), schemas.CompletionRequest)
         self._check_model(req.model)
         loop = asyncio.get_running_loop()
         ids = await loop.run_in_executor(self._tokenize, self.prompter.completion, req.prompt)
         run = self._submit(self._gen("cmpl", ids, [], req.limit(), "prompt", req.temperature, req.top_p, req.top_k,
-                                     req.min_p, req.seed, req.stops(), req.top_logprobs()))
+                                     req.min_p, req.seed, req.stops(), req.top_logprobs(), key, req.cache_salt))
         shape = Shape(run.gen.id, self.settings.served_name, self.created, False)
         if req.stream:
             return self._sse(shapes.completion_stream(run, shape, req.include_usage()), run)
@@ -182,10 +201,10 @@ class Server:
             return Response(status_code=499)
 
     async def chat_completions(self, request: Request) -> Response:
-        self._authorize(request)
+        key = self._authorize(request)
         req = schemas.parse(await self._body(request), schemas.ChatRequest)
         self._check_model(req.model)
-        run = await self.start_chat(shapes.chat_turn(req), "chatcmpl")
+        run = await self.start_chat(shapes.chat_turn(req), "chatcmpl", key)
         shape = Shape(run.gen.id, self.settings.served_name, self.created, True)
         if req.stream:
             return self._sse(shapes.chat_stream(run, shape, req.include_usage()), run)
@@ -197,8 +216,8 @@ class Server:
     async def messages(self, request: Request) -> Response:
         """Anthropic's Messages API (serve/anthropic.py); errors in Anthropic's shape."""
         try:
-            self._authorize(request)
-            return await anthropic.messages(self, request, await self._body(request))
+            key = self._authorize(request)
+            return await anthropic.messages(self, request, await self._body(request), key)
         except APIError as exc:
             return anthropic.error_response(exc)
 
@@ -211,8 +230,8 @@ class Server:
 
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API, stateless (serve/responses.py)."""
-        self._authorize(request)
-        return await responses.create(self, request, await self._body(request))
+        key = self._authorize(request)
+        return await responses.create(self, request, await self._body(request), key)
 
     # -- the one pipeline every surface shares --------------------------------------------------
 
@@ -222,26 +241,31 @@ class Server:
         return await loop.run_in_executor(self._tokenize, self.prompter.chat, turn.messages, turn.tools,
                                           turn.template_kwargs, turn.force_call)
 
-    async def start_chat(self, turn: ChatTurn, kind: str) -> Run:
-        """Render `turn`, validate its prompt and queue its generation."""
+    async def start_chat(self, turn: ChatTurn, kind: str, key: Optional[str]) -> Run:
+        """Render `turn`, validate its prompt and queue its generation (`key`: the API key
+        the request authenticated with, for its isolation domain)."""
         prompt = await self.render(turn)
         stops = list(turn.stops)
         end = self.prompter.markup.tool[1] if self.prompter.markup.tool else ""
         if turn.calls and not turn.parallel and end:
             stops.append(end)  # one call at most: the text ends where the first call does
         gen = self._gen(kind, prompt.ids, prompt.checkpoints, turn.max_tokens, turn.param, turn.temperature,
-                        turn.top_p, turn.top_k, turn.min_p, turn.seed, stops, turn.top_logprobs)
+                        turn.top_p, turn.top_k, turn.min_p, turn.seed, stops, turn.top_logprobs, key, turn.cache_salt)
         return self._submit(gen, turn, prompt)
 
-    def _gen(self, kind, ids, cuts, limit, param, temperature, top_p, top_k, min_p, seed, stops, top) -> GenRequest:
+    def _gen(self, kind, ids, cuts, limit, param, temperature, top_p, top_k, min_p, seed, stops, top, key,
+             cache_salt) -> GenRequest:
         s = self.settings
-        return GenRequest(
+        gen = GenRequest(
             id=f"{kind}-{uuid.uuid4().hex}", ids=ids, checkpoints=cuts, max_tokens=self._check_ids(ids, param, limit),
             temperature=s.temperature if temperature is None else temperature,
             top_p=s.top_p if top_p is None else top_p,
             top_k=s.top_k if top_k is None else top_k, min_p=s.min_p if min_p is None else min_p,
             seed=seed, stops=stops, top_logprobs=top,
+            cache_salt=isolation.domain(key, cache_salt, s.isolation == "per-key"),
         )
+        self._check_sampling(gen, top_k)
+        return gen
 
     def _submit(self, gen: GenRequest, turn: Optional[ChatTurn] = None, prompt: Optional[Prompt] = None) -> Run:
         loop = asyncio.get_running_loop()
@@ -284,7 +308,8 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
-    err = APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+    # RequestGuard answers (and logs) the exceptions of the routes; this is the last resort
+    err = APIError(500, "internal error (the server log has the details)", type="server_error")
     return JSONResponse(err.body(), status_code=500)
 
 
@@ -307,5 +332,9 @@ def build_app(server: Server, lifespan=None) -> Starlette:
                                      allow_methods=["GET", "POST", "OPTIONS"],
                                      allow_headers=["Authorization", "Content-Type", "x-api-key",
                                                     "anthropic-version", "anthropic-beta"]))
+    s = server.settings
+    # outermost: Host, Origin and Content-Type are checked before anything (CORS, auth, routes) runs
+    middleware.insert(0, Middleware(RequestGuard, hosts=HostPolicy(s.bind_host, s.allowed_hosts),
+                                    origins=s.allowed_origins))
     handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _server_error}
     return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers, lifespan=lifespan)

@@ -43,6 +43,7 @@ class ChatTurn:
         template_kwargs: this request's template variables.
         max_tokens .. top_logprobs: as GenRequest (None: the server's default).
         param: the request field a prompt that does not fit is blamed on.
+        cache_salt: the request's own prefix-cache domain (vLLM's field), or None.
     """
 
     messages: list[dict]
@@ -59,6 +60,7 @@ class ChatTurn:
     stops: list[str] = field(default_factory=list)
     top_logprobs: int = -1
     param: str = "messages"
+    cache_salt: Optional[str] = None
 
     def __post_init__(self) -> None:
         choice = self.tool_choice
@@ -74,6 +76,13 @@ class ChatTurn:
     @property
     def force_call(self) -> bool:
         return self.calls and self.tool_choice not in (None, "auto")
+
+
+def failed(request_id: str) -> APIError:
+    """The 500 of a failed generation: the exception's text stays in the log (the worker
+    logs it under the request id), out of the body."""
+    return APIError(500, f"generation failed; the server log has the details under {request_id}",
+                    type="server_error")
 
 
 class ClientGone(Exception):
@@ -142,5 +151,5 @@ class Run:
                 pieces.extend(split.close())
                 return pieces, logprobs, event
             elif isinstance(event, Failure):
-                raise APIError(500, event.message, type="server_error")
-        raise APIError(500, "the generation ended without finishing", type="server_error")
+                raise failed(self.gen.id)
+        raise failed(self.gen.id)

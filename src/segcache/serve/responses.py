@@ -36,7 +36,7 @@ from .chat import template_messages
 from .engine import Chunk, Failure, Finish
 from .errors import APIError
 from .output import Call, Text
-from .pipeline import ChatTurn, ClientGone
+from .pipeline import ChatTurn, ClientGone, failed
 from .shapes import sse
 
 if TYPE_CHECKING:
@@ -95,7 +95,8 @@ def turn(req: schemas.ResponsesRequest) -> ChatTurn:
         kwargs.setdefault("reasoning_effort", req.reasoning.effort)
     return ChatTurn(messages=template_messages(messages), tools=tools, tool_choice=choice,
                     parallel=req.parallel_tool_calls is not False, template_kwargs=kwargs,
-                    max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p, param="input")
+                    max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p, param="input",
+                    cache_salt=req.cache_salt)
 
 
 class _Response:
@@ -159,10 +160,10 @@ def output_items(pieces) -> list[dict]:
     return [it for it in items if it["type"] != "message" or it["content"][0]["text"].strip()]
 
 
-async def create(server: "Server", request, raw: bytes) -> Response:
+async def create(server: "Server", request, raw: bytes, key) -> Response:
     req = schemas.parse(raw, schemas.ResponsesRequest)
     server._check_model(req.model)
-    run = await server.start_chat(turn(req), "resp")
+    run = await server.start_chat(turn(req), "resp", key)
     resp = _Response(server, req)
     if req.stream:
         return server._sse(_stream(run, resp), run)
@@ -284,5 +285,5 @@ async def _stream(run: "Run", resp: _Response):
                 yield ev.event("response.completed", response=resp.body("completed", event.usage))
         elif isinstance(event, Failure):
             body = resp.body("failed")
-            body["error"] = {"code": "server_error", "message": event.message}
+            body["error"] = {"code": "server_error", "message": failed(run.gen.id).message}
             yield ev.event("response.failed", response=body)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Dict, List, Literal, Optional, Union
 
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError, model_validator
 
 from .errors import APIError
@@ -33,7 +34,7 @@ _STRUCTURED = "structured output (a JSON schema or JSON mode) is not supported y
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class _Common(_Strict):
@@ -44,6 +45,7 @@ class _Common(_Strict):
 
     model: Optional[str] = None
     stream: bool = False
+    cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=1024)  # vLLM's: the prefix-cache domain
 
     def check(self) -> None:
         """Refusals that need more than a field's type (400 naming the field)."""
@@ -62,7 +64,7 @@ class _Request(_Common):
     top_p: Optional[float] = Field(default=None, ge=0, le=1)
     top_k: Optional[int] = Field(default=None, ge=0)
     min_p: Optional[float] = Field(default=None, ge=0, le=1)
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(default=None, ge=0, lt=1 << 64)  # MLX's generator takes a uint64
     stop: Union[str, List[str], None] = None
     stream_options: Optional[StreamOptions] = None
     n: Optional[int] = Field(default=None, ge=1, le=1)
@@ -582,10 +584,7 @@ def parse(raw: bytes, kind: type[_Common]) -> _Common:
         APIError: 400 naming the field: malformed JSON, not an object, a missing,
             unknown or mistyped field, a value out of range, or a feature we cannot honour.
     """
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise APIError(400, f"the request body is not valid JSON ({exc})", param="body", code="invalid_json") from None
+    body = _decode(raw)
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", param="body")
     body = _check_fields(body, kind)
@@ -606,3 +605,52 @@ def parse(raw: bytes, kind: type[_Common]) -> _Common:
         raise APIError(400, f"'{param}': {err['msg']} (got {shown})", param=param, code="invalid_value") from None
     req.check()
     return req
+
+
+def _decode(raw: bytes):
+    # pydantic-core's parser, not json.loads: it refuses what no field can hold (lone
+    # surrogates, which no tokenizer encodes; NaN and Infinity; invalid UTF-8) and bounds
+    # the nesting, where json.loads recurses until Python's stack limit.
+    try:
+        return pydantic_core.from_json(raw, allow_inf_nan=False)
+    except ValueError as exc:
+        reason = str(exc)
+    if any(w in reason for w in ("surrogate", "escape", "unicode")):
+        param = _lone_surrogate(raw)
+        if param is not None:
+            raise APIError(400, f"'{param}' holds a lone UTF-16 surrogate (such as \\ud800), which is not a "
+                                "character: send valid Unicode text", param=param, code="invalid_value")
+    if "recursion limit" in reason:
+        raise APIError(400, f"the request body nests arrays or objects too deeply ({reason})", param="body",
+                       code="invalid_json")
+    raise APIError(400, f"the request body is not valid JSON ({reason})", param="body", code="invalid_json")
+
+
+def _lone_surrogate(raw: bytes) -> Optional[str]:
+    """The path of the value holding a lone surrogate (up to 6 levels down), or None if there is none."""
+    try:
+        value = json.loads(raw.decode("utf-8", "surrogatepass"))
+    except (ValueError, RecursionError):
+        return None
+
+    def bad(v) -> bool:
+        try:
+            json.dumps(v, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        except (ValueError, RecursionError):
+            return False
+        return False
+
+    if not bad(value):
+        return None
+    path: list = []
+    for _ in range(6):
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        inner = next(((k, v) for k, v in items if bad(v)), None)
+        if inner is None:  # a key, or a string at this level
+            break
+        path.append(inner[0])
+        value = inner[1]
+    return ".".join(str(p) for p in path) or "body"
+

@@ -17,7 +17,7 @@ from .chat import template_messages
 from .engine import Chunk, Failure, Finish
 from .errors import APIError
 from .output import Call, Text
-from .pipeline import ChatTurn
+from .pipeline import ChatTurn, failed
 
 if TYPE_CHECKING:
     from .pipeline import Run
@@ -42,7 +42,7 @@ def chat_turn(req: "ChatRequest") -> ChatTurn:
         messages=template_messages(req.raw_messages()), tools=req.raw_tools(), tool_choice=choice,
         parallel=req.parallel_tool_calls is not False, template_kwargs=kwargs, max_tokens=req.limit(),
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
-        stops=req.stops(), top_logprobs=req.top_alternatives(),
+        stops=req.stops(), top_logprobs=req.top_alternatives(), cache_salt=req.cache_salt,
     )
 
 
@@ -146,8 +146,8 @@ def finish_reason(finish: Finish, calls: int) -> str:
     return "tool_calls" if calls and finish.reason == "stop" else finish.reason
 
 
-def error_event(message: str) -> str:
-    return sse(APIError(500, message, type="server_error").body())
+def error_event(run: "Run") -> str:
+    return sse(failed(run.gen.id).body())
 
 
 class _Space:
@@ -192,7 +192,7 @@ async def chat_stream(run: "Run", shape: Shape, usage: bool):
                 yield sse(shape.usage_chunk(event.usage))
             yield "data: [DONE]\n\n"
         elif isinstance(event, Failure):
-            yield error_event(event.message)
+            yield error_event(run)
             yield "data: [DONE]\n\n"
 
 
@@ -213,7 +213,7 @@ async def completion_stream(run: "Run", shape: Shape, usage: bool):
                 yield sse(shape.usage_chunk(event.usage))
             yield "data: [DONE]\n\n"
         elif isinstance(event, Failure):
-            yield error_event(event.message)
+            yield error_event(run)
             yield "data: [DONE]\n\n"
 
 
@@ -226,5 +226,5 @@ async def completion_whole(run: "Run", shape: Shape, request) -> dict:
         elif isinstance(event, Finish):
             return shape.whole("".join(text), logprobs, event)
         elif isinstance(event, Failure):
-            raise APIError(500, event.message, type="server_error")
-    raise APIError(500, "the generation ended without finishing", type="server_error")
+            raise failed(run.gen.id)
+    raise failed(run.gen.id)
