@@ -25,15 +25,18 @@ class LocalServer:
         model_dir: an mlx-lm model directory.
         store_dir: a prefix store directory, or None to serve without one.
         chat_template, template_args: as --chat-template, --chat-template-args.
-        api_key: as --api-key.
+        api_key: as --api-key; api_keys: several.
+        isolation: as --prompt-cache-isolation.
     """
 
-    def __init__(self, model_dir, *, store_dir=None, chat_template=None, template_args=None, api_key=None):
+    def __init__(self, model_dir, *, store_dir=None, chat_template=None, template_args=None, api_key=None,
+                 api_keys=(), isolation="none"):
         self.model_dir = Path(model_dir)
         self.store_dir = store_dir
         self.chat_template = chat_template
         self.template_args = template_args
-        self.api_key = api_key
+        self.api_keys = tuple(api_keys) or ((api_key,) if api_key else ())
+        self.isolation = isolation
         self.port = None
 
     @property
@@ -59,7 +62,7 @@ class LocalServer:
         name = self.model_dir.name
         settings = Settings(served_name=name, names={name, DEFAULT_MODEL}, vocab_size=len(self.tokenizer),
                             context_length=_lookup(_config(self.model_dir), "max_position_embeddings"),
-                            api_keys=(self.api_key,) if self.api_key else ())
+                            api_keys=self.api_keys, isolation=self.isolation)
         self.engine = Engine(self.model, self.tokenizer, store=self.store)
         self.worker = Worker(Scheduler(self.engine, begin_step=self.engine.begin_step))
         self.prompter = Prompter(self.tokenizer, self.chat_template, self.template_args)

@@ -184,3 +184,26 @@ def test_unparseable_calls_come_back_as_text_on_every_surface(server):
     assert m.content[-1].text == "\n\n" + broken and m.stop_reason == "end_turn"
     r = c.responses.create(model="think", input=QUESTION, tools=R_TOOLS, extra_body=kw)
     assert r.output_text == "\n\n" + broken and [o.type for o in r.output] == ["reasoning", "message"]
+
+
+def test_isolation_domains_hold_on_the_messages_and_responses_routes(tmp_path):
+    """cache_salt, and with per-key isolation the key (x-api-key or Bearer), separate what the
+    prefix cache shares on the new routes as on the OpenAI ones."""
+    path = build(tmp_path / "m", scripts={"default": "Fine."})
+    long = "Tell me about the repository layout and its modules. " * 8
+    with LocalServer(path, store_dir=tmp_path / "store", api_keys=("k1", "k2"), isolation="per-key") as srv:
+        def read(key, salt=None):
+            extra = {"cache_salt": salt} if salt else {}
+            m = srv.anthropic(key).messages.create(model="m", max_tokens=4, extra_body=extra,
+                                                   messages=[{"role": "user", "content": long}])
+            return m.usage.cache_read_input_tokens
+
+        assert read("k1") == 0
+        assert read("k1") > 0  # the same key shares its own prefixes
+        assert read("k2") == 0  # another key does not see them
+        assert read("k1", "a") == 0 and read("k1", "a") > 0 and read("k1", "b") == 0  # salts split a key's domain
+        r = srv.openai("k2").responses.create(model="m", input=long, max_output_tokens=4)
+        assert r.usage.input_tokens_details.cached_tokens > 0  # k2's own earlier prompt (same rendering)
+        r = srv.openai("k2").responses.create(model="m", input=long, max_output_tokens=4,
+                                              extra_body={"cache_salt": "c"})
+        assert r.usage.input_tokens_details.cached_tokens == 0
