@@ -122,13 +122,20 @@ class Usage:
 
 @dataclass
 class Finish:
-    """Choice `index` ended: "stop" (EOS or a stop string) or "length". `last`: the request's
-    last event (every choice ended); `usage` counts this choice's completion tokens."""
+    """Choice `index` ended: "stop" (EOS or a stop string) or "length".
+
+    Attributes:
+        usage: this choice's completion tokens (the prompt counted once per request).
+        index: the choice (0 .. n-1).
+        last: the request's last event (every choice ended).
+        stop: the stop string that ended the text (None: EOS or length).
+    """
 
     reason: str
     usage: Usage
     index: int = 0
     last: bool = True
+    stop: Optional[str] = None
 
 
 @dataclass
@@ -199,7 +206,8 @@ class _Choice:
                 self.buffer.clear()
                 engine.decoder.settle({self.row: taken})
             self.outcome = self.finish
-            events.append(Finish(self.finish, Usage(len(req.ids), self.n, self.cached), self.index, last=False))
+            events.append(Finish(self.finish, Usage(len(req.ids), self.n, self.cached), self.index,
+                                 last=False, stop=self.stop.matched))
         return events
 
 
