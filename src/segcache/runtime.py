@@ -94,6 +94,37 @@ class Branch:
         return f"Branch(base={self.base_offset}, {state})"
 
 
+class Savepoint:
+    """What `Runtime.undo` returns to (opaque; see `Runtime.savepoint`)."""
+
+    __slots__ = ("runtime", "offset", "branches", "layers")
+
+    def __init__(self, runtime: "Runtime", offset: int, branches: tuple, layers: list):
+        self.runtime, self.offset, self.branches, self.layers = runtime, offset, branches, layers
+
+
+def _buffers(layer) -> list:
+    """(owner, name, view) of every K/V buffer a forward writes into in place.
+
+    A forward appends to such a buffer with a slice update, which rebinds the
+    very array object the layer holds; a layer's own savepoint keeps only its
+    offset there. A view (`a[...]`: a new handle, no copy) keeps the buffer as
+    it was, so `undo` can put it back and drop the forward's graph with it.
+    """
+    out = []
+    for owner in getattr(layer, "caches", None) or (layer,):  # CompositeLayer: its children
+        if owner is not layer:
+            out.extend(_buffers(owner))
+            continue
+        for name in ("keys", "values"):
+            a = getattr(owner, name, None)
+            if isinstance(a, mx.array):
+                out.append((owner, name, a[...]))
+            elif isinstance(a, tuple) and all(isinstance(x, mx.array) for x in a):  # quantized: (w, scales, biases)
+                out.append((owner, name, tuple(x[...] for x in a)))
+    return out
+
+
 def _build_layers(model, strategy: str, branch_state_bytes: int, state_strategy: str | None = None) -> list:
     """One layer cache per decoder layer; the model is changed only if every layer is supported.
 
@@ -280,6 +311,46 @@ class Runtime:
             raise
         self._ledger.append(chunk)
         return logits
+
+    def savepoint(self) -> "Savepoint":
+        """A point to undo the forwards that follow, as long as they are not evaluated (`undo`).
+
+        Cheap (offsets and array handles, no copy) and, unlike a branch, it
+        changes no code path: the forwards run as they would without it. `undo`
+        also drops their unevaluated graphs from every layer (the K/V buffers
+        they wrote into included), so nothing of them runs later: in a
+        distributed group an abandoned forward must never reach a collective
+        (`segcache.distributed`). Drop the savepoint before evaluating the
+        forwards: a K/V buffer it still holds is copied by the write instead of
+        being updated in place.
+
+        Raises:
+            UnsupportedOperationError: an entry of `rt.cache` was replaced.
+        """
+        self._own_layers("savepoint")
+        self._sync()
+        layers = [(layer.savepoint(), _buffers(layer)) for layer in self.cache]
+        return Savepoint(self, self.offset, tuple(self._branches), layers)
+
+    def undo(self, point: "Savepoint") -> None:
+        """Return to `point`: the forwards since are dropped, evaluated or not.
+
+        Raises:
+            BranchError: `point` is another runtime's, or a branch was opened or
+                closed since it was taken; nothing changed.
+        """
+        if point.runtime is not self or tuple(self._branches) != point.branches or self.offset < point.offset:
+            raise BranchError(
+                "undo() to a savepoint of another runtime, or across a fork / commit / rollback since it "
+                "was taken; undo only the forwards of one step"
+            )
+        self._own_layers("undo")
+        self._sync()
+        for layer, (own, buffers) in zip(self.cache, point.layers):
+            layer.restore(own)
+            for obj, name, value in buffers:
+                setattr(obj, name, value)
+        self._ledger.truncate(point.offset)
 
     # -- branches ---------------------------------------------------------------
 
