@@ -125,6 +125,12 @@ def scenario_models(models_dir: str) -> None:
             last = model(mx.array([committed[-2:]]), cache=native)[0]
             mx.eval(last)
             same_as_native &= bool(mx.allclose(last, got[-1], rtol=1e-5, atol=1e-5).item())
+        # The chunked Gated DeltaNet prefill on the rank's heads (its all_sum at the end).
+        chunked = Runtime(model, gdn_prefill="chunked").forward(PROMPT * 2)[0, -4:]
+        want = Runtime(ref, gdn_prefill="chunked").forward(PROMPT * 2)[0, -4:]
+        mx.eval(chunked, want)
+        chunked_abs = mx.abs(chunked - want).max().item()
+        digests.append(digest([chunked]))
         verdict = channel.check(True, fingerprint(*digests))
 
         plain = lockstep.generate(Runtime(model), channel, PROMPT, max_tokens=12)
@@ -136,6 +142,7 @@ def scenario_models(models_dir: str) -> None:
         engine_lookup = [r.token for r in stream_generate(model, tokenizer, PROMPT, max_tokens=12,
                                                           prompt_lookup=True, num_draft_tokens=3)]
         result(family=family, mode=mode, shard=shard.describe(), worst_abs=worst_abs, worst_rel=worst_rel,
+               chunked_abs=chunked_abs,
                same_as_native=same_as_native, ranks_bitwise_equal=verdict.ok, plain=plain, lookup=spec,
                held_ok=held_ok, rounds=rounds, reference=reference_tokens(ref, PROMPT, 12), engine=engine,
                engine_lookup=engine_lookup)
@@ -185,7 +192,7 @@ def scenario_store(models_dir: str, store_dir: str, phase: str) -> None:
             result(**fields)
             continue
         store = open_rank_store(root, shard, ram_bytes=0, page_tokens=8)
-        rt = Runtime(model, store=store)
+        rt = Runtime(model, store=store, group=channel)
         tic = time.perf_counter()
         logits = rt.prefill(PROMPT * 2)
         mx.eval(logits)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -86,6 +87,7 @@ def test_programs_give_the_unsharded_logits(sharded, family, mode):
         else:
             # Split reductions round differently: measured <= 7e-6 on logits of magnitude ~10.
             assert res["worst_abs"] < 1e-4, res
+        assert res["chunked_abs"] < 1e-4, res  # the chunked GDN prefill on the rank's heads
 
 
 @pytest.mark.parametrize("family,mode", CONFIGS)
@@ -275,6 +277,23 @@ def test_store_per_rank_resumes_after_a_restart(model_dir, tmp_path):
             assert rd["close"] and w["close"] and rd["ranks_equal"]
             assert rd["logits"] == w["logits"]  # bit for bit what the first launch computed
             assert rd["dirs"] == ["rank-0-of-2", "rank-1-of-2"]
+
+
+def test_a_prefix_is_a_hit_only_if_every_rank_holds_it(model_dir, tmp_path):
+    """Rank 1's store is lost between two launches: rank 0 still holds the prompt, but every
+    rank computes it (the ranks agree before resuming), with the same logits, and both
+    stores hold it again afterwards."""
+    store = tmp_path / "store"
+    first = ok(launch("store", model_dir, store, "write"))
+    for family_mode in ("qwen3_5-tensor", "qwen3_next-pipeline"):
+        shutil.rmtree(store / family_mode / "rank-1-of-2")
+    again = ok(launch("store", model_dir, store, "read"))
+    healed = ok(launch("store", model_dir, store, "read"))
+    for r in (0, 1):
+        for w, rd, h in zip(first[r].json(), again[r].json(), healed[r].json()):
+            assert rd["stats"]["hit_tokens"] == 0, rd  # rank 0 could have, but rank 1 could not
+            assert rd["close"] and rd["ranks_equal"] and rd["logits"] == w["logits"]
+            assert h["stats"]["hit_tokens"] > 0 and h["logits"] == w["logits"]
 
 
 def test_stores_of_one_process_and_of_the_ranks_are_refused_both_ways(model_dir, tmp_path):

@@ -206,6 +206,9 @@ class Runtime:
             or more; within float rounding of native), or "auto" (chunked off
             Metal, native on Metal; `adapters.chunked.default_gdn_prefill`; what
             `segcache generate`, `serve` and `demo` use).
+        group: a `segcache.distributed.Channel` when this runtime is one rank's of
+            a sharded model: its prefills then resume only a prefix every rank
+            resumes (docs/distributed.md); clones share it.
 
     Attributes:
         model: the model.
@@ -223,6 +226,7 @@ class Runtime:
         recurrent_strategy: str = "auto",
         branch_state_bytes: int = BRANCH_STATE_BYTES,
         gdn_prefill: str = "native",
+        group=None,
     ):
         if recurrent_strategy not in RECURRENT_STRATEGIES:
             raise ValueError(f"recurrent_strategy must be one of {RECURRENT_STRATEGIES}")
@@ -249,6 +253,7 @@ class Runtime:
         self._branches: list[Branch] = []
         self.store = store
         self._prefix = None  # store.prefix_cache.PrefixCache for `store`, made on first use; shared with clones
+        self.group = group
 
     # -- what the cache holds -------------------------------------------------
 
@@ -638,6 +643,7 @@ class Runtime:
         other._ledger = self._ledger.copy(self.committed_offset)
         other._branches = []
         other.store, other._prefix = self.store, self._prefix
+        other.group = self.group
         return other
 
     # -- invariants -------------------------------------------------------------

@@ -380,7 +380,9 @@ class PrefixCache:
         L, lay = len(ids), self.layout
         plan = None
         resumed = 0  # tokens restored from the store
-        if store is not None:
+        if store is not None and rt.group is not None:
+            plan, resumed = self._agreed(rt, ids, held)
+        elif store is not None:
             try:
                 plan = self.lookup(rt, ids, held)
                 if plan.resume > held:
@@ -408,6 +410,38 @@ class PrefixCache:
                 except Exception as exc:
                     _warn(store, "publish", exc)
         return last
+
+    def _agreed(self, rt, ids: list[int], held: int) -> tuple[Plan | None, int]:
+        """The lookup and restore of one rank of a group: a hit only where every rank has one
+        (segcache.distributed.prefix). Returns (the plan, tokens restored)."""
+        from ..distributed.prefix import agree_resume, agree_restored
+
+        store, plan, states = self.store, None, None
+        try:
+            plan = self.lookup(rt, ids, held)
+            if plan.resume > held:
+                states = self.states(rt, plan)
+        except Exception as exc:
+            if not isinstance(exc, _Miss):
+                _warn(store, "lookup", exc)
+            plan, states = None, None
+        found = plan.resume if states is not None else held
+        stops = [plan.branch] if plan is not None and plan.branch is not None else []
+        resume, stops = agree_resume(rt.group, held, found, stops)
+        if resume <= held:
+            return (Plan(branch=stops[0]) if stops else None), 0
+        plan.branch = stops[0] if stops else None
+        point, ok = rt.savepoint(), True
+        try:
+            rt.restore(ids[:resume], states)
+        except Exception as exc:
+            _warn(store, "restore", exc)
+            ok = False
+        if agree_restored(rt.group, ok):
+            return plan, resume
+        if ok:
+            rt.undo(point)
+        return None, 0
 
     def stops(self, plan: Plan | None, start: int, length: int, checkpoints: Iterable[int]) -> list[int]:
         """Positions short of the prompt's end where a prefill takes a checkpoint."""
