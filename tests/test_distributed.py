@@ -91,6 +91,18 @@ def test_programs_give_the_unsharded_logits(sharded, family, mode):
 
 
 @pytest.mark.parametrize("family,mode", CONFIGS)
+def test_each_rank_holds_its_slice(sharded, family, mode):
+    """After the programs, a rank's committed K/V, conv tails and GDN states are its slice of the
+    unsharded runtime's (its layers; or its heads and conv channels): bit for bit under
+    pipeline parallelism, within the split sums' rounding under tensor parallelism."""
+    for res in sharded[(family, mode)]:
+        if mode == "pipeline":
+            assert res["worst_slice"] == 0.0, res
+        else:
+            assert res["worst_slice"] < 1e-4, res
+
+
+@pytest.mark.parametrize("family,mode", CONFIGS)
 def test_greedy_tokens_as_one_process(sharded, family, mode):
     """Plain and prompt-lookup decoding (rank 0 decides, the other replays; and segcache's
     own engine on each rank) give mlx-lm's greedy tokens of the unsharded model."""
