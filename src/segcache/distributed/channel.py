@@ -43,6 +43,7 @@ import numpy as np
 from ..errors import RankDivergedError, RankFailedError, RankLostError
 
 FRAME_WORDS = 16  # int64 words per rank per collective: 128 bytes
+MAX_WORDS = 1 << 24  # one message at most (128 MiB): a longer count read off a frame is garbage
 LOST_EXIT = 75  # the exit status of a rank whose watchdog fired (EX_TEMPFAIL: start the group again)
 _WORD = 8
 _LO, _HI = -(1 << 63), (1 << 63) - 1
@@ -112,6 +113,14 @@ class Channel:
     """Messages over a distributed group (`mx.distributed.init()` by default).
 
     A group of one runs no collective: every method returns what that rank passed.
+
+    Args:
+        group: the group (default: `mx.distributed.init()`).
+        frame: int64 words per rank in a message's first collective.
+        timeout: seconds a message may wait for the other ranks before this
+            rank ends itself (`LOST_EXIT`), or None to wait for ever. The wait
+            includes the slowest rank's work up to the same message (its longest
+            step, a prefill chunk of a large model included): set it well above.
     """
 
     group: mx.distributed.Group | None = None
@@ -126,7 +135,7 @@ class Channel:
             raise ValueError(f"a frame holds at least 3 words, got {self.frame}")
         if self.timeout is not None and not self.timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds or None, got {self.timeout!r}")
-        self._seq = 0  # messages sent; frames carry seq + 1 (never 0: a lost peer's part reads 0)
+        self._seq = 0  # collectives run; frame k carries k (never 0: a lost peer's part may read 0)
         self._watchdog = _Watchdog() if self.timeout is not None else None
 
     @property
@@ -173,8 +182,8 @@ class Channel:
             RankLostError: some rank did not take part (lost, or out of step).
         """
         words = [int(w) for w in words]
-        if any(not _LO <= w <= _HI for w in words):
-            raise ValueError("channel words are int64: every value must fit in 64 signed bits")
+        if any(not _LO <= w <= _HI for w in words) or len(words) > MAX_WORDS:
+            raise ValueError(f"a message is at most {MAX_WORDS} int64 words, each within 64 signed bits")
         if self.size == 1:
             return [words]
         P = self.frame - 2  # payload words in the first frame
@@ -183,8 +192,8 @@ class Channel:
         head[1 : 1 + min(len(words), P)] = words[:P]
         frames = self._all_gather(head)
         counts = [int(n) for n in frames[:, 0]]
-        if any(n < 0 for n in counts):
-            raise RankLostError(f"message {self._seq}: a rank sent a negative length {counts}; stop every rank")
+        if any(not 0 <= n <= MAX_WORDS for n in counts):
+            raise RankLostError(f"message {self._seq}: a rank sent an impossible length {counts}; stop every rank")
         rows = [frames[r, 1 : 1 + min(n, P)].tolist() for r, n in enumerate(counts)]
         spill = max(counts) - P
         if spill > 0:  # every rank knows every count: one more collective, sized to the longest

@@ -4,9 +4,11 @@ The loop is the protocol `segcache serve` follows across ranks, at its
 smallest: rank 0 decides every step, the other ranks replay its decisions.
 Greedy decoding, optionally with prompt-lookup drafts verified in a branch:
 
-    decision d_t (rank 0 -> all, one message):  [commit, pending, drafts...]
-    every rank:  commit the last round's branch to `commit` tokens (-1: no branch)
+    decision d_t (rank 0 -> all, one message):  [done, commit, k, emitted_1..k, drafts...]
+    every rank:  append the emitted tokens; commit the last round's branch to `commit`
+                 tokens (-1: it opened none); stop if done; else
                  fork (if drafts) ─ lockstep(forward([pending, *drafts])) ─ evaluate the logits
+                 (pending: the last token emitted, at first the prompt's last)
     rank 0:      accept (greedy match), the next token, the next drafts ─> d_{t+1}
 
 Only rank 0 reads the logits; the others evaluate them to run the same
