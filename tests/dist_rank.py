@@ -292,11 +292,14 @@ def scenario_channel() -> None:
     long = channel.broadcast(list(range(100)) if channel.leader else [9])
     payload = channel.share(bytes(range(256)) * 3 + b"end" if channel.leader else b"ignored")
     empty = channel.share(b"" if channel.leader else b"x")
+    request = channel.share_data({"prompt": [1, 2, 3], "max_tokens": 5, "salt": b"\x00k", "t": 0.5}
+                                 if channel.leader else {"ignored": True})
     least = channel.least(10 - 3 * r)
     same = channel.check(True, 42)
     failed = channel.check(r != 1, 42)
     diverged = channel.check(True, r)
     result(rank=r, rows=rows, long=long, payload=payload.hex(), empty=empty.hex(), least=least,
+           request={k: (v.hex() if isinstance(v, bytes) else v) for k, v in request.items()},
            same=same.ok, failed=list(failed.failed), diverged=diverged.ok,
            collectives=channel.stats.collectives, sent_bytes=channel.stats.sent_bytes)
 

@@ -133,6 +133,7 @@ def test_channel_messages():
     assert x["payload"] == y["payload"] == (bytes(range(256)) * 3 + b"end").hex()
     assert x["empty"] == y["empty"] == ""
     assert x["least"] == y["least"] == 7
+    assert x["request"] == y["request"] == {"prompt": [1, 2, 3], "max_tokens": 5, "salt": "006b", "t": 0.5}
     assert x["same"] and y["same"]
     assert x["failed"] == y["failed"] == [1]
     assert not x["diverged"] and not y["diverged"]

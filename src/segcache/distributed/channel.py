@@ -228,6 +228,12 @@ class Channel:
         n = got[0]
         return np.array(got[1:], dtype="<i8").tobytes()[:n]
 
+    def share_data(self, data=None):
+        """Rank 0's plain data (dicts, lists, str, bytes, numbers: an admitted request) on every
+        rank, as msgpack: never pickle, so no rank runs what another sent."""
+        payload = msgpack.packb(data, use_bin_type=True) if self.leader else None
+        return msgpack.unpackb(self.share(payload), raw=False, strict_map_key=False)
+
     def check(self, ok: bool = True, fingerprint: int = 0) -> Verdict:
         """Every rank's status and fingerprint, on every rank (one collective)."""
         rows = self.gather([0 if ok else 1, fingerprint])
