@@ -210,7 +210,7 @@ def test_single_process_channel_and_lockstep():
     assert isinstance(verdict.error("s", 0), RankDivergedError)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "gemma3_text", "llama"])
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma3_text", "llama", "falcon_h1"])
 def test_savepoint_undo_restores_every_layer_kind(family):
     """undo after forwards (one evaluated, one left lazy) gives, bit for bit, the state of a
     runtime that never ran them; it is refused across a fork."""

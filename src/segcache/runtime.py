@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Generator, Iterable, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import CacheList, KVCache
 
 from . import adapters
 from .adapters.chunked import chunked_threshold
@@ -24,6 +24,7 @@ from .errors import (
     UnsupportedOperationError,
 )
 from .layers import registry
+from .layers.offset_branches import OffsetBranches
 from .layers.protocol import PAGES, UNSTORED
 from .layers.recurrent import STRATEGIES, RecurrentLayer
 from .layers.state import default_state_strategy
@@ -97,32 +98,35 @@ class Branch:
 class Savepoint:
     """What `Runtime.undo` returns to (opaque; see `Runtime.savepoint`)."""
 
-    __slots__ = ("runtime", "offset", "branches", "layers")
+    __slots__ = ("runtime", "offset", "branches", "layers", "buffers")
 
-    def __init__(self, runtime: "Runtime", offset: int, branches: tuple, layers: list):
-        self.runtime, self.offset, self.branches, self.layers = runtime, offset, branches, layers
+    def __init__(self, runtime: "Runtime", offset: int, branches: tuple, layers: list, buffers: list):
+        self.runtime, self.offset, self.branches = runtime, offset, branches
+        self.layers, self.buffers = layers, buffers  # each layer's own savepoint; (cache, keys, values) views
 
 
-def _buffers(layer) -> list:
-    """(owner, name, view) of every K/V buffer a forward writes into in place.
+def _appended_in_place(layers) -> list:
+    """The caches among `layers` (and their children) that a forward appends to in place.
 
-    A forward appends to such a buffer with a slice update, which rebinds the
-    very array object the layer holds; a layer's own savepoint keeps only its
-    offset there. A view (`a[...]`: a new handle, no copy) keeps the buffer as
-    it was, so `undo` can put it back and drop the forward's graph with it.
+    An append-only K/V buffer (`OffsetBranches`: full attention, quantized or
+    not) is extended with a slice update, which rebinds the very array object
+    the layer holds, and its own savepoint keeps only the offset. Every other
+    kind keeps its arrays in its savepoint (windows, recurrent slots).
     """
     out = []
-    for owner in getattr(layer, "caches", None) or (layer,):  # CompositeLayer: its children
-        if owner is not layer:
-            out.extend(_buffers(owner))
-            continue
-        for name in ("keys", "values"):
-            a = getattr(owner, name, None)
-            if isinstance(a, mx.array):
-                out.append((owner, name, a[...]))
-            elif isinstance(a, tuple) and all(isinstance(x, mx.array) for x in a):  # quantized: (w, scales, biases)
-                out.append((owner, name, tuple(x[...] for x in a)))
+    for layer in layers:
+        if isinstance(layer, OffsetBranches):
+            out.append(layer)
+        elif isinstance(layer, CacheList):  # CompositeLayer: its children
+            out.extend(_appended_in_place(layer.caches))
     return out
+
+
+def _view(a):
+    """A new handle on the same buffer (no copy): it keeps the buffer as it is now."""
+    if a is None:  # no token yet
+        return None
+    return tuple(x[...] for x in a) if isinstance(a, tuple) else a[...]
 
 
 def _build_layers(model, strategy: str, branch_state_bytes: int, state_strategy: str | None = None) -> list:
@@ -243,6 +247,7 @@ class Runtime:
         # cache[i] is _layers[i]: mlx-lm code may replace entries of the list
         # (kv_bits); every operation checks first (_own_layers).
         self._layers = tuple(self.cache)
+        self._in_place = None  # (_layers, their caches appended in place), for savepoint()
         self.gdn_prefill = "native" if chunked_from is None else "chunked"
         for layer in self.cache:
             if isinstance(layer, RecurrentLayer):
@@ -334,8 +339,11 @@ class Runtime:
         """
         self._own_layers("savepoint")
         self._sync()
-        layers = [(layer.savepoint(), _buffers(layer)) for layer in self.cache]
-        return Savepoint(self, self.offset, tuple(self._branches), layers)
+        if self._in_place is None or self._in_place[0] != self._layers:
+            self._in_place = (self._layers, _appended_in_place(self._layers))
+        # K/V buffers are kept as views (quantized: a tuple of them; None before any token)
+        buffers = [(c, _view(c.keys), _view(c.values)) for c in self._in_place[1]]
+        return Savepoint(self, self.offset, tuple(self._branches), [c.savepoint() for c in self.cache], buffers)
 
     def undo(self, point: "Savepoint") -> None:
         """Return to `point`: the forwards since are dropped, evaluated or not.
@@ -351,10 +359,10 @@ class Runtime:
             )
         self._own_layers("undo")
         self._sync()
-        for layer, (own, buffers) in zip(self.cache, point.layers):
+        for layer, own in zip(self.cache, point.layers):
             layer.restore(own)
-            for obj, name, value in buffers:
-                setattr(obj, name, value)
+        for cache, keys, values in point.buffers:
+            cache.keys, cache.values = keys, values
         self._ledger.truncate(point.offset)
 
     # -- branches ---------------------------------------------------------------
@@ -640,6 +648,7 @@ class Runtime:
         other.gdn_prefill = self.gdn_prefill
         other.cache = [layer.clone() for layer in self.cache]
         other._layers = tuple(other.cache)
+        other._in_place = None
         other._ledger = self._ledger.copy(self.committed_offset)
         other._branches = []
         other.store, other._prefix = self.store, self._prefix
