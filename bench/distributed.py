@@ -179,11 +179,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("--family", default="qwen3_5", choices=sorted(SPECS))
     parser.add_argument("--pipeline", action="store_true", help="split the layers, not the heads")
-    parser.add_argument("--prompt", type=int, default=512, help="prompt tokens for time to first token")
+    parser.add_argument("--prompt", type=int, default=None, help="prompt tokens for time to first token (512)")
     parser.add_argument("--context", type=int, default=64, help="prompt tokens before decoding")
-    parser.add_argument("--tokens", type=int, default=48, help="tokens decoded per run")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="a smaller run (~1 min)")
+    parser.add_argument("--tokens", type=int, default=None, help="tokens decoded per run (48)")
+    parser.add_argument("--repeats", type=int, default=None, help="runs per figure (3)")
+    parser.add_argument("--quick", action="store_true", help="256-token prompt, 24 tokens, 2 repeats")
     # the rank program's own arguments
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -192,8 +192,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.rank:
         return rank_main(args)
-    if args.quick:
-        args.prompt, args.tokens, args.repeats = 256, 24, 2
+    for name, full, quick in (("prompt", 512, 256), ("tokens", 48, 24), ("repeats", 3, 2)):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
     spec = dict(SPECS[args.family])
     if args.pipeline and args.family == "llama":
         sys.exit("llama has no pipeline() in mlx-lm: use --family qwen3_5 with --pipeline")
@@ -237,17 +238,14 @@ def report(args, one: dict, two: list[dict]) -> None:
     row("decode, engine (each rank decides)", "engine_tps", "tokens/s")
     print(f"resumed tokens: {one['resumed_tokens']} (1 process), {r0['resumed_tokens']} (each rank)")
     print()
-    print("bytes rank 0 sends (estimate for a ring: all_sum 2(n-1)/n, all_gather n-1 blocks, send 1):")
-    d, p, e = r0["decode_traffic"], r0["prefill_traffic"], r0["engine_traffic"]
-    steps = args.tokens  # plain decoding: one step per token (plus the prompt's forwards in the lockstep run)
-    print(f"  model, per decode step (engine run): {e['wire'] / max(1, r0['engine_tokens'] - 1):,.0f} B "
-          f"in {e['calls'] / max(1, r0['engine_tokens'] - 1):.0f} collectives "
-          f"(payload {e['payload'] / max(1, r0['engine_tokens'] - 1):,.0f} B)")
-    print(f"  model, per prompt token (cold prefill): {p['wire'] / args.prompt:,.0f} B "
-          f"({p['calls']} collectives for {args.prompt} tokens)")
-    print(f"  lockstep loop, channel per token: {r0['channel_bytes_per_token']:,.0f} B in "
-          f"{r0['channel_messages_per_token']:.1f} messages (model: {d['wire'] / steps:,.0f} B per token "
-          "incl. the prompt)")
+    print("bytes each rank sends (ring estimate: all_sum 2(n-1)/n of the array, all_gather n-1 blocks, send 1):")
+    for r in two:
+        e, p = r["engine_traffic"], r["prefill_traffic"]
+        steps = max(1, r["engine_tokens"] - 1)
+        print(f"  rank {r['rank']}: model, per decode step: {e['wire'] / steps:,.0f} B in {e['calls'] / steps:.0f} "
+              f"collectives; per prompt token (cold prefill): {p['wire'] / args.prompt:,.0f} B")
+    print(f"  lockstep loop, channel, per decode step: {r0['channel_bytes_per_token']:,.0f} B in "
+          f"{r0['channel_messages_per_token']:.1f} messages (each rank)")
 
 
 if __name__ == "__main__":
