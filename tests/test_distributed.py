@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -172,9 +171,7 @@ def test_a_stuck_rank_ends_the_others_by_their_watchdog():
 
 def test_mlx_launch_runs_the_ranks(model_dir):
     """The same under `mlx.launch --backend ring -n 2` itself."""
-    env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p.endswith("src"))} if any(
-        p.endswith("src") for p in sys.path) else {}
-    done = ranks.mlx_launch([RANK, "launch", str(model_dir)], timeout=TIMEOUT, env=env)
+    done = ranks.mlx_launch([RANK, "launch", str(model_dir)], timeout=TIMEOUT)  # our environment, PYTHONPATH included
     assert done.returncode == 0, done.stderr[-3000:]
     found = [json.loads(line.split("RESULT ", 1)[1]) for line in done.stdout.splitlines() if "RESULT " in line]
     assert sorted(r["rank"] for r in found) == [0, 1]
