@@ -9,7 +9,6 @@ its job; the worker sees it at the next step.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -24,10 +23,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import schemas
+from . import isolation, schemas
 from .chat import Prompter
 from .engine import Chunk, Failure, Finish, GenRequest
 from .errors import APIError
+from .guard import HostPolicy, RequestGuard
 from .shapes import Shape, sse
 from .worker import Job, QueueFull, Scheduler, Worker
 
@@ -46,8 +46,12 @@ class Settings:
         context_length: prompt + completion tokens the model takes (None: unknown).
         vocab_size: token ids a prompt may hold are < this.
         max_tokens, temperature, top_p, top_k, min_p: defaults for requests that leave them out.
-        api_key: required as a Bearer token on every route but /health (None: open).
-        allowed_origins: CORS origins (empty: no CORS headers at all).
+        api_keys: one of them required as a Bearer token on every route but /health (empty: open).
+        isolation: "per-key": each API key is a prefix-cache isolation domain of its own
+            (`isolation.domain`); "none": requests share prefixes unless they send `cache_salt`.
+        allowed_origins: origins browsers may call from (CORS; empty: none but the server's own).
+        bind_host: the address bound (--host); its name is one `Host` may carry.
+        allowed_hosts: more names `Host` may carry (see `guard.HostPolicy`).
         max_body_bytes: larger request bodies get a 413.
         ram_bytes, disk_bytes: the prefix store's budgets (reported by /stats).
     """
@@ -61,8 +65,11 @@ class Settings:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    api_key: Optional[str] = None
+    api_keys: tuple = ()
+    isolation: str = "none"
     allowed_origins: list = field(default_factory=list)
+    bind_host: str = "127.0.0.1"
+    allowed_hosts: list = field(default_factory=list)
     max_body_bytes: int = 8 << 20
     ram_bytes: int = 0  # the store's budgets, for /stats
     disk_bytes: int = 0
@@ -83,15 +90,18 @@ class Server:
 
     # -- guards ---------------------------------------------------------------------
 
-    def _authorize(self, request: Request) -> None:
-        key = self.settings.api_key
-        if key is None:
-            return
+    def _authorize(self, request: Request) -> Optional[str]:
+        """The API key the request authenticated with (None when the server has none)."""
+        keys = self.settings.api_keys
+        if not keys:
+            return None
         auth = request.headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        key = isolation.match(token.strip(), keys) if scheme.lower() == "bearer" else None
+        if key is None:
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return key
 
     async def _body(self, request: Request) -> bytes:
         limit = self.settings.max_body_bytes
@@ -136,6 +146,14 @@ class Server:
         limit = max_tokens if max_tokens is not None else s.max_tokens
         return min(limit, ctx - len(ids)) if ctx is not None else limit
 
+    def _check_sampling(self, gen: GenRequest, req) -> None:
+        """Refuse what the sampler cannot take (it would fail on the model thread, as a 500)."""
+        vocab = self.settings.vocab_size
+        if not 0 <= gen.top_k < vocab:
+            whose = "the server's --top-k" if getattr(req, "top_k", None) is None else "'top_k'"
+            raise APIError(400, f"{whose} is {gen.top_k}; it takes 0 (off) or 1..{vocab - 1} (the vocabulary "
+                                f"has {vocab} tokens)", param="top_k", code="invalid_value")
+
     # -- routes -----------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
@@ -168,7 +186,7 @@ class Server:
         return await self._generate(request, schemas.ChatRequest)
 
     async def _generate(self, request: Request, kind) -> Response:
-        self._authorize(request)
+        key = self._authorize(request)
         req = schemas.parse(await self._body(request), kind)
         self._check_model(req.model)
         chat = kind is schemas.ChatRequest
@@ -188,7 +206,9 @@ class Server:
             top_p=s.top_p if req.top_p is None else req.top_p,
             top_k=s.top_k if req.top_k is None else req.top_k, min_p=s.min_p if req.min_p is None else req.min_p,
             seed=req.seed, stops=req.stops(), top_logprobs=top,
+            cache_salt=isolation.domain(key, req.cache_salt, s.isolation == "per-key"),
         )
+        self._check_sampling(gen, req)
         events: asyncio.Queue = asyncio.Queue()
 
         def deliver(event) -> None:  # on the worker thread
@@ -223,7 +243,7 @@ class Server:
                     yield "data: [DONE]\n\n"
                     return
                 elif isinstance(event, Failure):
-                    yield sse(APIError(500, event.message, type="server_error").body())
+                    yield sse(_failed(shape.id).body())
                     yield "data: [DONE]\n\n"
                     return
         finally:
@@ -250,7 +270,7 @@ class Server:
                 elif isinstance(event, Finish):
                     return JSONResponse(shape.whole("".join(text), logprobs, event))
                 elif isinstance(event, Failure):
-                    raise APIError(500, event.message, type="server_error")
+                    raise _failed(shape.id)
         finally:
             job.cancel()
 
@@ -265,8 +285,15 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
 
+def _failed(request_id: str) -> APIError:
+    # the exception's text stays in the log (the worker logs it under the request id), out of the body
+    return APIError(500, f"generation failed; the server log has the details under {request_id}",
+                    type="server_error")
+
+
 async def _server_error(request: Request, exc: Exception) -> Response:
-    err = APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+    # RequestGuard answers (and logs) the exceptions of the routes; this is the last resort
+    err = APIError(500, "internal error (the server log has the details)", type="server_error")
     return JSONResponse(err.body(), status_code=500)
 
 
@@ -285,5 +312,9 @@ def build_app(server: Server, lifespan=None) -> Starlette:
         middleware.append(Middleware(CORSMiddleware, allow_origins=server.settings.allowed_origins,
                                      allow_methods=["GET", "POST", "OPTIONS"],
                                      allow_headers=["Authorization", "Content-Type"]))
+    s = server.settings
+    # outermost: Host, Origin and Content-Type are checked before anything (CORS, auth, routes) runs
+    middleware.insert(0, Middleware(RequestGuard, hosts=HostPolicy(s.bind_host, s.allowed_hosts),
+                                    origins=s.allowed_origins))
     handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _server_error}
     return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers, lifespan=lifespan)

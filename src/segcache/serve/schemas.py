@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import List, Literal, Optional, Union
 
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import APIError
@@ -19,7 +20,7 @@ MAX_STOP = 4  # stop strings per request, as OpenAI
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -34,7 +35,7 @@ class _Request(_Strict):
     top_p: Optional[float] = Field(default=None, ge=0, le=1)
     top_k: Optional[int] = Field(default=None, ge=0)
     min_p: Optional[float] = Field(default=None, ge=0, le=1)
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(default=None, ge=0, lt=1 << 64)  # MLX's generator takes a uint64
     stop: Union[str, List[str], None] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -42,6 +43,7 @@ class _Request(_Strict):
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict] = None
+    cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=1024)  # vLLM's: the prefix-cache domain
 
     def stops(self) -> list[str]:
         """The stop strings, as a list."""
@@ -114,10 +116,7 @@ def parse(raw: bytes, kind: type[_Request]) -> _Request:
         APIError: 400 naming the field: malformed JSON, not an object, a missing
             or mistyped field, a value out of range, or a feature we cannot honour.
     """
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise APIError(400, f"the request body is not valid JSON ({exc})", param="body", code="invalid_json") from None
+    body = _decode(raw)
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", param="body")
     try:
@@ -132,6 +131,54 @@ def parse(raw: bytes, kind: type[_Request]) -> _Request:
         raise APIError(400, f"'{param}': {err['msg']} (got {shown})", param=param, code="invalid_value") from None
     _refuse_unsupported(req)
     return req
+
+
+def _decode(raw: bytes):
+    # pydantic-core's parser, not json.loads: it refuses what no field can hold (lone
+    # surrogates, which no tokenizer encodes; NaN and Infinity; invalid UTF-8) and bounds
+    # the nesting, where json.loads recurses until Python's stack limit.
+    try:
+        return pydantic_core.from_json(raw, allow_inf_nan=False)
+    except ValueError as exc:
+        reason = str(exc)
+    if any(w in reason for w in ("surrogate", "escape", "unicode")):
+        param = _lone_surrogate(raw)
+        if param is not None:
+            raise APIError(400, f"'{param}' holds a lone UTF-16 surrogate (such as \\ud800), which is not a "
+                                "character: send valid Unicode text", param=param, code="invalid_value")
+    if "recursion limit" in reason:
+        raise APIError(400, f"the request body nests arrays or objects too deeply ({reason})", param="body",
+                       code="invalid_json")
+    raise APIError(400, f"the request body is not valid JSON ({reason})", param="body", code="invalid_json")
+
+
+def _lone_surrogate(raw: bytes) -> Optional[str]:
+    """The path of the value holding a lone surrogate (up to 6 levels down), or None if there is none."""
+    try:
+        value = json.loads(raw.decode("utf-8", "surrogatepass"))
+    except (ValueError, RecursionError):
+        return None
+
+    def bad(v) -> bool:
+        try:
+            json.dumps(v, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        except (ValueError, RecursionError):
+            return False
+        return False
+
+    if not bad(value):
+        return None
+    path: list = []
+    for _ in range(6):
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        inner = next(((k, v) for k, v in items if bad(v)), None)
+        if inner is None:  # a key, or a string at this level
+            break
+        path.append(inner[0])
+        value = inner[1]
+    return ".".join(str(p) for p in path) or "body"
 
 
 def _refuse_unsupported(req: _Request) -> None:

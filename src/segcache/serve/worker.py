@@ -6,10 +6,10 @@
 
 With `max_running` 1 (the default) a request runs alone from its first step
 to its last, and the next waits in arrival order. With --decode-concurrency N
-it admits N, and a `BatchEngine` (batching.py) makes each step run one
-batched forward over the running rows (`begin_step` marks the step). Cancellation (a client gone) is a
-flag read at the next step: the job's generator is closed there, which
-settles and publishes its runtime and frees it.
+it admits N, and the engine (engine.py) runs one decoder step over the
+running rows per scheduler step (`begin_step` marks the step). Cancellation
+(a client gone) is a flag read at the next step: the job's generator is
+closed there, which publishes what the client received and frees its row.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class Scheduler:
                  begin_step: Callable[[], None] = lambda: None):
         self.engine = engine
         self.max_queue = max_queue
-        self.max_running = max_running  # > 1 with a BatchEngine (serve/batching.py)
+        self.max_running = max_running  # the engine's decode_concurrency
         self.begin_step = begin_step  # called before each step advances the running jobs
         self.waiting: collections.deque[Job] = collections.deque()
         self.running: list[Job] = []
