@@ -28,6 +28,7 @@ from .layers.offset_branches import OffsetBranches
 from .layers.protocol import PAGES, UNSTORED
 from .layers.recurrent import STRATEGIES, RecurrentLayer
 from .layers.state import default_state_strategy
+from .distributed.prefix import agree_restored, agree_resume
 from .store import PrefixCache, Resume
 from .tokens import TokenLedger
 
@@ -504,12 +505,21 @@ class Runtime:
     def _prefill(self, ids: list[int], held: int, cache: PrefixCache | None, step_size: int, checkpoints):
         L = len(ids)
         resume = Resume(held) if cache is None else cache.resume(self, ids, held)
+        if cache is not None and self.group is not None:
+            resume = self._agreed(resume, held)  # then every rank restores, or none (the same tokens)
+        point = self.savepoint() if resume.states is not None and self.group is not None else None
+        restored = True
         if resume.states is not None:
             try:
                 self.restore(ids[: resume.tokens], list(resume.states))
             except Exception as exc:  # states that do not load are a miss, never a failed prefill
                 cache.failed("restoring the resumed prefix", exc)
-                resume = Resume(held)
+                resume, restored = Resume(held), False
+        if point is not None and not agree_restored(self.group, restored):
+            if restored:  # another rank could not: every rank computes
+                self.undo(point)
+            resume = Resume(held)
+        del point
         yield dataclasses.replace(resume, states=None, logits=None)  # the caller may run other work first
         start, stops, snaps, seconds = resume.tokens, [L], [], 0.0
         if cache is not None:
@@ -522,6 +532,13 @@ class Runtime:
         if cache is not None:
             cache.prefilled(self, ids, resume, snaps, seconds)
         return last
+
+    def _agreed(self, resume: Resume, held: int) -> Resume:
+        """The resume every rank of the group found, or a miss on every rank (docs/distributed.md)."""
+        tokens, stops = agree_resume(self.group, held, resume.tokens, resume.stops)
+        if tokens != resume.tokens:
+            return Resume(held)
+        return resume if stops == tuple(resume.stops) else dataclasses.replace(resume, stops=())
 
     def _feed(self, ids: list[int], start: int, stops: list[int], step_size: int, at_stop):
         """Forward ids[start:] in chunks of `step_size` ending at each stop, calling `at_stop(logits)`
