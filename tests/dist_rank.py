@@ -188,6 +188,44 @@ def scenario_models(models_dir: str) -> None:
                engine_lookup=engine_lookup)
 
 
+def scenario_batch(models_dir: str) -> None:
+    """segcache's batched decoder on the shards: rows joining and leaving, plain and prompt
+    lookup, every rank deciding alone (their logits are the same bits), against each row's
+    greedy tokens on the unsharded model."""
+    from segcache.batch import BatchDecoder
+
+    channel = Channel()
+    prompts = [PROMPT, PROMPT[3:] + [7, 8], [9, 9, 12, 7, 30, 9, 12, 7], PROMPT[::-1]]
+    for family, mode in CONFIGS:
+        model, _, _ = load(os.path.join(models_dir, family), pipeline=mode == "pipeline")
+        ref, _ = mlx_load(os.path.join(models_dir, family))
+        for width in (0, 3):
+            dec = BatchDecoder(model, num_draft_tokens=width, gate=False)
+            got = {i: [] for i in range(len(prompts))}
+            waiting, steps = [2, 3], 0
+            def join(i):
+                rt = Runtime(model)
+                rt.prefill(prompts[i][:-1])  # evaluated: under pipeline one forward per evaluation
+                dec.add(i, rt, prompts[i][-1], max_tokens=10)
+
+            for i in (0, 1):
+                join(i)
+            while dec.rows or waiting:
+                if steps == 2 and waiting:  # rows join mid-generation
+                    for i in waiting:
+                        join(i)
+                    waiting = []
+                for rid, emitted in dec.step().items():
+                    got[rid].extend(t for t, _, _ in emitted)
+                    if len(got[rid]) >= 10:
+                        dec.remove(rid)
+                steps += 1
+            want = {i: reference_tokens(ref, p, 10) for i, p in enumerate(prompts)}
+            same = channel.check(True, fingerprint(*[got[i][:10] for i in range(len(prompts))])).ok
+            result(family=family, mode=mode, width=width, got={i: g[:10] for i, g in got.items()},
+                   want=want, ranks_equal=same)
+
+
 def scenario_fault(models_dir: str) -> None:
     """A step that fails on one rank fails on every rank; every rank keeps its state and goes on."""
     channel = Channel()
@@ -306,5 +344,5 @@ def scenario_channel() -> None:
 
 if __name__ == "__main__":
     name, *args = sys.argv[1:]
-    {"models": scenario_models, "fault": scenario_fault, "store": scenario_store, "kill": scenario_kill,
+    {"models": scenario_models, "batch": scenario_batch, "fault": scenario_fault, "store": scenario_store, "kill": scenario_kill,
      "stuck": scenario_stuck, "launch": scenario_launch, "channel": scenario_channel}[name](*args)

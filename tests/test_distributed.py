@@ -115,6 +115,18 @@ def test_greedy_tokens_as_one_process(sharded, family, mode):
     assert a["rounds"]["drafted"] > 0  # rank 0 drafted, and the branches were committed
 
 
+def test_batched_decoder_on_the_shards(model_dir):
+    """segcache's batched decoder (rows joining mid-generation, plain and prompt lookup) on
+    both ranks, each deciding alone: every row's tokens are mlx-lm's greedy tokens of that
+    prompt on the unsharded model, the same on both ranks."""
+    out = ok(launch("batch", model_dir))
+    runs = [res for r in out for res in r.json()]
+    assert len(runs) == 2 * len(CONFIGS) * 2
+    for res in runs:
+        assert res["ranks_equal"], res
+        assert res["got"] == res["want"], (res["family"], res["mode"], res["width"])
+
+
 def test_lookup_rounds_commit_partially(sharded):
     """Some configuration's rounds accepted part of their drafts: commit(n) inside a branch ran."""
     assert any(res[0]["rounds"].get("partial", 0) for res in sharded.values())
