@@ -245,6 +245,28 @@ def test_savepoint_undo_restores_every_layer_kind(family):
     assert rt.tokens == ref.tokens
 
 
+def test_undo_returns_from_a_restore(tmp_path):
+    """A prefill's restore undone (what a group does when another rank could not restore):
+    the runtime holds what it held, and goes on as a runtime that never restored."""
+    model = models.build("qwen3_5")
+    store = open_store(tmp_path / "s", page_tokens=8)
+    Runtime(model, store=store).prefill(PROMPT * 2)
+    rt, fresh = Runtime(model, store=store), Runtime(model)
+    rt.forward(PROMPT[:3])
+    fresh.forward(PROMPT[:3])
+    ids = PROMPT * 2 + [3]
+    resume = rt.prefix_cache().resume(rt, ids, 3)
+    assert resume.tokens > 3 and resume.states is not None
+    point = rt.savepoint()
+    rt.restore(ids[: resume.tokens], list(resume.states))
+    assert rt.offset == resume.tokens
+    rt.undo(point)
+    rt.check()
+    assert rt.tokens == PROMPT[:3]
+    assert mx.array_equal(rt.forward(PROMPT[3:9])[0], fresh.forward(PROMPT[3:9])[0]).item()
+    store.close()
+
+
 # -- stores per rank -----------------------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ from mlx_lm.models.cache import CacheList
 
 from . import registry
 from .adapters.chunked import chunked_threshold
+from .distributed.prefix import agree_restored, agree_resume
 from .errors import (
     BranchError,
     InvariantError,
@@ -28,7 +29,6 @@ from .layers.offset_branches import OffsetBranches
 from .layers.protocol import PAGES, UNSTORED
 from .layers.recurrent import STRATEGIES, RecurrentLayer
 from .layers.state import default_state_strategy
-from .distributed.prefix import agree_restored, agree_resume
 from .store import PrefixCache, Resume
 from .tokens import TokenLedger
 
@@ -335,7 +335,7 @@ class Runtime:
         return Savepoint(self, self.offset, tuple(self._branches), [c.savepoint() for c in self.cache], buffers)
 
     def undo(self, point: "Savepoint") -> None:
-        """Return to `point`: the forwards since are dropped, evaluated or not.
+        """Return to `point`: the forwards (and a `restore`) since are dropped, evaluated or not.
 
         Raises:
             BranchError: `point` is another runtime's, or a branch was opened or
