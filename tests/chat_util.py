@@ -27,16 +27,20 @@ class LocalServer:
         chat_template, template_args: as --chat-template, --chat-template-args.
         api_key: as --api-key; api_keys: several.
         isolation: as --prompt-cache-isolation.
+        engine: more `Engine` arguments (draft_model as a directory, prompt_lookup, decode_concurrency, ...).
+        settings: more `Settings` fields (the server-wide sampling defaults, ...).
     """
 
     def __init__(self, model_dir, *, store_dir=None, chat_template=None, template_args=None, api_key=None,
-                 api_keys=(), isolation="none"):
+                 api_keys=(), isolation="none", engine=None, settings=None):
         self.model_dir = Path(model_dir)
         self.store_dir = store_dir
         self.chat_template = chat_template
         self.template_args = template_args
         self.api_keys = tuple(api_keys) or ((api_key,) if api_key else ())
         self.isolation = isolation
+        self.engine_args = dict(engine or {})
+        self.settings_args = dict(settings or {})
         self.port = None
 
     @property
@@ -62,9 +66,13 @@ class LocalServer:
         name = self.model_dir.name
         settings = Settings(served_name=name, names={name, DEFAULT_MODEL}, vocab_size=len(self.tokenizer),
                             context_length=_lookup(_config(self.model_dir), "max_position_embeddings"),
-                            api_keys=self.api_keys, isolation=self.isolation)
-        self.engine = Engine(self.model, self.tokenizer, store=self.store)
-        self.worker = Worker(Scheduler(self.engine, begin_step=self.engine.begin_step))
+                            api_keys=self.api_keys, isolation=self.isolation, **self.settings_args)
+        engine = dict(self.engine_args)
+        if engine.get("draft_model") is not None:
+            engine["draft_model"] = mlx_lm.load(str(engine["draft_model"]))[0]
+        self.engine = Engine(self.model, self.tokenizer, store=self.store, **engine)
+        self.worker = Worker(Scheduler(self.engine, max_running=self.engine.decode_concurrency,
+                                       begin_step=self.engine.begin_step))
         self.prompter = Prompter(self.tokenizer, self.chat_template, self.template_args)
         app = build_app(Server(settings, self.prompter, self.worker.scheduler, self.worker, self.store))
         self.port = free_port()

@@ -211,7 +211,12 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "top_p": 2}, 400, "top_p"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
     ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 17}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "xtc_threshold": 0.9}, 400, "xtc_threshold"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "nope"}}}}, 400,
+     "response_format.json_schema.schema"),
     ("/v1/completions", {"prompt": [1, 2, 99999]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "model": "../../etc/passwd"}, 404, "model"),
     ("/v1/completions", {"prompt": LONG}, 400, "prompt"),

@@ -80,8 +80,8 @@ def test_every_client_field_is_honoured_refused_or_documented_as_ignored(api):
 @pytest.mark.parametrize("api", ["completions", "chat", "responses", "messages"])
 def test_unknown_fields_are_refused_naming_them(api):
     kind, _, minimal = _apis()[api]
-    for body, param in [({**minimal, "max_token": 5}, "max_token"), ({**minimal, "repetition_penalty": 1.1},
-                                                                     "repetition_penalty")]:
+    for body, param in [({**minimal, "max_token": 5}, "max_token"), ({**minimal, "typical_p": 0.9},
+                                                                     "typical_p")]:
         with pytest.raises(APIError) as e:
             _parse(kind, body)
         assert (e.value.status, e.value.param, e.value.code) == (400, param, "unknown_field")
@@ -112,9 +112,11 @@ NESTED = [
                                "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
     (schemas.MessagesRequest, {"messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
     (schemas.MessagesRequest, {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
-                               "output_config": {"format": {"type": "json_schema"}}}, "output_config.format"),
+                               "output_config": {"format": {"type": "json_schema"}}}, "output_config.format.schema"),
     (schemas.ResponsesRequest, {"input": [{"type": "item_reference", "id": "x"}]}, "input.0"),
-    (schemas.ResponsesRequest, {"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format.type"),
+    (schemas.ResponsesRequest, {"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}},
+     "text.format.name"),
+    (schemas.ResponsesRequest, {"input": "x", "text": {"format": {"type": "xml"}}}, "text.format"),
     (schemas.ResponsesRequest, {"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type"),
     (schemas.ResponsesRequest, {"input": "x", "truncation": "auto"}, "truncation"),
     (schemas.ResponsesRequest, {"input": "x", "background": True}, "background"),

@@ -79,7 +79,8 @@ def test_chat_template_is_used_when_given(tokenizer):
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "logprobs": 9}, "logprobs"),
     ({"prompt": "x", "echo": True}, "echo"),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "presence_penalty": "much"}, "presence_penalty"),
+    ({"prompt": "x", "n": 17}, "n"),
     ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": "x", "stop": [""]}, "stop"),

@@ -11,6 +11,7 @@ completion), its output pieces become content blocks:
     tools                       -> OpenAI function tools (input_schema as parameters)
     tool_choice auto/any/tool/none, disable_parallel_tool_use -> auto/required/name/none, one call
     thinking enabled/adaptive/disabled -> the template's enable_thinking true/true/false
+    output_config.format (json_schema) -> chat's response_format: the output follows the schema
 
     reasoning -> a thinking block, text -> a text block, a call -> a tool_use block
     stop_reason: max_tokens (cut), tool_use (calls made), stop_sequence (one of the
@@ -56,6 +57,11 @@ def _new_tool_id() -> str:
     return new_call_id("toolu_")
 
 
+# response_format's parts (as Controls' errors name them) under their names here
+FORMAT_PARAMS = {"response_format": "output_config.format", "response_format.json_schema": "output_config.format",
+                 "response_format.json_schema.schema": "output_config.format.schema"}
+
+
 def turn(req) -> ChatTurn:
     """The pipeline's turn for a Messages (or count_tokens) request."""
     messages = []
@@ -89,8 +95,11 @@ def turn(req) -> ChatTurn:
     if req.output_config is not None and req.output_config.effort is not None:
         kwargs.setdefault("reasoning_effort", req.output_config.effort)
     extra = {}
+    fmt = req.output_config.response_format() if req.output_config is not None else None
+    if fmt is not None:
+        extra.update(controls={"response_format": fmt}, params=FORMAT_PARAMS)
     if isinstance(req, schemas.MessagesRequest):
-        extra = dict(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+        extra.update(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                      stops=list(req.stop_sequences or []))
     return ChatTurn(messages=messages, tools=tools, tool_choice=choice, parallel=parallel, template_kwargs=kwargs,
                     cache_salt=req.cache_salt, **extra)

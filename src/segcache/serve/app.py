@@ -25,6 +25,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..controls import Controls
+from ..errors import ParamError
 from . import anthropic, isolation, responses, schemas, shapes
 from .chat import Prompt, Prompter
 from .engine import GenRequest
@@ -150,14 +152,59 @@ class Server:
         limit = max_tokens if max_tokens is not None else s.max_tokens
         return min(limit, ctx - len(ids)) if ctx is not None else limit
 
-    def _check_sampling(self, gen: GenRequest, top_k: Optional[int]) -> None:
-        """Refuse what the sampler cannot take (it would fail on the model thread, as a 500);
-        `top_k` is the request's own (None: the server's default was used)."""
-        vocab = self.settings.vocab_size
-        if not 0 <= gen.top_k < vocab:
-            whose = "the server's --top-k" if top_k is None else "'top_k'"
-            raise APIError(400, f"{whose} is {gen.top_k}; it takes 0 (off) or 1..{vocab - 1} (the vocabulary "
+    def _controls(self, sampling: dict, params: dict) -> Controls:
+        """The request's `Controls`: the fields it set (None: absent) over the server's defaults
+        (--temp, --top-p, --top-k, --min-p) and mlx_lm.server's; 400 naming a field that cannot
+        be honoured (`params`: the request's own names of Controls' fields)."""
+        s = self.settings
+        given = {k: v for k, v in sampling.items() if v is not None}
+        controls = Controls(**{"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p,
+                               **given})
+        try:
+            controls.check(s.vocab_size)
+        except ParamError as exc:
+            raise self._param_error(exc, params) from None
+        vocab = s.vocab_size
+        if not 0 <= controls.top_k < vocab:  # mlx-lm's sampler would fail on the model thread, as a 500
+            whose = "'top_k'" if "top_k" in given else "the server's --top-k"
+            raise APIError(400, f"{whose} is {controls.top_k}; it takes 0 (off) or 1..{vocab - 1} (the vocabulary "
                                 f"has {vocab} tokens)", param="top_k", code="invalid_value")
+        return controls
+
+    @staticmethod
+    def _param_error(exc: ParamError, params: dict) -> APIError:
+        param = exc.param
+        for ours, theirs in sorted(params.items(), key=lambda kv: -len(kv[0])):  # the longest name first
+            if param == ours or param.startswith(ours + "."):
+                param = theirs + param[len(ours):]
+                break
+        message = str(exc).replace(f"'{exc.param}'", f"'{param}'")
+        if f"'{param}'" not in message:
+            message = f"'{param}': {message}"
+        return APIError(400, message, param=param, code="invalid_value")
+
+    def grammars(self):
+        """The model's structured-output compiler, shared with the engine (built on the first
+        structured request: a tokenizer-sized trie, once)."""
+        engine = self.scheduler.engine
+        if engine.grammars is None:
+            from ..grammar import Grammars
+
+            engine.grammars = Grammars(self.prompter.tokenizer, engine.vocab_size)
+        return engine.grammars
+
+    async def _check_format(self, controls: Controls, params: dict) -> None:
+        """Compile the response_format on the tokenizer thread, so a schema that cannot be
+        honoured is a 400 before the request is queued (the engine's compile is then a copy)."""
+        fmt = controls.response_format
+        if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            grammars = await loop.run_in_executor(self._tokenize, self.grammars)
+            await loop.run_in_executor(self._tokenize, grammars.compile, fmt)
+        except ParamError as exc:
+            raise self._param_error(exc, params) from None
 
     # -- routes -----------------------------------------------------------------------
 
@@ -190,8 +237,12 @@ class Server:
         self._check_model(req.model)
         loop = asyncio.get_running_loop()
         ids = await loop.run_in_executor(self._tokenize, self.prompter.completion, req.prompt)
-        run = self._submit(self._gen("cmpl", ids, [], req.limit(), "prompt", req.temperature, req.top_p, req.top_k,
-                                     req.min_p, req.seed, req.stops(), req.top_logprobs(), key, req.cache_salt))
+        sampling = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
+                        **req.controls())
+        controls = self._controls(sampling, {})
+        await self._check_format(controls, {})
+        run = self._submit(self._gen("cmpl", ids, [], req.limit(), "prompt", controls, req.stops(),
+                                     req.top_logprobs(), key, req.cache_salt, req.n or 1))
         shape = Shape(run.gen.id, self.settings.served_name, self.created, False)
         if req.stream:
             return self._sse(shapes.completion_stream(run, shape, req.include_usage()), run)
@@ -242,30 +293,30 @@ class Server:
                                           turn.template_kwargs, turn.force_call)
 
     async def start_chat(self, turn: ChatTurn, kind: str, key: Optional[str]) -> Run:
-        """Render `turn`, validate its prompt and queue its generation (`key`: the API key
-        the request authenticated with, for its isolation domain)."""
+        """Render `turn`, validate its prompt and controls and queue its generation (`key`: the
+        API key the request authenticated with, for its isolation domain)."""
+        sampling = dict(temperature=turn.temperature, top_p=turn.top_p, top_k=turn.top_k, min_p=turn.min_p,
+                        seed=turn.seed, **turn.controls)
+        controls = self._controls(sampling, turn.params)
         prompt = await self.render(turn)
+        await self._check_format(controls, turn.params)
         stops = list(turn.stops)
         end = self.prompter.markup.tool[1] if self.prompter.markup.tool else ""
         if turn.calls and not turn.parallel and end:
             stops.append(end)  # one call at most: the text ends where the first call does
-        gen = self._gen(kind, prompt.ids, prompt.checkpoints, turn.max_tokens, turn.param, turn.temperature,
-                        turn.top_p, turn.top_k, turn.min_p, turn.seed, stops, turn.top_logprobs, key, turn.cache_salt)
+        gen = self._gen(kind, prompt.ids, prompt.checkpoints, turn.max_tokens, turn.param, controls, stops,
+                        turn.top_logprobs, key, turn.cache_salt, turn.n)
         return self._submit(gen, turn, prompt)
 
-    def _gen(self, kind, ids, cuts, limit, param, temperature, top_p, top_k, min_p, seed, stops, top, key,
-             cache_salt) -> GenRequest:
+    def _gen(self, kind, ids, cuts, limit, param, controls: Controls, stops, top, key, cache_salt,
+             n: int = 1) -> GenRequest:
         s = self.settings
-        gen = GenRequest(
+        return GenRequest(
             id=f"{kind}-{uuid.uuid4().hex}", ids=ids, checkpoints=cuts, max_tokens=self._check_ids(ids, param, limit),
-            temperature=s.temperature if temperature is None else temperature,
-            top_p=s.top_p if top_p is None else top_p,
-            top_k=s.top_k if top_k is None else top_k, min_p=s.min_p if min_p is None else min_p,
-            seed=seed, stops=stops, top_logprobs=top,
+            temperature=controls.temperature, top_p=controls.top_p, top_k=controls.top_k, min_p=controls.min_p,
+            seed=controls.seed, stops=stops, top_logprobs=top, n=n, controls=controls,
             cache_salt=isolation.domain(key, cache_salt, s.isolation == "per-key"),
         )
-        self._check_sampling(gen, top_k)
-        return gen
 
     def _submit(self, gen: GenRequest, turn: Optional[ChatTurn] = None, prompt: Optional[Prompt] = None) -> Run:
         loop = asyncio.get_running_loop()

@@ -268,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
     name = settings.served_name
     options = dict(store=store, draft_model=draft, prompt_lookup=args.prompt_lookup,
                    num_draft_tokens=args.num_draft_tokens, prefill_step=args.prefill_step_size,
-                   checkpoint_interval=args.checkpoint_interval)
+                   checkpoint_interval=args.checkpoint_interval, vocab_size=vocab)
     running = args.decode_concurrency
     engine = Engine(model, tokenizer, decode_concurrency=running, prompt_concurrency=args.prompt_concurrency,
                     **options)

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Optional
 
-from .engine import Chunk, Failure, Finish
+from .engine import Chunk, Failure, Finish, Usage
 from .errors import APIError
 from .output import Markup, Splitter, new_call_id
 
@@ -42,7 +42,12 @@ class ChatTurn:
         parallel: several calls per answer (False: the answer ends after its first call).
         template_kwargs: this request's template variables.
         max_tokens .. top_logprobs: as GenRequest (None: the server's default).
+        controls: the other sampling controls the request set (`Controls` fields:
+            penalties, logit_bias, XTC, response_format; absent ones take Controls' defaults).
+        n: choices to generate.
         param: the request field a prompt that does not fit is blamed on.
+        params: the request's own names of Controls' fields, for its 400s (Responses'
+            "text.format" for "response_format", ...).
         cache_salt: the request's own prefix-cache domain (vLLM's field), or None.
     """
 
@@ -59,7 +64,10 @@ class ChatTurn:
     seed: Optional[int] = None
     stops: list[str] = field(default_factory=list)
     top_logprobs: int = -1
+    controls: dict = field(default_factory=dict)
+    n: int = 1
     param: str = "messages"
+    params: dict = field(default_factory=dict)
     cache_salt: Optional[str] = None
 
     def __post_init__(self) -> None:
@@ -113,7 +121,8 @@ class Run:
         return finish.stop if finish.stop in stops else None
 
     async def events_of(self, request: Optional["Request"] = None) -> AsyncIterator[object]:
-        """The engine's events: Chunks, then a Finish or a Failure. With `request` (a
+        """The engine's events: Chunks and a Finish per choice (the last one marked `last`),
+        or a Failure. With `request` (a
         non-streaming client) the client is checked every POLL seconds; gone, the job is
         cancelled and ClientGone raised."""
         checked = time.monotonic()
@@ -133,23 +142,41 @@ class Run:
                     if event is None:
                         continue
                 yield event
-                if isinstance(event, (Finish, Failure)):
+                if isinstance(event, Failure) or (isinstance(event, Finish) and event.last):
                     return
         finally:
             self.job.cancel()
 
     async def collect(self, request: "Request", new_id=new_call_id):
-        """The whole output: (pieces, logprobs, finish). Raises APIError(500) on a failure,
-        ClientGone when the client left."""
-        split = self.splitter(new_id)
-        pieces, logprobs = [], []
+        """The whole output of a request of one choice: (pieces, logprobs, finish). Raises
+        APIError(500) on a failure, ClientGone when the client left."""
+        return (await self.collect_all(request, new_id))[0]
+
+    async def collect_all(self, request: "Request", new_id=new_call_id) -> list[tuple[list, list, Finish]]:
+        """Every choice's whole output, by index: [(pieces, logprobs, finish)]."""
+        n = self.gen.n
+        splits = [self.splitter(new_id) for _ in range(n)]
+        pieces: list[list] = [[] for _ in range(n)]
+        logprobs: list[list] = [[] for _ in range(n)]
+        finishes: list[Optional[Finish]] = [None] * n
         async for event in self.events_of(request):
             if isinstance(event, Chunk):
-                pieces.extend(split.feed(event.text))
-                logprobs.extend(event.logprobs)
+                pieces[event.index].extend(splits[event.index].feed(event.text))
+                logprobs[event.index].extend(event.logprobs)
             elif isinstance(event, Finish):
-                pieces.extend(split.close())
-                return pieces, logprobs, event
+                pieces[event.index].extend(splits[event.index].close())
+                finishes[event.index] = event
+                if event.last:
+                    if any(f is None for f in finishes):  # the engine ends every choice before the last event
+                        break
+                    return list(zip(pieces, logprobs, finishes))
             elif isinstance(event, Failure):
                 raise failed(self.gen.id)
         raise failed(self.gen.id)
+
+
+def total_usage(finishes) -> Usage:
+    """A request's usage over its choices: the prompt counted once (it was prefilled once),
+    the completions summed."""
+    first = finishes[0].usage
+    return Usage(first.prompt_tokens, sum(f.usage.completion_tokens for f in finishes), first.cached_tokens)

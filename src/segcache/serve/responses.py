@@ -12,7 +12,8 @@ with a 400 and no response is stored. A request becomes the pipeline's
                  function_call   -> a tool call of the assistant message (consecutive calls: one message)
                  function_call_output -> a tool message
     tools (function), tool_choice, parallel_tool_calls, max_output_tokens,
-    temperature, top_p, reasoning.effort (the template's reasoning_effort)
+    temperature, top_p, reasoning.effort (the template's reasoning_effort),
+    text.format json_object / json_schema (chat's response_format)
 
 and its output pieces become output items in order: reasoning (reasoning_text
 content), message (output_text), function_call. Streams send
@@ -46,6 +47,11 @@ if TYPE_CHECKING:
 
 def _id(prefix: str) -> str:
     return prefix + uuid.uuid4().hex[:24]
+
+
+# response_format's parts (as Controls' errors name them) under their names here
+FORMAT_PARAMS = {"response_format": "text.format", "response_format.json_schema": "text.format",
+                 "response_format.json_schema.schema": "text.format.schema"}
 
 
 def turn(req: schemas.ResponsesRequest) -> ChatTurn:
@@ -91,11 +97,13 @@ def turn(req: schemas.ResponsesRequest) -> ChatTurn:
             tools.append({"type": "function", "function": fn})
     choice = req.tool_choice.name if isinstance(req.tool_choice, schemas.ResponsesToolChoice) else req.tool_choice
     kwargs = dict(req.chat_template_kwargs or {})
+    fmt = req.response_format()
     if req.reasoning is not None and req.reasoning.effort is not None:
         kwargs.setdefault("reasoning_effort", req.reasoning.effort)
     return ChatTurn(messages=template_messages(messages), tools=tools, tool_choice=choice,
                     parallel=req.parallel_tool_calls is not False, template_kwargs=kwargs,
                     max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p, param="input",
+                    controls={"response_format": fmt} if fmt is not None else {}, params=FORMAT_PARAMS,
                     cache_salt=req.cache_salt)
 
 
@@ -121,7 +129,7 @@ class _Response:
             "output": self.output, "parallel_tool_calls": r.parallel_tool_calls is not False,
             "previous_response_id": None,
             "reasoning": {"effort": r.reasoning.effort if r.reasoning else None, "summary": None},
-            "store": False, "temperature": r.temperature, "text": {"format": {"type": "text"}},
+            "store": False, "temperature": r.temperature, "text": {"format": _format(r)},
             "tool_choice": choice or "auto",
             "tools": [t.model_dump(exclude_none=True) for t in r.tools or []],
             "top_p": r.top_p, "truncation": "disabled", "usage": None, "metadata": {},
@@ -135,6 +143,11 @@ class _Response:
                 "total_tokens": usage.prompt_tokens + usage.completion_tokens,
             }
         return body
+
+
+def _format(req: schemas.ResponsesRequest) -> dict:
+    fmt = req.text.format if req.text is not None else None
+    return {"type": "text"} if fmt is None else fmt.model_dump(by_alias=True, exclude_none=True)
 
 
 def _item(piece, status: str = "completed") -> dict:

@@ -24,13 +24,13 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, T
 from .errors import APIError
 
 MAX_STOP = 4  # stop strings per request, as OpenAI
+MAX_N = 16  # choices per request: each is a row (a copy-on-write clone of the prompt) while it decodes
 
 # What a client of OpenAI's or Anthropic's service sends for the service itself:
 # identity, billing, retention, routing. Nothing of it changes what a local model
 # generates, so it is accepted and ignored (docs/serve.md lists it).
 _SERVICE = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
                       "prompt_cache_retention", "prompt_cache_options"})
-_STRUCTURED = "structured output (a JSON schema or JSON mode) is not supported yet; leave it out"
 
 
 class _Strict(BaseModel):
@@ -67,10 +67,27 @@ class _Request(_Common):
     seed: Optional[int] = Field(default=None, ge=0, lt=1 << 64)  # MLX's generator takes a uint64
     stop: Union[str, List[str], None] = None
     stream_options: Optional[StreamOptions] = None
-    n: Optional[int] = Field(default=None, ge=1, le=1)
+    n: Optional[int] = Field(default=None, ge=1, le=MAX_N)
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict] = None
+    # mlx_lm.server's extensions
+    repetition_penalty: Optional[float] = None
+    repetition_context_size: Optional[int] = None
+    presence_context_size: Optional[int] = None
+    frequency_context_size: Optional[int] = None
+    xtc_probability: Optional[float] = None
+    xtc_threshold: Optional[float] = None
+    response_format: Optional[dict] = None
+
+    # The fields that become `Controls` (their checks and defaults are Controls')
+    CONTROLS: ClassVar[tuple] = ("presence_penalty", "frequency_penalty", "logit_bias", "repetition_penalty",
+                                 "repetition_context_size", "presence_context_size", "frequency_context_size",
+                                 "xtc_probability", "xtc_threshold", "response_format")
+
+    def controls(self) -> dict:
+        """The sampling controls the request sets beyond temperature/top_p/top_k/min_p/seed."""
+        return {k: getattr(self, k) for k in self.CONTROLS if getattr(self, k) is not None}
 
     def stops(self) -> list[str]:
         """The stop strings, as a list."""
@@ -87,11 +104,6 @@ class _Request(_Common):
         stops = self.stops()
         if len(stops) > MAX_STOP or any(not s for s in stops):
             raise APIError(400, f"'stop' takes up to {MAX_STOP} non-empty strings", param="stop")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise APIError(400, f"'{name}' is not supported by segcache serve; leave it out or 0", param=name)
-        if self.logit_bias:
-            raise APIError(400, "'logit_bias' is not supported by segcache serve", param="logit_bias")
 
 
 # -- POST /v1/completions --------------------------------------------------------------------
@@ -195,7 +207,6 @@ class ChatRequest(_Request):
 
     ignored: ClassVar[frozenset] = _SERVICE | {"verbosity"}
     refused: ClassVar[dict] = {
-        "response_format": _STRUCTURED,
         "functions": "the legacy functions API is not supported; send 'tools'",
         "function_call": "the legacy functions API is not supported; send 'tool_choice'",
         "audio": "audio output is not supported",
@@ -354,8 +365,23 @@ class TextFormat(_Strict):
     type: Literal["text"]
 
 
+class JSONObjectFormat(_Strict):
+    type: Literal["json_object"]
+
+
+class JSONSchemaFormat(_Strict):
+    type: Literal["json_schema"]
+    name: str = Field(min_length=1, max_length=64)
+    schema_: dict = Field(alias="schema")
+    description: Optional[str] = None  # ignored: the schema constrains the output, the model does not read it
+    strict: Optional[bool] = None  # the output always follows the schema (as strict: true)
+
+
+ResponseTextFormat = Annotated[Union[TextFormat, JSONObjectFormat, JSONSchemaFormat], Field(discriminator="type")]
+
+
 class TextConfig(_Strict):
-    format: Optional[TextFormat] = None
+    format: Optional[ResponseTextFormat] = None
     verbosity: Optional[str] = None  # ignored, as chat's
 
 
@@ -389,6 +415,15 @@ class ResponsesRequest(_Common):
     truncation: Optional[Literal["disabled"]] = None
     background: Optional[bool] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None
+
+    def response_format(self) -> Optional[dict]:
+        """`text.format` as chat's response_format (None: plain text)."""
+        fmt = self.text.format if self.text is not None else None
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return {"type": "json_object"}
+        return {"type": "json_schema", "json_schema": {"name": fmt.name, "schema": fmt.schema_}}
 
     def check(self) -> None:
         if self.background:
@@ -467,9 +502,20 @@ class AThinkingConfig(_Strict):
     display: Optional[str] = None  # ignored: the reasoning is returned whole
 
 
+class AJSONFormat(_Strict):
+    type: Literal["json_schema"]
+    schema_: dict = Field(alias="schema")
+
+
 class AOutputConfig(_Strict):
     effort: Optional[str] = None
-    format: None = None  # structured output: refused (not null)
+    format: Optional[AJSONFormat] = None  # structured output
+
+    def response_format(self) -> Optional[dict]:
+        """`format` as chat's response_format (None: plain text)."""
+        if self.format is None:
+            return None
+        return {"type": "json_schema", "json_schema": {"name": "output", "schema": self.format.schema_}}
 
 
 class _AnthropicBase(_Common):
@@ -554,7 +600,7 @@ def _param(loc: tuple) -> str:
         if isinstance(p, int):
             parts.append(str(p))
             continue
-        if "[" in p or p in _TYPE_NAMES:
+        if "[" in p or p in _TYPE_NAMES or p in _FORMAT_TAGS:
             tag_next = tag_next or "tagged-union" in p
             continue
         if tag_next:
@@ -564,6 +610,8 @@ def _param(loc: tuple) -> str:
     return ".".join(parts) if parts else "body"
 
 
+# the tags of text.format's union (an Optional union's location has no type name to mark them)
+_FORMAT_TAGS = {"json_schema", "json_object"}
 _TYPE_NAMES = {"str", "int", "bool", "float", "none", "dict", "TextPart", "NamedToolChoice", "ResponsesToolChoice",
                "InputText", "OutputText"}
 

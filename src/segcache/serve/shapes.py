@@ -1,5 +1,9 @@
 """OpenAI's completions and chat completions: requests into turns, events into response bodies.
 
+A request of `n` choices gets them all, each with its `index` (streams: each
+chunk carries one choice's index, and every choice gets its own chunk with
+`finish_reason`), and `usage` counts the prompt once: it was prefilled once.
+
 Chat answers carry the output split by output.py: `content`, `reasoning_content`
 (also as `reasoning`, mlx_lm.server's name for it) and `tool_calls`, with
 `finish_reason` "tool_calls" when the answer ended (not cut by max_tokens) after
@@ -17,7 +21,7 @@ from .chat import template_messages
 from .engine import Chunk, Failure, Finish
 from .errors import APIError
 from .output import Call, Text
-from .pipeline import ChatTurn, failed
+from .pipeline import ChatTurn, failed, total_usage
 
 if TYPE_CHECKING:
     from .pipeline import Run
@@ -42,7 +46,8 @@ def chat_turn(req: "ChatRequest") -> ChatTurn:
         messages=template_messages(req.raw_messages()), tools=req.raw_tools(), tool_choice=choice,
         parallel=req.parallel_tool_calls is not False, template_kwargs=kwargs, max_tokens=req.limit(),
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
-        stops=req.stops(), top_logprobs=req.top_alternatives(), cache_salt=req.cache_salt,
+        stops=req.stops(), top_logprobs=req.top_alternatives(), controls=req.controls(), n=req.n or 1,
+        cache_salt=req.cache_salt,
     )
 
 
@@ -80,14 +85,14 @@ class Shape:
                 "top_logprobs": [dict(e.top) for e in entries] if any(e.top for e in entries) else None,
                 "text_offset": offsets}
 
-    def chunk(self, text: str, entries, finish: Optional[str]) -> dict:
-        """A completions chunk."""
+    def chunk(self, text: str, entries, finish: Optional[str], index: int = 0) -> dict:
+        """A completions chunk of choice `index`."""
         body = self._head("text_completion")
-        body["choices"] = [{"index": 0, "finish_reason": finish, "logprobs": self._logprobs(entries), "text": text}]
+        body["choices"] = [{"index": index, "finish_reason": finish, "logprobs": self._logprobs(entries), "text": text}]
         return body
 
-    def delta(self, pieces, entries, finish: Optional[str]) -> dict:
-        """A chat chunk carrying `pieces`."""
+    def delta(self, pieces, entries, finish: Optional[str], index: int = 0) -> dict:
+        """A chat chunk carrying `pieces` of choice `index`."""
         body = self._head("chat.completion.chunk")
         delta: dict = {}
         if pieces or finish is None:
@@ -101,7 +106,8 @@ class Shape:
             delta["reasoning_content"] = delta["reasoning"] = reasoning
         if calls:
             delta["tool_calls"] = calls
-        body["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": self._logprobs(entries)}]
+        body["choices"] = [{"index": index, "delta": delta, "finish_reason": finish,
+                            "logprobs": self._logprobs(entries)}]
         return body
 
     def usage_chunk(self, usage) -> dict:
@@ -110,27 +116,29 @@ class Shape:
         body["usage"] = _usage(usage)
         return body
 
-    def whole(self, text: str, entries, finish: Finish) -> dict:
-        """A completions body."""
+    def whole(self, choices, usage) -> dict:
+        """A completions body: `choices` [(text, logprobs, finish)] by index."""
         body = self._head("text_completion")
-        body["choices"] = [{"index": 0, "finish_reason": finish.reason, "logprobs": self._logprobs(entries),
-                            "text": text}]
-        body["usage"] = _usage(finish.usage)
+        body["choices"] = [{"index": i, "finish_reason": finish.reason, "logprobs": self._logprobs(entries),
+                            "text": text} for i, (text, entries, finish) in enumerate(choices)]
+        body["usage"] = _usage(usage)
         return body
 
-    def message(self, pieces, entries, reason: str, usage) -> dict:
-        """A chat completion body carrying `pieces`."""
+    def message(self, choices, usage) -> dict:
+        """A chat completion body: `choices` [(pieces, logprobs, finish_reason)] by index."""
         body = self._head("chat.completion")
-        text = "".join(p.text for p in pieces if isinstance(p, Text) and not p.reasoning)
-        reasoning = "".join(p.text for p in pieces if isinstance(p, Text) and p.reasoning)
-        calls = [tool_call(p, False) for p in pieces if isinstance(p, Call)]
-        message: dict = {"role": "assistant", "content": text if text.strip() or not calls else None}
-        if reasoning:
-            message["reasoning_content"] = message["reasoning"] = reasoning
-        if calls:
-            message["tool_calls"] = calls
-        body["choices"] = [{"index": 0, "finish_reason": reason, "logprobs": self._logprobs(entries),
-                            "message": message}]
+        body["choices"] = []
+        for i, (pieces, entries, reason) in enumerate(choices):
+            text = "".join(p.text for p in pieces if isinstance(p, Text) and not p.reasoning)
+            reasoning = "".join(p.text for p in pieces if isinstance(p, Text) and p.reasoning)
+            calls = [tool_call(p, False) for p in pieces if isinstance(p, Call)]
+            message: dict = {"role": "assistant", "content": text if text.strip() or not calls else None}
+            if reasoning:
+                message["reasoning_content"] = message["reasoning"] = reasoning
+            if calls:
+                message["tool_calls"] = calls
+            body["choices"].append({"index": i, "finish_reason": reason, "logprobs": self._logprobs(entries),
+                                    "message": message})
         body["usage"] = _usage(usage)
         return body
 
@@ -174,22 +182,29 @@ class _Space:
 
 
 async def chat_stream(run: "Run", shape: Shape, usage: bool):
-    split = run.splitter()
-    space = _Space()
+    n = run.gen.n
+    splits = [run.splitter() for _ in range(n)]
+    spaces = [_Space() for _ in range(n)]
+    finishes = []
     async for event in run.events_of():
         if isinstance(event, Chunk):
-            pieces = space.pass_(split.feed(event.text))
+            i = event.index
+            pieces = spaces[i].pass_(splits[i].feed(event.text))
             if pieces or event.logprobs:
-                yield sse(shape.delta(pieces, event.logprobs, None))
+                yield sse(shape.delta(pieces, event.logprobs, None, i))
         elif isinstance(event, Finish):
+            i, split, space = event.index, splits[event.index], spaces[event.index]
             pieces = space.pass_(split.close())
             if space.held and not split.calls:
                 pieces.append(Text(space.held))
             if pieces:
-                yield sse(shape.delta(pieces, [], None))
-            yield sse(shape.delta([], [], finish_reason(event, split.calls)))
+                yield sse(shape.delta(pieces, [], None, i))
+            yield sse(shape.delta([], [], finish_reason(event, split.calls), i))
+            finishes.append(event)
+            if not event.last:
+                continue
             if usage:
-                yield sse(shape.usage_chunk(event.usage))
+                yield sse(shape.usage_chunk(total_usage(finishes)))
             yield "data: [DONE]\n\n"
         elif isinstance(event, Failure):
             yield error_event(run)
@@ -197,20 +212,25 @@ async def chat_stream(run: "Run", shape: Shape, usage: bool):
 
 
 async def chat_whole(run: "Run", shape: Shape, request) -> dict:
-    pieces, logprobs, finish = await run.collect(request)
-    calls = sum(isinstance(p, Call) for p in pieces)
-    return shape.message(pieces, logprobs, finish_reason(finish, calls), finish.usage)
+    choices = await run.collect_all(request)
+    out = [(pieces, logprobs, finish_reason(finish, sum(isinstance(p, Call) for p in pieces)))
+           for pieces, logprobs, finish in choices]
+    return shape.message(out, total_usage([c[2] for c in choices]))
 
 
 async def completion_stream(run: "Run", shape: Shape, usage: bool):
+    finishes = []
     async for event in run.events_of():
         if isinstance(event, Chunk):
             if event.text or event.logprobs:
-                yield sse(shape.chunk(event.text, event.logprobs, None))
+                yield sse(shape.chunk(event.text, event.logprobs, None, event.index))
         elif isinstance(event, Finish):
-            yield sse(shape.chunk("", [], event.reason))
+            yield sse(shape.chunk("", [], event.reason, event.index))
+            finishes.append(event)
+            if not event.last:
+                continue
             if usage:
-                yield sse(shape.usage_chunk(event.usage))
+                yield sse(shape.usage_chunk(total_usage(finishes)))
             yield "data: [DONE]\n\n"
         elif isinstance(event, Failure):
             yield error_event(run)
@@ -218,13 +238,19 @@ async def completion_stream(run: "Run", shape: Shape, usage: bool):
 
 
 async def completion_whole(run: "Run", shape: Shape, request) -> dict:
-    text, logprobs = [], []
+    n = run.gen.n
+    texts: list[list] = [[] for _ in range(n)]
+    logprobs: list[list] = [[] for _ in range(n)]
+    finishes: list = [None] * n
     async for event in run.events_of(request):
         if isinstance(event, Chunk):
-            text.append(event.text)
-            logprobs.extend(event.logprobs)
+            texts[event.index].append(event.text)
+            logprobs[event.index].extend(event.logprobs)
         elif isinstance(event, Finish):
-            return shape.whole("".join(text), logprobs, event)
+            finishes[event.index] = event
+            if event.last and all(f is not None for f in finishes):
+                return shape.whole([("".join(t), lp, f) for t, lp, f in zip(texts, logprobs, finishes)],
+                                   total_usage(finishes))
         elif isinstance(event, Failure):
             raise failed(run.gen.id)
     raise failed(run.gen.id)
