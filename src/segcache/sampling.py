@@ -176,6 +176,10 @@ class Sampler:
                                 self._filter(logprobs, True))
         else:
             logprobs = self._filter(logprobs, False)
+        if logprobs.ndim == 1:
+            # mlx-lm draws for a [1, V] row; mx.random.categorical's noise for a [V] vector
+            # differs under the same key, so a row is drawn as a batch of one
+            return mx.random.categorical(logprobs[None] * (1.0 / self.temp), key=keys.next())[0]
         return mx.random.categorical(logprobs * (1.0 / self.temp), key=keys.next())
 
     def draw(self, logprobs: mx.array, key: mx.array) -> tuple[mx.array, mx.array]:
