@@ -7,12 +7,18 @@
    schema) runs beside it when installed, for the choice of engine.
 2. Processors per round: `Processors.process` on a verify's logits [K+1, V]
    (V = 151936, K = 0, 4, 8) for each control, and the sampler's distribution.
+3. `--decode`: the serving engine's tokens per second on the shipped target
+   with each control off and on, one row and 8 rows, plain and speculative
+   (prompt lookup, the shipped draft model), and the share of speculation's
+   speed-up a control keeps; then n = 1, 4, 8 choices of one request against
+   n separate requests (time, and the peak memory of the prompts' state).
 
 The vocabulary: `--tokenizer PATH` (a tokenizer.json), else a byte-level BPE
 of 150k tokens trained once on the Python sources installed here (~3 min on
 2 cores), cached under ~/.cache/segcache/bench/.
 
     python bench/sampling.py [--quick] [--tokenizer PATH] [--skip-outlines]
+    python bench/sampling.py --decode [--quick]      # 3. only
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import sysconfig
 import time
 
 import mlx.core as mx
+import mlx_lm
 import numpy as np
 
 from segcache.grammar import Grammars
@@ -253,13 +260,133 @@ def bench_processors(hf, grammars, repeats: int):
         print(f"{name:18s}" + "".join(f"{t:10.3f}" for t in row))
 
 
+# -- 3. the engine with each control -----------------------------------------------------------
+
+DECODE_CONTROLS = {
+    "off (greedy)": {},
+    "penalties": dict(repetition_penalty=1.1, presence_penalty=0.3, frequency_penalty=0.3),
+    "logit_bias": dict(logit_bias={"30": 1.5, "31": -1.0, "262": 0.5}),
+    "sampling": dict(temperature=0.8, top_p=0.95, top_k=50, min_p=0.05, seed=1),
+    "xtc": dict(temperature=0.8, xtc_probability=0.5, xtc_threshold=0.1, seed=1),
+    "json_schema": dict(response_format={"type": "json_schema", "json_schema": {"schema": {
+        **OBJ, "properties": {"items": {"type": "array", "maxItems": 40, "items": {
+            **OBJ, "properties": {"sku": {"type": "string", "maxLength": 12}, "qty": {"type": "integer"}},
+            "required": ["sku", "qty"]}}}, "required": ["items"]}}}),
+}
+
+
+def _serve(engine, reqs) -> tuple[float, int]:
+    """Run `reqs` to the end on `engine`: (seconds of decoding, tokens generated). Decoding starts
+    when every request has its first token (the prompts' prefill is not counted) and its token
+    is not counted either."""
+    from segcache.serve.engine import Chunk, Finish
+    from segcache.serve.worker import Job, Scheduler
+
+    sched = Scheduler(engine, max_running=engine.decode_concurrency, begin_step=engine.begin_step)
+    done, first = [], {}
+
+    def deliver(rid):
+        def put(e):
+            if isinstance(e, Chunk) and e.text and (rid, e.index) not in first:
+                first[rid, e.index] = time.perf_counter()
+            if isinstance(e, Finish):
+                done.append(e)
+        return put
+
+    for r in reqs:
+        sched.submit(Job(r, deliver(r.id)))
+    while sched.step():
+        pass
+    end = time.perf_counter()
+    tokens = sum(f.usage.completion_tokens for f in done) - len(first)
+    return end - max(first.values()), tokens
+
+
+def bench_decode(repeats: int) -> None:
+    from segcache.controls import Controls
+    from segcache.demo import MODELS_DIR
+    from segcache.serve.engine import Engine, GenRequest
+
+    target, tok = mlx_lm.load(str(MODELS_DIR / "target"))
+    draft, _ = mlx_lm.load(str(MODELS_DIR / "draft"))
+    text = open(MODELS_DIR / "heldout_stdlib.txt").read()
+    prompts = [tok.encode(text[i * 3000: i * 3000 + 1200]) for i in range(8)]
+    max_tokens = 64
+    modes = {"plain": {}, "lookup": dict(prompt_lookup=True), "draft": dict(draft_model=draft)}
+    print(f"\n== the engine on the shipped target: tok/s, {max_tokens} tokens per row, prompts ~{len(prompts[0])} "
+          f"tokens, median of {repeats} (greedy unless the control samples)")
+    table = {}
+    for rows in (1, 8):
+        engines = {m: Engine(target, tok, decode_concurrency=rows, **kw) for m, kw in modes.items()}
+        for e in engines.values():
+            e.warm_up()
+        for name, fields in DECODE_CONTROLS.items():
+            samples = {m: [] for m in modes}
+            for rep in range(repeats + 1):
+                order = list(modes)[rep % 3:] + list(modes)[:rep % 3]  # interleaved: load hits each alike
+                for m in order:
+                    reqs = [GenRequest(f"{name}-{m}-{rep}-{i}", prompts[i], max_tokens,
+                                       controls=Controls(**fields)) for i in range(rows)]
+                    secs, toks = _serve(engines[m], reqs)
+                    if rep:  # the first round warms the grammar, the processors, the shapes
+                        samples[m].append(toks / secs)
+            table[rows, name] = {m: statistics.median(v) for m, v in samples.items()}
+        print(f"\n{rows} row(s)        " + "".join(f"{m:>10}" for m in modes) + "   lookup x   draft x")
+        for name in DECODE_CONTROLS:
+            t = table[rows, name]
+            print(f"  {name:<14}" + "".join(f"{t[m]:>10.0f}" for m in modes)
+                  + f"{t['lookup'] / t['plain']:>10.2f}{t['draft'] / t['plain']:>10.2f}")
+        base = table[rows, "off (greedy)"]
+        for name in ("penalties", "logit_bias", "json_schema"):
+            t = table[rows, name]
+            kept = {m: (t[m] / t["plain"] - 1) / (base[m] / base["plain"] - 1) if base[m] > base["plain"] else
+                    float("nan") for m in ("lookup", "draft")}
+            print(f"  speed-up kept with {name}: lookup {kept['lookup']:.0%}, draft {kept['draft']:.0%}"
+                  "  ((x with it - 1) / (x without - 1))")
+    bench_choices(target, tok, prompts[0] * 1, repeats)
+
+
+def bench_choices(model, tok, prompt, repeats: int) -> None:
+    from segcache.serve.engine import Engine, GenRequest
+
+    print(f"\n== n choices of one request vs n requests (prompt {len(prompt)} tokens, 32 tokens each, "
+          f"temperature 1, batched rows, no store): seconds and peak memory above the model, median of {repeats}")
+    base = None
+    for n in (1, 4, 8):
+        engine = Engine(model, tok, decode_concurrency=n)
+        engine.warm_up()
+        rows = {}
+        for how in ("n choices", "n requests"):
+            secs, peaks = [], []
+            for rep in range(repeats):
+                reqs = ([GenRequest(f"c{rep}", prompt, 32, temperature=1.0, seed=rep, n=n)] if how == "n choices"
+                        else [GenRequest(f"r{rep}-{i}", prompt, 32, temperature=1.0, seed=rep + i) for i in range(n)])
+                mx.synchronize()
+                mx.clear_cache()
+                base = mx.get_active_memory()
+                mx.reset_peak_memory()
+                t, _ = _serve(engine, reqs)
+                secs.append(t)
+                peaks.append(mx.get_peak_memory() - base)
+            rows[how] = (statistics.median(secs), statistics.median(peaks))
+        (a, ma), (b, mb) = rows["n choices"], rows["n requests"]
+        print(f"  n={n}: choices {a:.3f} s, {ma / 2**20:.1f} MiB   requests {b:.3f} s, {mb / 2**20:.1f} MiB   "
+              f"time x{b / a:.2f}, memory x{mb / max(ma, 1):.2f}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     parser.add_argument("--tokenizer", help="a tokenizer.json of ~150k tokens (default: train one)")
     parser.add_argument("--skip-outlines", action="store_true", help="leave out outlines-core (minutes of index builds)")
+    parser.add_argument("--decode", action="store_true", help="only the engine's tok/s with each control (3.)")
     args = parser.parse_args()
     repeats = 3 if args.quick else 10
+    if args.decode:
+        print(f"segcache bench/sampling --decode  python {sys.version.split()[0]}  mlx {mx.__version__}  "
+              f"BLAS {__import__('segcache').BLAS}")
+        bench_decode(3 if args.quick else 5)
+        return
     print(f"segcache bench/sampling  python {sys.version.split()[0]}  mlx {mx.__version__}  "
           f"BLAS {__import__('segcache').BLAS}")
     hf = bpe_tokenizer(args.tokenizer)

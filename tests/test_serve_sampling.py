@@ -34,7 +34,8 @@ CODE = '''class Settings:
 '''
 
 # control -> the request's fields. Sampled ones carry a seed: mlx_lm.server seeds mlx's global
-# generator, segcache the request's own stream with the keys that generator would hand out.
+# generator, segcache the request's own stream with the keys that generator would hand out, at
+# every position it emits (speculating or not).
 CONTROLS = {
     "temperature": dict(temperature=0.9, seed=11),
     "top_p": dict(temperature=1.0, top_p=0.7, seed=12),
@@ -53,7 +54,6 @@ CONTROLS = {
                        presence_penalty=0.4, presence_context_size=10, frequency_penalty=0.3,
                        frequency_context_size=50, seed=17),
 }
-HISTORY = ("logit_bias", "repetition_penalty", "presence_penalty", "frequency_penalty")  # greedy: speculation too
 
 
 def prompt_of(name: str) -> str:
@@ -108,9 +108,10 @@ def test_each_control_gives_what_mlx_lm_server_gives(theirs, ours, drafting, nam
     assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"]
     if name not in ("temperature", "seed"):  # the control matters: without it the text differs
         assert text_of(base) != text_of(want)
-    if name in HISTORY:  # greedy speculation with the control: token-identical to plain decoding with it
-        for srv in drafting.values():
-            assert text_of(complete(srv, "/v1/completions", **req)) == text_of(want)
+    # speculating (a draft model; prompt lookup on batched rows) or batched: the same tokens, greedy
+    # or sampled (a seeded row draws with plain decoding's keys at every position it emits)
+    for srv in drafting.values():
+        assert text_of(complete(srv, "/v1/completions", **req)) == text_of(want)
 
 
 def test_every_control_on_chat_as_mlx_lm_server(theirs, ours):
@@ -216,14 +217,15 @@ def test_n_choices_cost_one_prefill_and_are_reproducible(ours, drafting, route):
     assert {k: susage[k] for k in ("prompt_tokens", "completion_tokens")} == \
         {k: usage[k] for k in ("prompt_tokens", "completion_tokens")}
     assert susage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1  # it resumed, once
-    # the same choices when the 4 choices decode as rows of one batch, beside a neighbour
-    batched = drafting["batched"]
-    other = threading.Thread(target=complete, args=(batched, "/v1/completions"),
-                             kwargs=dict(prompt=prompt_of("neighbour"), max_tokens=24))
-    other.start()
-    again = complete(batched, route, **body)
-    other.join(120)
-    assert [text_of(again, i) for i in range(4)] == texts
+    # the same choices when the 4 choices decode as rows of one batch beside a neighbour, plain or
+    # speculating by prompt lookup
+    for batched in (drafting["batched"], drafting["lookup"]):
+        other = threading.Thread(target=complete, args=(batched, "/v1/completions"),
+                                 kwargs=dict(prompt=prompt_of("neighbour"), max_tokens=24))
+        other.start()
+        again = complete(batched, route, **body)
+        other.join(120)
+        assert [text_of(again, i) for i in range(4)] == texts
 
 
 # -- structured output ----------------------------------------------------------------------------

@@ -5,14 +5,18 @@
 
 Three rules, chosen by the sampler (`make_acceptor`):
 
-| sampler                 | rule                 | draws a draft as      |
-|-------------------------|----------------------|-----------------------|
-| None (greedy)           | greedy match         | argmax                |
-| an opaque mlx-lm one    | sampler match        | the sampler's token   |
-| `segcache.Sampler`      | exact spec. sampling | categorical from q    |
+| sampler                      | rule                 | draws a draft as              |
+|------------------------------|----------------------|-------------------------------|
+| None (greedy)                | greedy match         | argmax                        |
+| an opaque mlx-lm one         | sampler match        | the sampler's token           |
+| `segcache.Sampler` + `Keys`  | keyed match          | the same draw on q, same keys |
+| `segcache.Sampler` alone     | exact spec. sampling | categorical from q            |
 
 Every rule is exact: an emitted token is distributed as the target's own
-choice (see sampling.py).
+choice (see sampling.py). The keyed match is more: a row's tokens are the
+very tokens plain decoding draws with its keys, however many drafts each
+round had (so a seeded request is reproducible under any drafting or
+batching, and equals mlx-lm's seeded output).
 
 Randomness: a rule given `Keys` (sampling.py) draws from that stream only, so
 what a row samples depends on its own seed and nothing else in the process
@@ -117,9 +121,51 @@ class ExactSpeculative:
         return speculative_accept(self.sampler.probs(logprobs), q, drafts, key=self.keys.next())
 
 
+class KeyedMatch:
+    """A `Sampler` drawing from its own `Keys`: the target's own draw at every position of a verify,
+    each with the keys plain decoding would use there (the stream moves one position per token
+    emitted, never per round), and drafts accepted while they equal those draws.
+
+    The tokens emitted are exactly plain decoding's for the same keys, so the rule is exact
+    and a seeded row's text does not depend on how far its rounds drafted (the cost gate's
+    timing-based widths, a batch's neighbours). A sampling drafter's proposal at a position is
+    the same draw on its own distribution with the same keys (Gumbel-max coupling): it equals
+    the target's draw whenever both distributions put the noise's winner on the same token.
+    Prompt lookup's drafts are accepted with probability p(d), as by rejection sampling.
+    """
+
+    def __init__(self, sampler: Sampler, keys: Keys):
+        self.sampler = sampler
+        self.keys = keys
+        self._proposing: Optional[Keys] = None  # the open round's proposals draw from a copy
+        self._after: list = []  # the stream after each position of the verify being accepted
+
+    def sample(self, logprobs):
+        self._proposing = None
+        return self.sampler.sample(logprobs, self.keys)
+
+    def propose(self, logprobs):
+        if self._proposing is None:
+            self._proposing = self.keys.copy()
+        return self.sampler.sample(logprobs, self._proposing), None
+
+    def choices(self, logprobs):
+        self._proposing = None
+        tokens, self._after = self.sampler.sample_positions(logprobs, self.keys)
+        return (tokens,)
+
+    def accept(self, logprobs, drafts, q, choices):
+        targets = choices[0].tolist()
+        n = match_accept(drafts, targets)
+        self.keys = self._after[n]  # past the n + 1 positions emitted
+        self._after = []
+        return n, targets[n]
+
+
 def make_acceptor(sampler, keys: Optional[Keys] = None) -> Acceptor:
-    """The rule for `sampler`: None (greedy), a `Sampler` (drawing from `keys` if given), or
-    any mlx-lm sampler (which draws from mlx's global state).
+    """The rule for `sampler`: None (greedy), a `Sampler` (with `keys`: the keyed match; without:
+    exact speculative sampling on mlx's global state), or any mlx-lm sampler (which draws from
+    mlx's global state).
 
     Raises:
         ValueError: `keys` with an opaque mlx-lm sampler, which cannot take them.
@@ -127,7 +173,7 @@ def make_acceptor(sampler, keys: Optional[Keys] = None) -> Acceptor:
     if sampler is None:
         return GreedyMatch()
     if isinstance(sampler, Sampler):
-        return ExactSpeculative(sampler, keys)
+        return ExactSpeculative(sampler) if keys is None else KeyedMatch(sampler, keys)
     if keys is not None:
         raise ValueError("an mlx-lm sampler draws from mlx's global random state; pass a segcache Sampler "
                          "(segcache.make_sampler) to give a generation its own seed")

@@ -58,6 +58,12 @@ class Keys:
         self._key = pair[0]
         return pair[1]
 
+    def copy(self) -> "Keys":
+        """An independent stream at this one's position (the same keys next, neither moves the other)."""
+        other = Keys.__new__(Keys)
+        other.seed, other._key = self.seed, self._key
+        return other
+
     def spawn(self, index: int) -> "Keys":
         """The stream of choice `index` of a request with n choices.
 
@@ -181,6 +187,23 @@ class Sampler:
             # differs under the same key, so a row is drawn as a batch of one
             return mx.random.categorical(logprobs[None] * (1.0 / self.temp), key=keys.next())[0]
         return mx.random.categorical(logprobs * (1.0 / self.temp), key=keys.next())
+
+    def sample_positions(self, logprobs: mx.array, keys: Keys) -> tuple[mx.array, list]:
+        """The draw `sample` would make at each of a verify's positions [K+1, V] in turn, as if the
+        tokens before it had been emitted: tokens [K+1] (unevaluated), and the stream after each
+        position (`keys` does not move; the caller keeps the one after the last position it emits)."""
+        stream = keys.copy()
+        plain = self._filter(logprobs, False)
+        masked = self._filter(logprobs, True) if self.xtc else None
+        tokens, after = [], []
+        for j in range(logprobs.shape[0]):
+            row = plain[j : j + 1]  # [1, V]: drawn as `sample` draws a row
+            if masked is not None:
+                coin = mx.random.uniform(0, 1, key=stream.next())
+                row = mx.where(coin > self.xtc_probability, row, masked[j : j + 1])
+            tokens.append(mx.random.categorical(row * (1.0 / self.temp), key=stream.next())[0])
+            after.append(stream.copy())
+        return mx.stack(tokens), after
 
     def draw(self, logprobs: mx.array, key: mx.array) -> tuple[mx.array, mx.array]:
         """A draft's token and the distribution q it was drawn from (for a drafter).
