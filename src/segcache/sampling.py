@@ -296,5 +296,5 @@ def speculative_accept(p: mx.array, q: mx.array | None, drafts: Sequence[int],
         # guard against it from float rounding all the same.
         if dist.sum().item() <= 0:
             dist = p[n]
-    token = mx.random.categorical(mx.log(dist), key=k_token).item()
+    token = mx.random.categorical(mx.log(dist)[None], key=k_token).item()  # a [1, V] row, as `Sampler.sample`
     return n, token
