@@ -40,7 +40,7 @@ import numpy as np
 
 from segcache.grammar import Grammars
 from segcache.processors import make_processors
-from segcache.sampling import Sampler
+from segcache.sampling import Keys, Sampler
 
 VOCAB = 151936  # a Qwen-sized logits width for the processor figures
 CACHE = os.path.expanduser("~/.cache/segcache/bench")
@@ -255,6 +255,20 @@ def bench_processors(hf, grammars, repeats: int):
             for _ in range(repeats + 2):
                 a = time.perf_counter()
                 mx.eval(s.probs(lp))
+                times.append((time.perf_counter() - a) * 1e3)
+            row.append(statistics.median(times[2:]))
+        print(f"{name:18s}" + "".join(f"{t:10.3f}" for t in row))
+    print(f"\n== the keyed match's draws per round: Sampler.sample_positions on [K+1, {VOCAB}] (ms)")
+    for name, s in (("temp", Sampler(0.8)), ("top_p+top_k", Sampler(0.8, top_p=0.9, top_k=40)),
+                    ("xtc", Sampler(0.8, xtc_probability=0.5))):
+        row = []
+        for k in (0, 4, 8):
+            lp = mx.random.normal((k + 1, VOCAB), key=mx.random.key(k))
+            mx.eval(lp)
+            times = []
+            for _ in range(repeats + 2):
+                a = time.perf_counter()
+                mx.eval(s.sample_positions(lp, Keys(0))[0])
                 times.append((time.perf_counter() - a) * 1e3)
             row.append(statistics.median(times[2:]))
         print(f"{name:18s}" + "".join(f"{t:10.3f}" for t in row))
