@@ -330,8 +330,10 @@ def test_half_sent_requests_are_closed_and_real_ones_served_meanwhile(server):
     assert len(closed) == 1
     grown = server.log()[log_before:]
     assert "Too many open files" not in grown
-    # one line per interval for the 3,001 timeouts, not one each
-    assert grown.count("--request-timeout") <= 3 and len(grown) < 4000, grown[-2000:]
+    # one line per interval for the 3,001 timeouts, not one each; the served requests' own
+    # lines (as many as this machine fitted in the window) are not the timeouts' noise
+    noise = "\n".join(line for line in grown.splitlines() if " INFO cmpl-" not in line)
+    assert grown.count("--request-timeout") <= 3 and len(noise) < 2000, noise[-2000:]
 
 
 def test_connection_limit_closes_the_longest_idle_then_refuses_with_503(tmp_path):

@@ -63,3 +63,22 @@ class ParamError(SegcacheError, ValueError):
 
 class GrammarError(ParamError):
     """A `response_format` (a JSON schema) that cannot be compiled into a grammar."""
+
+
+class DistributedError(SegcacheError):
+    """The ranks of a distributed group could not carry out a step together."""
+
+
+class RankFailedError(DistributedError):
+    """A rank failed a step (its own error, or another rank's): every rank raises it, and
+    every rank's state is as before the step."""
+
+
+class RankDivergedError(DistributedError):
+    """The ranks disagree about what they hold or are about to run (a bug, or ranks started
+    with different models, prompts or settings): the step was undone on every rank."""
+
+
+class RankLostError(DistributedError):
+    """A rank stopped answering (it died, or its connection was lost): the group cannot go on.
+    Stop every rank and start them again; each resumes from its own prefix store."""

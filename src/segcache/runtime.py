@@ -14,15 +14,18 @@ import time
 from typing import Generator, Iterable, Sequence
 
 import mlx.core as mx
+from mlx_lm.models.cache import CacheList
 
 from . import registry
 from .adapters.chunked import chunked_threshold
+from .distributed.prefix import agree_restored, agree_resume
 from .errors import (
     BranchError,
     InvariantError,
     StoreError,
     UnsupportedOperationError,
 )
+from .layers.offset_branches import OffsetBranches
 from .layers.protocol import PAGES, UNSTORED
 from .layers.recurrent import STRATEGIES, RecurrentLayer
 from .layers.state import default_state_strategy
@@ -94,6 +97,40 @@ class Branch:
         return f"Branch(base={self.base_offset}, {state})"
 
 
+class Savepoint:
+    """What `Runtime.undo` returns to (opaque; see `Runtime.savepoint`)."""
+
+    __slots__ = ("runtime", "offset", "branches", "layers", "buffers")
+
+    def __init__(self, runtime: "Runtime", offset: int, branches: tuple, layers: list, buffers: list):
+        self.runtime, self.offset, self.branches = runtime, offset, branches
+        self.layers, self.buffers = layers, buffers  # each layer's own savepoint; (cache, keys, values) views
+
+
+def _appended_in_place(layers) -> list:
+    """The caches among `layers` (and their children) that a forward appends to in place.
+
+    An append-only K/V buffer (`OffsetBranches`: full attention, quantized or
+    not) is extended with a slice update, which rebinds the very array object
+    the layer holds, and its own savepoint keeps only the offset. Every other
+    kind keeps its arrays in its savepoint (windows, recurrent slots).
+    """
+    out = []
+    for layer in layers:
+        if isinstance(layer, OffsetBranches):
+            out.append(layer)
+        elif isinstance(layer, CacheList):  # CompositeLayer: its children
+            out.extend(_appended_in_place(layer.caches))
+    return out
+
+
+def _view(a):
+    """A new handle on the same buffer (no copy): it keeps the buffer as it is now."""
+    if a is None:  # no token yet
+        return None
+    return tuple(x[...] for x in a) if isinstance(a, tuple) else a[...]
+
+
 def _build_layers(model, strategy: str, branch_state_bytes: int, state_strategy: str | None = None) -> list:
     """One layer cache per decoder layer; the model is changed only if every layer is supported.
 
@@ -155,6 +192,9 @@ class Runtime:
             or more; within float rounding of native), or "auto" (chunked off
             Metal, native on Metal; `adapters.chunked.default_gdn_prefill`; what
             `segcache generate`, `serve` and `demo` use).
+        group: a `segcache.distributed.Channel` when this runtime is one rank's of
+            a sharded model: its prefills then resume only a prefix every rank
+            resumes (docs/distributed.md); clones share it.
 
     Attributes:
         model: the model.
@@ -176,6 +216,7 @@ class Runtime:
         recurrent_strategy: str = "auto",
         branch_state_bytes: int = BRANCH_STATE_BYTES,
         gdn_prefill: str = "native",
+        group=None,
     ):
         if recurrent_strategy not in RECURRENT_STRATEGIES:
             raise ValueError(f"recurrent_strategy must be one of {RECURRENT_STRATEGIES}")
@@ -194,6 +235,7 @@ class Runtime:
         # cache[i] is _layers[i]: mlx-lm code may replace entries of the list
         # (kv_bits); every operation checks first (_own_layers).
         self._layers = tuple(self.cache)
+        self._in_place = None  # (_layers, their caches appended in place), for savepoint()
         self.gdn_prefill = "native" if chunked_from is None else "chunked"
         for layer in self.cache:
             if isinstance(layer, RecurrentLayer):
@@ -205,6 +247,7 @@ class Runtime:
         self.store = store
         self.cache_salt = cache_salt
         self._prefix: PrefixCache | None = None  # for `store`, made on first use; shared with clones
+        self.group = group
 
     # -- what the cache holds -------------------------------------------------
 
@@ -267,6 +310,49 @@ class Runtime:
             raise
         self._ledger.append(chunk)
         return logits
+
+    def savepoint(self) -> "Savepoint":
+        """A point to undo the forwards that follow, as long as they are not evaluated (`undo`).
+
+        Cheap (offsets and array handles, no copy) and, unlike a branch, it
+        changes no code path: the forwards run as they would without it. `undo`
+        also drops their unevaluated graphs from every layer (the K/V buffers
+        they wrote into included), so nothing of them runs later: in a
+        distributed group an abandoned forward must never reach a collective
+        (`segcache.distributed`). Drop the savepoint before evaluating the
+        forwards: a K/V buffer it still holds is copied by the write instead of
+        being updated in place.
+
+        Raises:
+            UnsupportedOperationError: an entry of `rt.cache` was replaced.
+        """
+        self._own_layers("savepoint")
+        self._sync()
+        if self._in_place is None or self._in_place[0] != self._layers:
+            self._in_place = (self._layers, _appended_in_place(self._layers))
+        # K/V buffers are kept as views (quantized: a tuple of them; None before any token)
+        buffers = [(c, _view(c.keys), _view(c.values)) for c in self._in_place[1]]
+        return Savepoint(self, self.offset, tuple(self._branches), [c.savepoint() for c in self.cache], buffers)
+
+    def undo(self, point: "Savepoint") -> None:
+        """Return to `point`: the forwards (and a `restore`) since are dropped, evaluated or not.
+
+        Raises:
+            BranchError: `point` is another runtime's, or a branch was opened or
+                closed since it was taken; nothing changed.
+        """
+        if point.runtime is not self or tuple(self._branches) != point.branches or self.offset < point.offset:
+            raise BranchError(
+                "undo() to a savepoint of another runtime, or across a fork / commit / rollback since it "
+                "was taken; undo only the forwards of one step"
+            )
+        self._own_layers("undo")
+        self._sync()
+        for layer, own in zip(self.cache, point.layers):
+            layer.restore(own)
+        for cache, keys, values in point.buffers:
+            cache.keys, cache.values = keys, values
+        self._ledger.truncate(point.offset)
 
     # -- branches ---------------------------------------------------------------
 
@@ -419,24 +505,41 @@ class Runtime:
     def _prefill(self, ids: list[int], held: int, cache: PrefixCache | None, step_size: int, checkpoints):
         L = len(ids)
         resume = Resume(held) if cache is None else cache.resume(self, ids, held)
+        if cache is not None and self.group is not None:
+            resume = self._agreed(resume, held)  # then every rank restores, or none (the same tokens)
+        point = self.savepoint() if resume.states is not None and self.group is not None else None
+        restored = True
         if resume.states is not None:
             try:
                 self.restore(ids[: resume.tokens], list(resume.states))
             except Exception as exc:  # states that do not load are a miss, never a failed prefill
                 cache.failed("restoring the resumed prefix", exc)
-                resume = Resume(held)
-        yield dataclasses.replace(resume, states=None, logits=None)  # the caller may run other work first
+                resume, restored = Resume(held), False
+        if point is not None and not agree_restored(self.group, restored):
+            if restored:  # another rank could not: every rank computes
+                self.undo(point)
+            resume = Resume(held)
+        del point
+        # The layers hold the states now. No other reference may stay: the next forward writes
+        # into a KV buffer in place only if nothing else references it (else it copies it whole).
+        last, resume = resume.logits, dataclasses.replace(resume, states=None, logits=None)
+        yield resume  # the caller may run other work first
         start, stops, snaps, seconds = resume.tokens, [L], [], 0.0
         if cache is not None:
             stops = sorted({L, *resume.stops, *(p for p in checkpoints if isinstance(p, int) and start < p < L)})
-        if start == L:  # the whole prompt restored from a checkpoint
-            last = resume.logits
-        else:
+        if start < L:
             take = None if cache is None else (lambda logits: snaps.append(cache.snapshot(self, logits)))
             last, seconds = yield from self._feed(ids, start, stops, step_size, take)
         if cache is not None:
             cache.prefilled(self, ids, resume, snaps, seconds)
         return last
+
+    def _agreed(self, resume: Resume, held: int) -> Resume:
+        """The resume every rank of the group found, or a miss on every rank (docs/distributed.md)."""
+        tokens, stops = agree_resume(self.group, held, resume.tokens, resume.stops)
+        if tokens != resume.tokens:
+            return Resume(held)
+        return resume if stops == tuple(resume.stops) else dataclasses.replace(resume, stops=())
 
     def _feed(self, ids: list[int], start: int, stops: list[int], step_size: int, at_stop):
         """Forward ids[start:] in chunks of `step_size` ending at each stop, calling `at_stop(logits)`
@@ -609,9 +712,11 @@ class Runtime:
         other.gdn_prefill = self.gdn_prefill
         other.cache = [layer.clone() for layer in self.cache]
         other._layers = tuple(other.cache)
+        other._in_place = None
         other._ledger = self._ledger.copy(self.committed_offset)
         other._branches = []
         other.store, other._prefix, other.cache_salt = self.store, self._prefix, self.cache_salt
+        other.group = self.group
         return other
 
     # -- invariants -------------------------------------------------------------

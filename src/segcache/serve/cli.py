@@ -33,12 +33,23 @@ def parse_size(text: str) -> int:
     return int(m.group(1)) << (10 * "_kmgt".index((m.group(2) or "_").lower()))
 
 
+def _template_args(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("a JSON object is needed, e.g. '{\"enable_thinking\": false}'")
+    return value
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register the `serve` subcommand on an argparse `subparsers` object."""
     p = subparsers.add_parser(
         "serve", help="an OpenAI-compatible HTTP server with a persistent prefix cache",
-        description="Serve a local mlx-lm model over OpenAI's API (/v1/completions, /v1/chat/completions, "
-        "/v1/models, /health) on segcache runtimes: every request resumes the longest prefix cached in RAM "
+        description="Serve a local mlx-lm model over OpenAI's API (/v1/completions, /v1/chat/completions with "
+        "tool calls and reasoning, /v1/responses, /v1/models, /health) and Anthropic's (/v1/messages) on segcache "
+        "runtimes: every request resumes the longest prefix cached in RAM "
         "or on disk, and greedy output is token-identical to mlx-lm, speculative or not.",
     )
     p.add_argument("--model", required=True, help="model directory (mlx_lm.load)")
@@ -61,8 +72,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--min-p", type=float, default=0.0, help="default min-p sampling (default 0: off)")
     p.add_argument("--chat-template", default=None,
                    help="a chat template (Jinja text, or a file holding it) replacing the tokenizer's")
+    p.add_argument("--chat-template-args", type=_template_args, default={}, metavar="JSON",
+                   help="template variables for every chat, as a JSON object, e.g. '{\"enable_thinking\": false}' "
+                        "(as mlx_lm.server); a request's chat_template_kwargs override them")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health; repeat it for several "
+                   help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every endpoint but /health; repeat it for several "
                         "keys, any of which is accepted (default: $SEGCACHE_API_KEY, else no key)")
     p.add_argument("--api-key-file", metavar="PATH",
                    help="more accepted API keys, one per line ('#' starts a comment line)")
@@ -220,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
         open_files = raise_open_files()  # before mlx-lm loads: its import would lower the hard limit
         from .app import Server, build_app
     except ImportError as exc:
-        print(f"segcache serve: {exc.name or exc} is not installed; pip install 'segcache[serve]'", file=sys.stderr)
+        print(f"segcache serve: {exc.name or exc} is not installed; reinstall segcache (it depends on it)", file=sys.stderr)
         return 1
     # uvicorn's and asyncio's records reach the root handler too (log_config=None below), so
     # one filter there holds every repeated warning or error to one line per interval
@@ -260,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
                     **options)
     scheduler = Scheduler(engine, max_queue=args.max_queue, max_running=running, begin_step=engine.begin_step)
     worker = Worker(scheduler)
-    server = Server(settings, Prompter(tokenizer, template), scheduler, worker, store)
+    server = Server(settings, Prompter(tokenizer, template, args.chat_template_args), scheduler, worker, store)
 
     def close() -> None:
         worker.stop()  # uvicorn let the requests in flight end: the queue is empty

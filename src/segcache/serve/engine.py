@@ -45,7 +45,8 @@ from ..batch.prefill import PrefillBatch
 from ..errors import RowError
 from ..generation import DRAFT_MIN_PROB
 from ..runtime import Runtime
-from ..sampling import Keys, make_sampler
+from ..controls import Controls
+from ..grammar import Grammars
 from ..stats import GenerationStats
 from ..store import Resume
 from .text import StopText
@@ -65,6 +66,9 @@ class GenRequest:
         seed: the request's own random stream (None: a fresh secret one); a request
             never draws from a stream another request can touch.
         top_logprobs: alternatives per token; -1 for no logprobs at all.
+        n: choices: independent samples of one prompt, prefilled once.
+        controls: every sampling control (penalties, logit_bias, XTC, response_format, ...);
+            None: the plain fields above (temperature, top_p, top_k, min_p, seed).
         cache_salt: the request's prefix-cache isolation domain (`isolation.domain`; None: shared).
         arrival: time.perf_counter() when the request arrived (for TTFT).
     """
@@ -81,7 +85,16 @@ class GenRequest:
     stops: list[str] = field(default_factory=list)
     top_logprobs: int = -1
     cache_salt: Optional[str] = None
+    n: int = 1
+    controls: Optional[Controls] = None
     arrival: float = field(default_factory=time.perf_counter)
+
+    def settings(self) -> Controls:
+        """Its sampling controls: `controls`, or the plain fields as Controls."""
+        if self.controls is not None:
+            return self.controls
+        return Controls(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                        seed=self.seed)
 
 
 @dataclass
@@ -93,10 +106,11 @@ class TokenLogprob:
 
 @dataclass
 class Chunk:
-    """Text produced by one step (may be empty while a stop string is undecided)."""
+    """Text choice `index` produced in one step (may be empty while a stop string is undecided)."""
 
     text: str
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    index: int = 0
 
 
 @dataclass
@@ -108,10 +122,20 @@ class Usage:
 
 @dataclass
 class Finish:
-    """The request's end: "stop" (EOS or a stop string) or "length"."""
+    """Choice `index` ended: "stop" (EOS or a stop string) or "length".
+
+    Attributes:
+        usage: this choice's completion tokens (the prompt counted once per request).
+        index: the choice (0 .. n-1).
+        last: the request's last event (every choice ended).
+        stop: the stop string that ended the text (None: EOS or length).
+    """
 
     reason: str
     usage: Usage
+    index: int = 0
+    last: bool = True
+    stop: Optional[str] = None
 
 
 @dataclass
@@ -124,6 +148,67 @@ class Failure:
 class StepFailed(RuntimeError):
     """The decoder step this request's row was in failed (every row of it fails: the culprit
     cannot be told apart); the decoder is as before the step."""
+
+
+class _Choice:
+    """One choice of a request: its row's tokens as text (EOS, max_tokens, stop strings), its
+    logprobs, its end. Invariant: `buffer` holds only tokens of the decoder's last step."""
+
+    def __init__(self, engine: "Engine", req: GenRequest, index: int, cached: int, tier: str):
+        self.engine, self.req, self.index, self.cached, self.tier = engine, req, index, cached, tier
+        self.row = req.id if req.n == 1 else (req.id, index)
+        self.buffer: collections.deque = collections.deque()
+        self.detok = engine.tokenizer.detokenizer
+        self.stop = StopText(req.stops)
+        self.stats = GenerationStats(mode=engine.decoder.mode, prompt_tokens=len(req.ids))
+        self.draft: Optional[Runtime] = None  # its draft runtime, when it has one of its own
+        self.n = 0  # tokens taken, an EOS included
+        self.ttft = 0.0
+        self.finish: Optional[str] = None  # "stop" or "length" once it ended
+        self.on_eos = False
+        self.outcome = "cancelled"  # unless it ends or fails
+
+    def drain(self) -> list:
+        """Every token its row has: a Chunk, and a Finish if it ended (settling the decoder's round
+        at what it took). Raises StepFailed if its step failed."""
+        engine, req, eos = self.engine, self.req, self.engine.tokenizer.eos_token_ids
+        texts, logprobs_out, taken, given = [], [], 0, len(self.buffer)
+        while self.buffer and self.finish is None:
+            item = self.buffer.popleft()
+            if isinstance(item, StepFailed):
+                self.outcome = "failed"
+                raise item
+            token, logprobs, _ = item
+            taken += 1
+            if self.n == 0:
+                self.ttft = time.perf_counter() - req.arrival
+            self.n += 1
+            done = None
+            if token in eos:
+                self.detok.finalize()
+                done, self.on_eos = "stop", True
+            else:
+                self.detok.add_token(token)
+                if self.n == req.max_tokens:
+                    self.detok.finalize()
+                    done = "length"
+            texts.append(self.stop.feed(self.detok.last_segment))
+            if done is not None:
+                texts.append(self.stop.flush())
+            if self.stop.stopped:
+                done = "stop"
+            if req.top_logprobs >= 0 and token not in eos:
+                logprobs_out.append(engine._logprob(token, logprobs, req.top_logprobs))
+            self.finish = done
+        events = [Chunk("".join(texts), logprobs_out, self.index)]
+        if self.finish is not None:
+            if taken < given:  # it ended inside a round: its row keeps what its client got
+                self.buffer.clear()
+                engine.decoder.settle({self.row: taken})
+            self.outcome = self.finish
+            events.append(Finish(self.finish, Usage(len(req.ids), self.n, self.cached), self.index,
+                                 last=False, stop=self.stop.matched))
+        return events
 
 
 @dataclass
@@ -155,6 +240,9 @@ class Engine:
             same long context) resumes within that many tokens of where they part.
         decode_concurrency: rows decoding together at most (the scheduler's max_running).
         prompt_concurrency: prompts being prefilled at once, at most (mlx-lm's meaning).
+        vocab_size: the model's vocabulary (its logits' width; default: the tokenizer's).
+        grammars: the model's structured-output compiler, shared with the HTTP side (which
+            compiles a request's schema first, so a bad one is a 400); built here when None.
 
     Attributes:
         prefill_chunk: with several rows, prompt tokens a joining request feeds per
@@ -170,7 +258,8 @@ class Engine:
 
     def __init__(self, model, tokenizer, *, store=None, draft_model=None, prompt_lookup: bool = False,
                  num_draft_tokens: int = 4, prefill_step: int = 2048, checkpoint_interval: int = 256,
-                 decode_concurrency: int = 1, prompt_concurrency: int = 8):
+                 decode_concurrency: int = 1, prompt_concurrency: int = 8, vocab_size: Optional[int] = None,
+                 grammars: Optional[Grammars] = None):
         self.model = model
         self.tokenizer = tokenizer
         self.store = store
@@ -179,6 +268,8 @@ class Engine:
         self.num_draft_tokens = num_draft_tokens
         self.prefill_step = prefill_step
         self.checkpoint_interval = checkpoint_interval
+        self.vocab_size = vocab_size or len(tokenizer.vocab)
+        self.grammars = grammars
         self.decode_concurrency = decode_concurrency
         self.prompt_concurrency = prompt_concurrency
         drafting = prompt_lookup or draft_model is not None
@@ -249,73 +340,55 @@ class Engine:
     # -- one request --------------------------------------------------------------------
 
     def generate(self, req: GenRequest) -> Iterator[object]:
-        """Yield None until admitted to the decoder, then a Chunk per step and one Finish.
-        Closing it early cancels the request: its row leaves and prompt + what was delivered
-        is published."""
+        """Yield None until admitted to the decoder, then per scheduler step the events of its
+        choices: a `Chunk` each (what its row emitted) and a `Finish` for one that ended (the
+        request's last one marked `last`).
+
+        The prompt is resumed and prefilled once; each of the `n` choices is a row of its own on
+        a copy-on-write clone of it (with several rows all at once, else one after another), with
+        its own random stream (`Keys.spawn`) and processors. A choice leaves before its last chunk
+        goes out. Closing the generator cancels the request: its rows leave and each publishes
+        prompt + what its client received.
+        """
         rt, cached, tier = yield from self._prefill(req)
-        sampler = make_sampler(req.temperature, top_p=req.top_p if req.top_p < 1.0 else 0.0,
-                               top_k=req.top_k, min_p=req.min_p)
+        controls = req.settings()
+        sampler = controls.sampler(self.tokenizer)
+        processors = controls.processors(self.vocab_size, self._grammars(controls)) or None
+        keys = controls.keys()
         drt = self._draft_runtime(req)
-        stats = GenerationStats(mode=self.decoder.mode, prompt_tokens=len(req.ids))
-        self.decoder.add(req.id, rt, req.ids[-1], acceptor=make_acceptor(sampler, Keys(req.seed)),
-                         max_tokens=req.max_tokens, draft_runtime=drt, stats=stats)
-        self._buffers[req.id] = buffer = collections.deque()
-        tok = self.tokenizer
-        detok = tok.detokenizer
-        eos = tok.eos_token_ids
-        stop = StopText(req.stops)
-        n, ttft, finish, outcome, token = 0, 0.0, "length", "cancelled", None
+        waiting = list(range(req.n))
+        running: list[_Choice] = []
         try:
-            while True:
-                if not buffer:
+            while waiting or running:
+                while waiting and not (running and self.decoder.one_row):  # one row: one choice at a time
+                    i = waiting.pop(0)
+                    last = not waiting  # the last choice takes the prefilled runtimes themselves
+                    choice = _Choice(self, req, i, cached, tier)
+                    choice.draft = drt if last or drt is None else drt.clone()
+                    self.decoder.add(choice.row, rt if last else rt.clone(), req.ids[-1],
+                                     acceptor=make_acceptor(sampler, keys.spawn(i)), max_tokens=req.max_tokens,
+                                     draft_runtime=choice.draft, stats=choice.stats,
+                                     processors=processors if last or processors is None else processors.fork(),
+                                     stop_tokens=self.tokenizer.eos_token_ids)
+                    self._buffers[choice.row] = choice.buffer
+                    running.append(choice)
+                if not any(c.buffer for c in running):
                     self._step()
-                if not buffer:
-                    yield None  # this scheduler step's decoder step ran before this row joined
+                if not any(c.buffer for c in running):
+                    yield None  # this scheduler step's decoder step ran before these rows joined
                     continue
-                # Every token this row has (a round may emit several) goes out in one chunk.
-                texts, logprobs_out, done, taken = [], [], None, 0
-                given = len(buffer)
-                while buffer and done is None and not stop.stopped:
-                    item = buffer.popleft()
-                    if isinstance(item, StepFailed):
-                        raise item
-                    token, logprobs, _ = item
-                    taken += 1
-                    if n == 0:
-                        ttft = time.perf_counter() - req.arrival
-                    n += 1
-                    if token in eos:
-                        detok.finalize()
-                        done = "stop"
-                    else:
-                        detok.add_token(token)
-                        if n == req.max_tokens:
-                            detok.finalize()
-                            done = "length"
-                    texts.append(stop.feed(detok.last_segment))
-                    if done is not None:
-                        finish = done
-                        texts.append(stop.flush())
-                    if stop.stopped:
-                        finish = "stop"
-                    if req.top_logprobs >= 0 and token not in eos:
-                        logprobs_out.append(self._logprob(token, logprobs, req.top_logprobs))
-                if stop.stopped or done is not None:
-                    break
-                yield Chunk("".join(texts), logprobs_out)
-            # Leave before the last chunk goes out: no later step may run this row past its end.
-            if taken < given:  # it ended inside a round: the row keeps what its client got
-                self.decoder.settle({req.id: taken})
-            outcome = finish
-            self._leave(req, drt, publish=True, pending=token not in eos)
-            yield Chunk("".join(texts), logprobs_out)
-            yield Finish(finish, Usage(len(req.ids), n, cached))
-        except StepFailed:
-            outcome = "failed"
-            raise
+                events = []
+                for choice in [c for c in running if c.buffer]:
+                    events += choice.drain()
+                    if choice.finish is not None:  # it ended: it leaves before its last chunk goes out
+                        running.remove(choice)
+                        self._leave(choice, publish=True)
+                if not waiting and not running:
+                    events[-1].last = True
+                yield events
         finally:
-            self._leave(req, drt, publish=outcome != "failed")
-            self._log(req, n, cached, tier, ttft, self._row_stats(stats, n, req.arrival + ttft), outcome)
+            for choice in running:  # cancelled, or a step failed
+                self._leave(choice, publish=choice.outcome != "failed")
 
     def _draft_runtime(self, req: GenRequest) -> Runtime | None:
         """The draft's runtime for a joining row: resumed from the prefix store (its own
@@ -414,23 +487,26 @@ class Engine:
                     joining.cache.prefilled(r.runtime, joining.ids, joining.resume, joining.snaps, joining.seconds)
                 joining.runtime = r.runtime
 
-    def _leave(self, req: GenRequest, drt: Runtime | None, publish: bool, pending: bool = True) -> None:
-        """Free the row now; publish prompt + what the client received (an EOS only where a
-        step fed it already: `pending=False` leaves an unfed one out)."""
-        if req.id not in self._buffers:
+    def _leave(self, choice: _Choice, publish: bool) -> None:
+        """Free the choice's row now; publish prompt + what its client received (an EOS only where
+        a step fed it already); log its line."""
+        req = choice.req
+        if self._buffers.pop(choice.row, None) is None:
             return
-        del self._buffers[req.id]
-        if req.id not in self.decoder.rows:  # its step failed it out already
-            return
-        if not publish or self.store is None:
-            self.decoder.remove(req.id)
-            return
-        rt = self.decoder.release(req.id, pending=pending)  # what the client took; the row has left
-        rt.store, rt.cache_salt = self.store, req.cache_salt  # a batch row's copy has neither
-        rt.publish()
-        if self.decoder.one_row and drt is not None:
-            drt.publish()  # the draft's runtime itself was the draft row: the next turn resumes it too
-        self._dirty = True
+        try:
+            if choice.row not in self.decoder.rows:  # its step failed it out already
+                return
+            if not publish or self.store is None:
+                self.decoder.remove(choice.row)
+                return
+            rt = self.decoder.release(choice.row, pending=not choice.on_eos)  # the row has left
+            rt.store, rt.cache_salt = self.store, req.cache_salt  # a batch row's copy has neither
+            rt.publish()
+            if self.decoder.one_row and choice.draft is not None:
+                choice.draft.publish()  # its draft runtime itself was the draft row: the next turn resumes it
+            self._dirty = True
+        finally:
+            self._log(choice)
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -450,19 +526,25 @@ class Engine:
             alts = [(decode([i]), v) for i, v in zip(idx[order].tolist(), vals[order].tolist())]
         return TokenLogprob(decode([token]), logprobs[token].item(), alts)
 
-    @staticmethod
-    def _row_stats(stats: GenerationStats, n: int, first: float) -> GenerationStats:
-        """The log line's figures: tokens per second since the row's first token."""
-        stats.generation_tokens = n
-        stats.generation_time = time.perf_counter() - first if n else 0.0
-        return stats
+    def _grammars(self, controls: Controls):
+        """The model's grammar compiler, built on the first structured request."""
+        fmt = controls.response_format
+        if fmt is None or fmt.get("type") == "text":
+            return None
+        if self.grammars is None:
+            self.grammars = Grammars(self.tokenizer, self.vocab_size)
+        return self.grammars
 
-    def _log(self, req, n, cached, tier, ttft, stats, outcome) -> None:
+    def _log(self, choice: _Choice) -> None:
+        req, stats, n = choice.req, choice.stats, choice.n
+        stats.generation_tokens = n
+        stats.generation_time = time.perf_counter() - (req.arrival + choice.ttft) if n else 0.0
         gen = f"{stats.generation_tps:.1f} tok/s" if n else "-"
         acc = ""
         if stats.mode != "plain" and stats.drafted:
             drafting = sum(1 for d in stats.drafted_per_round if d)
             acc = (f", {stats.mode} accepted {stats.acceptance_rate:.0%} "
                    f"({stats.accepted / drafting:.2f}/round)")
+        rid = req.id if req.n == 1 else f"{req.id}[{choice.index}]"
         log.info("%s: prompt %d tok, cached %d (%s), generated %d tok, ttft %.3f s, %s%s, %s",
-                 req.id, len(req.ids), cached, tier, n, ttft, gen, acc, outcome)
+                 rid, len(req.ids), choice.cached, choice.tier, n, choice.ttft, gen, acc, choice.outcome)
