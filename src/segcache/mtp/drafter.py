@@ -155,7 +155,7 @@ class MTP:
             j = min(i + self.prefill_step, lag - 1)
             toks = mx.array(history[held + i + 1 : held + j + 1], dtype=mx.uint32)[None]
             _, h = self.head(tail[None, i:j], toks, row.cache)
-            mx.eval(h, [c.state for c in row.cache])
+            mx.eval(h, [c.keys_and_values() for c in row.cache])
         row.held, row.tail = held + lag - 1, tail[lag - 1 :]
 
     # -- a round ------------------------------------------------------------------------

@@ -179,7 +179,23 @@ def is_head_file(path: Path) -> bool:
     return metadata.get("segcache") == FORMAT
 
 
+_ATTACHED = "_segcache_mtp_head"
+
+
+def attached(model: nn.Module) -> Optional[MTPHead]:
+    """The head `load_head` last loaded for `model` (what ``mtp=True`` drafts with), or None."""
+    return getattr(model, _ATTACHED, None)
+
+
 def load_head(model: nn.Module, model_path=None, mtp_weights=None) -> Optional[MTPHead]:
+    """The MTP head of ``model`` (see `_load_head`), also recorded on the model for ``mtp=True``."""
+    head = _load_head(model, model_path, mtp_weights)
+    if head is not None:
+        object.__setattr__(model, _ATTACHED, head)  # a plain attribute: the module tree is unchanged
+    return head
+
+
+def _load_head(model: nn.Module, model_path=None, mtp_weights=None) -> Optional[MTPHead]:
     """The MTP head of ``model``, or None when there is none.
 
     Looks, in order: at ``mtp_weights`` (a head file segcache wrote, or an original
