@@ -7,6 +7,9 @@ the token after next from the target's last hidden state and the next token.
   one forward of the unmodified mlx-lm model.
 * :func:`load_head` - the head from a model directory (``mtp.safetensors``, or an
   original checkpoint's ``mtp.*`` tensors) or from ``--mtp-weights``.
+* :class:`MTP` - the drafter (the decoder's protocol) drafting with a head;
+  :class:`HiddenStates` - a prefill's hidden states handed to it with a row.
+* :func:`head_for` - the head ``--mtp`` uses (the model directory or ``--mtp-weights``).
 * :func:`extract` - ``segcache mtp extract``: an original checkpoint's head
   written next to an mlx-lm conversion, quantized like it.
 
@@ -22,6 +25,9 @@ _LAZY = {
     "HEAD_FILE": "weights",
     "extract": "weights",
     "load_head": "weights",
+    "head_for": "weights",
+    "MTP": "drafter",
+    "HiddenStates": "drafter",
     "save_head": "weights",
 }
 

@@ -55,6 +55,10 @@ class HiddenStates:
 
     hidden: mx.array
 
+    def clone(self) -> "HiddenStates":
+        """The same states (never written: rows of one prompt share them)."""
+        return self
+
 
 @dataclass
 class _Row:

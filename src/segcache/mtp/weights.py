@@ -300,3 +300,28 @@ def extract(checkpoint: Path, model_dir: Path, *, bits: Optional[int] = None,
     return {"path": str(destination), "layers": head.num_layers,
             "parameters": sum(v.size for _, v in tree_flatten(head.module.parameters())),
             "quantization": quantization, "dtype": str(dtype)}
+
+
+def head_for(model: nn.Module, model_path, mtp_weights=None) -> MTPHead:
+    """The head `--mtp` drafts with: from ``mtp_weights`` when given, else from the model's
+    directory (a Hugging Face id resolves to its local snapshot).
+
+    Raises:
+        ModelError: no head there (saying how to get one), or it does not fit the model.
+        UnsupportedModelError: the model's family has no known MTP head.
+    """
+    _text_parts(model)  # an unsupported family says so before any file is read
+    directory = Path(model_path)
+    if mtp_weights is None and not directory.is_dir():
+        try:
+            from mlx_lm.utils import hf_repo_to_path
+
+            directory = hf_repo_to_path(str(model_path))
+        except Exception:  # not a cached repo: no directory to look in
+            pass
+    head = load_head(model, directory, mtp_weights)
+    if head is None:
+        raise ModelError(f"no MTP head in {model_path} (no {HEAD_FILE}, no mtp.* tensors): mlx-lm "
+                         "conversions drop it; write one with `segcache mtp extract --from "
+                         "ORIGINAL_CHECKPOINT --to MODEL_DIR`, or pass --mtp-weights")
+    return head

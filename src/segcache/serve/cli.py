@@ -56,6 +56,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     drafter = p.add_mutually_exclusive_group()
     drafter.add_argument("--draft-model", help="draft model directory sharing the model's tokenizer")
     drafter.add_argument("--prompt-lookup", action="store_true", help="draft by n-gram lookup in prompt + output")
+    drafter.add_argument("--mtp", action="store_true", help="draft with the model's own multi-token-prediction "
+                         "head (Qwen3-Next, Qwen3.5: mtp.safetensors in the model directory, see "
+                         "`segcache mtp extract`), --num-draft-tokens deep")
+    p.add_argument("--mtp-weights", metavar="PATH", help="with --mtp: the head's file (or the original "
+                   "checkpoint holding mtp.* tensors) instead of the model directory's")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="drafts per round, at most (default 4)")
     p.add_argument("--prompt-cache-dir", help="prefix store directory (default: one per model identity under "
                    "the user's cache directory, e.g. ~/.cache/segcache/serve/<identity>)")
@@ -263,10 +268,23 @@ def run(args: argparse.Namespace) -> int:
         print("segcache serve: the draft model's vocabulary differs from the model's; the draft must share "
               "its tokenizer", file=sys.stderr)
         return 2
+    head = None
+    if getattr(args, "mtp_weights", None) and not getattr(args, "mtp", False):
+        print("segcache serve: --mtp-weights needs --mtp", file=sys.stderr)
+        return 2
+    if getattr(args, "mtp", False):
+        from ..errors import SegcacheError
+        from ..mtp import head_for
+
+        try:
+            head = head_for(model, args.model, args.mtp_weights)
+        except SegcacheError as exc:
+            print(f"segcache serve: --mtp: {exc}", file=sys.stderr)
+            return 2
     store, path = _open_store(args, model)
     settings = _settings(args, model, tokenizer, keys)
     name = settings.served_name
-    options = dict(store=store, draft_model=draft, prompt_lookup=args.prompt_lookup,
+    options = dict(store=store, draft_model=draft, prompt_lookup=args.prompt_lookup, mtp=head,
                    num_draft_tokens=args.num_draft_tokens, prefill_step=args.prefill_step_size,
                    checkpoint_interval=args.checkpoint_interval)
     running = args.decode_concurrency
@@ -290,7 +308,8 @@ def run(args: argparse.Namespace) -> int:
         # has shut down, which ends the process before any code after it.
         close()
 
-    mode = "draft model" if draft is not None else "prompt lookup" if args.prompt_lookup else "plain"
+    mode = ("draft model" if draft is not None else "prompt lookup" if args.prompt_lookup
+            else f"MTP depth {args.num_draft_tokens}" if head is not None else "plain")
     rows = f", up to {args.decode_concurrency} rows batched" if args.decode_concurrency > 1 else ""
     log.info("serving %s (%s decoding%s) on http://%s:%d; prefix store: %s", name, mode, rows, args.host,
              args.port, shown(path) if store is not None else "none")
