@@ -45,7 +45,7 @@ MODELS = Path(__file__).resolve().parents[1] / "src" / "segcache" / "models"
 CACHED_HEAD = Path(os.path.expanduser("~/.cache/segcache/bench-mtp-head.safetensors"))
 
 
-def fit_head(model, tok, steps: int, seq: int = 256, batch: int = 8):
+def fit_head(model, tok, steps: int, seq: int = 256, batch: int = 4):
     """A head fitted to the frozen target's own next-token distributions (soft labels)."""
     src = Path(mlx_lm.__file__).parent
     text = "\n".join(Path(f).read_text() for f in sorted(glob.glob(str(src / "models" / "*.py"))))
@@ -72,7 +72,7 @@ def fit_head(model, tok, steps: int, seq: int = 256, batch: int = 8):
         opt.learning_rate = 1e-3 * min(1.0, (i + 1) / 50) * (1 - i / steps) + 1e-5
         opt.update(head.module, grads)
         mx.eval(head.module.parameters(), opt.state)
-        if i % 100 == 0 or i == steps - 1:
+        if i % 25 == 0 or i == steps - 1:
             print(f"  fit step {i}: loss {value.item():.3f} ({time.perf_counter() - tic:.0f} s)", flush=True)
     head.module.eval()
     return head
@@ -175,7 +175,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--configs", default="plain,mtp1,mtp2,mtp3,mtp-gated,lookup,draft")
     ap.add_argument("--head", help="a head file (default: the shipped one, else a fitted one)")
-    ap.add_argument("--fit-steps", type=int, default=600)
+    ap.add_argument("--fit-steps", type=int, default=300)
     ap.add_argument("--refit", action="store_true", help="fit a new head even if one is cached")
     args = ap.parse_args()
 
