@@ -273,7 +273,7 @@ def stream_generate(
     if draft_runtime is not None and draft_model is None:
         draft_model = draft_runtime.model
     if sum((draft_model is not None, bool(prompt_lookup), mtp not in (None, False))) > 1:
-        raise ValueError("choose one drafter: draft_model, prompt_lookup or mtp, not several")
+        raise ValueError("choose one drafter: draft_model or prompt_lookup or mtp, not several")
     head = _mtp_head(model, mtp) if mtp not in (None, False) else None
     if (draft_model is not None or prompt_lookup or head is not None) and num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
