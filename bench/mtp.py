@@ -26,6 +26,7 @@ import _common  # noqa: F401  (first: binds OpenBLAS before mlx loads)
 
 import argparse
 import glob
+import math
 import os
 import statistics
 import time
@@ -218,7 +219,7 @@ def main() -> int:
         if "mtp3" in last:
             a = [float(x) if x != "-" else 0.0 for x in per_position(last["mtp3"]["rounds"])]
             for k in (1, 2, 3):
-                expected = 1 + sum(statistics.prod(a[:j]) for j in range(1, k + 1))
+                expected = 1 + sum(math.prod(a[:j]) for j in range(1, k + 1))
                 print(f"  depth {k}: {expected:.2f} tokens per verify where a verify of {k + 1} positions costs one "
                       f"forward (a GPU), before the head's own cost; here a verify of {k + 1} costs "
                       f"{costs[k] / costs[0]:.2f} forwards")
