@@ -46,6 +46,21 @@ MODELS = Path(__file__).resolve().parents[1] / "src" / "segcache" / "models"
 CACHED_HEAD = Path(os.path.expanduser("~/.cache/segcache/bench-mtp-head.safetensors"))
 
 
+def warm_start(head, model) -> None:
+    """Start from the target's last full-attention layer, with fc passing the hidden state
+    through (plus a little of the next token): the head begins as 'one more layer'."""
+    from mlx.utils import tree_flatten
+
+    from segcache.mtp.module import _text_parts
+
+    args, text_model, _, _ = _text_parts(model)
+    last = max(i for i, layer in enumerate(text_model.layers) if not getattr(layer, "is_linear", False))
+    head.module.layers[0].load_weights(tree_flatten(text_model.layers[last].parameters()))
+    H = args.hidden_size
+    eye = mx.eye(H)
+    head.module.fc.weight = mx.concatenate([0.1 * eye, eye], axis=1)
+
+
 def fit_head(model, tok, steps: int, seq: int = 256, batch: int = 4):
     """A head fitted to the frozen target's own next-token distributions (soft labels)."""
     src = Path(mlx_lm.__file__).parent
@@ -54,6 +69,7 @@ def fit_head(model, tok, steps: int, seq: int = 256, batch: int = 4):
     n = (len(ids) // seq) * seq
     data = mx.array(ids[:n]).reshape(-1, seq)
     head = MTPHead.build(model)
+    warm_start(head, model)
     head.module.set_dtype(mx.float32)
     opt = optim.AdamW(learning_rate=1e-3, weight_decay=0.0)
 

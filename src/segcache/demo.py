@@ -261,7 +261,8 @@ def run(args) -> int:
                 "tokens": tokens, "text": text, "tps": last.generation_tps, "speedup": speedup,
                 "acceptance": stats.acceptance_rate if stats and stats.drafted else None,
             }
-        print(f"    all {len(runs)} outputs identical: {'yes' if identical else 'NO'}")
+        count = {3: "three", 4: "four"}.get(len(runs), str(len(runs)))
+        print(f"    all {count} outputs identical: {'yes' if identical else 'NO'}")
         report["identical"] = identical
         request1 = {"hit_tokens": resume1.restored, "tier": _tier(resume1),
                     "ttft": prefill_time + stored_run[2].stats.prompt_time}
