@@ -6,16 +6,16 @@
 The head at position t takes (the target's hidden state at t, after its final
 norm; token t+1) and is trained toward the target's own next-token distribution
 at t+1 (KL(target || head)), so it learns to predict what the target will say
-(self-distillation: no labels, any text). Training text: mlx-lm's Python sources
-(`mlx_lm/**/*.py`), not the held-out files. The target stays frozen; the head
+(self-distillation: no labels, any text). Training text (--corpus): this
+Python's standard library without the files of models/heldout_stdlib.txt (the
+target's own domain), or mlx-lm's sources. The target stays frozen; the head
 starts from --init (a head file) or, fresh, from the target's last
 full-attention layer with `fc` passing the hidden state through. Runs for
 --minutes (or --steps), checkpointing to --out as it goes.
 
 Then the acceptance at draft depth 1, 2, 3 on held-out code (slices of
-models/heldout_stdlib.txt, CPython's standard library, outside both the target's
-and the head's training text; heldout_other.txt is mlx-lm's sources, which this
-head trains on, so it is not used): greedy MTP decoding through
+models/heldout_stdlib.txt, CPython's standard library files outside both the
+target's and the head's training text): greedy MTP decoding through
 segcache's decoder, depth 3, every round drafting 3; position j's acceptance is
 the share of rounds that reached draft j and accepted it. Written next to the
 head as mtp_train.json. Works for whatever target ships (any qwen3_5 /
@@ -28,6 +28,7 @@ import argparse
 import glob
 import json
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -56,10 +57,24 @@ def warm_start(head: MTPHead, model) -> None:
     head.module.fc.weight = mx.concatenate([0.1 * eye, eye], axis=1)
 
 
-def corpus(tok, seq: int) -> mx.array:
-    src = Path(mlx_lm.__file__).parent
-    files = sorted(glob.glob(str(src / "**" / "*.py"), recursive=True))
-    ids = tok.encode("\n".join(Path(f).read_text(encoding="utf-8", errors="replace") for f in files))
+def corpus(tok, seq: int, which: str) -> mx.array:
+    """Training text: this Python's standard library ("stdlib": the target's own domain), but any
+    file of models/heldout_stdlib.txt, or mlx-lm's sources ("mlx-lm": heldout_other.txt)."""
+    if which == "stdlib":
+        heldout = (MODELS / "heldout_stdlib.txt").read_text(encoding="utf-8")
+        root = Path(sysconfig.get_paths()["stdlib"])
+        files = []
+        for f in sorted(glob.glob(str(root / "**" / "*.py"), recursive=True)):
+            if "site-packages" in f:
+                continue
+            text = Path(f).read_text(encoding="utf-8", errors="replace")
+            if len(text) > 400 and text[:400] not in heldout:
+                files.append(text)
+    else:
+        src = Path(mlx_lm.__file__).parent
+        files = [Path(f).read_text(encoding="utf-8", errors="replace")
+                 for f in sorted(glob.glob(str(src / "**" / "*.py"), recursive=True))]
+    ids = tok.encode("\n".join(files)[:4_000_000])  # ~1.4M tokens: enough for a short run
     n = (len(ids) // seq) * seq
     return mx.array(ids[:n]).reshape(-1, seq)
 
@@ -133,6 +148,9 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=22)
+    ap.add_argument("--corpus", choices=("stdlib", "mlx-lm"), default="stdlib",
+                    help="training text: this Python's standard library but the held-out files (default), "
+                         "or mlx-lm's sources (then heldout_other.txt is not held out)")
     ap.add_argument("--eval-only", action="store_true")
     args = ap.parse_args()
     model, tok = mlx_lm.load(args.target)
@@ -147,11 +165,12 @@ def main() -> int:
             head = MTPHead.build(model)
             warm_start(head, model)
         head.module.set_dtype(mx.float32)
-        data = corpus(tok, args.seq)
-        print(f"training on {data.size:,} tokens of mlx-lm's sources; target frozen", flush=True)
+        data = corpus(tok, args.seq, args.corpus)
+        print(f"training on {data.size:,} tokens ({args.corpus}); target frozen", flush=True)
         record["training"] = train(head, model, data, minutes=args.minutes, steps=args.steps, batch=args.batch,
                                    lr=args.lr, out=out, seed=args.seed)
         record["training"].update(batch=args.batch, seq=args.seq, lr=args.lr, init=args.init or "warm start",
+                                  corpus=args.corpus, corpus_tokens=int(data.size),
                                   command=" ".join(["python", "tools/train_mtp.py", *sys.argv[1:]]))
         save_head(head, out, source="tools/train_mtp.py")
     record["heldout"] = acceptance(model, tok, head)
