@@ -146,3 +146,18 @@ def test_serve_mtp(tmp_path, target):
         assert "mtp accepted" in srv.log()
     finally:
         srv.stop()
+
+
+@pytest.mark.skipif(not (TARGET / "mtp.safetensors").exists(), reason="the shipped target has no MTP head")
+def test_cli_generate_mtp_on_the_shipped_target(capsys):
+    """The shipped head through `segcache generate --mtp`: mlx-lm's text, drafts accepted."""
+    model, tokenizer = mlx_lm.load(str(TARGET))
+    expected = mlx_lm.generate(model, tokenizer, CODE[:400], max_tokens=40)
+    base = ["generate", "--model", str(TARGET), "--prompt", CODE[:400], "--max-tokens", "40", "--mtp"]
+    code, out = cli(base + ["--num-draft-tokens", "2"], capsys)
+    assert code == 0, out.err
+    assert out.out == expected + "\n"
+    code, out = cli(base + ["--verbose"], capsys)
+    assert code == 0 and expected in out.out
+    line = next(x for x in out.out.splitlines() if x.startswith("Speculative (mtp)"))
+    assert " accepted 0 " not in line
