@@ -53,6 +53,8 @@ DEFAULT_OUT_DIR = REPO_ROOT / "src" / "segcache" / "models"
 DEFAULT_WORK_DIR = Path("/tmp/segcache_train_demo")
 
 EOS_TOKEN = "<|endoftext|>"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
 # Pre-tokenizer split pattern of transformers' Qwen2/Qwen3.5 tokenizers (see train_tokenizer).
 QWEN_PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"""
@@ -304,8 +306,9 @@ def save_model_dir(model: nn.Module, config: dict, tokenizer_dir: Path, director
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(tokenizer_dir / name, directory / name)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, directory / name)
 
 
 def check_load_round_trip(model: nn.Module, directory: Path, vocab_size: int,
@@ -404,15 +407,16 @@ class LoopResult(NamedTuple):
     losses: list[tuple]
 
 
-def train_loop(step_fn, optimizer, tokens: np.ndarray, *, steps: int, batch: int,
+def train_loop(step_fn, optimizer, tokens: np.ndarray | None, *, steps: int, batch: int,
                seq_len: int, lr: float, warmup: int, seed: int, max_minutes: float,
                cooldown_start: int | None, cooldown_steps: int | None, checkpoint,
                checkpoint_every: int, log_every: int,
-               loss_names: tuple[str, ...]) -> LoopResult:
-    """The training loop shared by ``train_model`` and ``distill_model``.
+               loss_names: tuple[str, ...], batches=None) -> LoopResult:
+    """The training loop shared by ``train_model``, ``distill_model`` and the chat stages.
 
     Each step sets ``optimizer``'s learning rate from the :class:`Schedule`, draws
-    a batch and calls ``step_fn(x, y) -> (values, grad_norm)``: ``values`` is the
+    a batch (random windows of ``tokens``, or the next item of ``batches`` when
+    given) and calls ``step_fn(*batch) -> (values, grad_norm)``: ``values`` is the
     step's loss (a float) or its loss terms (a tuple of floats named by
     ``loss_names``, the first being the total). Logs the window means every
     ``log_every`` steps, checkpoints every ``checkpoint_every`` (``checkpoint(step,
@@ -425,7 +429,8 @@ def train_loop(step_fn, optimizer, tokens: np.ndarray, *, steps: int, batch: int
     """
     schedule = Schedule(steps=steps, lr=lr, warmup=warmup, max_minutes=max_minutes,
                         cooldown_start=cooldown_start, cooldown_steps=cooldown_steps)
-    batches = batch_iterator(tokens, batch, seq_len, seed)
+    if batches is None:
+        batches = batch_iterator(tokens, batch, seq_len, seed)
     start = time.time()
     recent, losses = [], []
     step = 0
@@ -434,8 +439,7 @@ def train_loop(step_fn, optimizer, tokens: np.ndarray, *, steps: int, batch: int
         step += 1
         elapsed_min = (time.time() - start) / 60
         optimizer.learning_rate = schedule.learning_rate(step, elapsed_min)
-        x, y = next(batches)
-        values, grad_norm = step_fn(x, y)
+        values, grad_norm = step_fn(*next(batches))
         recent.append(values)
         if step % log_every == 0 or step == 1:
             elapsed = time.time() - start
@@ -682,13 +686,15 @@ def stage_train(args) -> None:
           f"{stats['wall_time_s'] / 60:.1f} min", flush=True)
 
 
-def training_token_stream(work: Path, tokenizer_dir: Path) -> np.ndarray:
+def training_token_stream(work: Path, tokenizer_dir: Path,
+                          cache_name: str = "train_tokens.npy") -> np.ndarray:
     """The training token stream: ``prepare``'s cached array, else rebuilt from the stdlib.
 
     Rebuilding tokenizes the training files (same split as ``prepare``) with the
     tokenizer in ``tokenizer_dir``, EOS after each file, exactly as ``prepare`` does.
+    ``cache_name`` names the cached array in ``work`` (one per tokenizer).
     """
-    cached = work / "train_tokens.npy"
+    cached = work / cache_name
     if cached.exists():
         return np.load(cached)
     from tokenizers import Tokenizer
@@ -1010,12 +1016,447 @@ def stage_finalize(args) -> None:
     print(f"wrote {out / 'training.json'}", flush=True)
 
 
+# ----------------------------------------------------------------------------- chat
+#
+# The chat stages teach the shipped target the Qwen3.5 chat format with tool calls
+# (issue 20 item 6): the tokenizer gains the format's markup tokens, the target's
+# embedding gains their rows, and the target is trained further on a mix of the
+# stdlib code stream and synthetic tool-calling dialogs (tools/demo_dialogs.py).
+
+CHAT_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>")
+CHAT_MARKUP_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+                      "<think>", "</think>")
+CHAT_EOS = "<|im_end|>"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+HELDOUT_DIALOGS_FILE = "heldout_dialogs.json"
+HELDOUT_DIALOGS = 40
+
+# Settings of the chat fine-tune of the target (``chat-train``). Each step takes
+# ``dialog_rows`` dialog-body windows (on their system turn, see ChatBatches) and
+# ``code_rows`` windows of the code stream, ``seq_len`` tokens each; the loss is
+# ``dialog_weight`` x the mean cross-entropy over the dialogs' assistant tokens +
+# the rest x the code windows'.
+CHAT_DEFAULTS = {"steps": 4000, "dialog_rows": 3, "code_rows": 1, "seq_len": 512,
+                 "lr": 1e-3, "warmup": 20, "max_minutes": 60.0, "seed": SEED + 4,
+                 "dialogs": 1500, "dialog_weight": 0.5,
+                 "cooldown_start": None, "cooldown_steps": None}
+
+
+def chat_tokenizer(base_dir: Path, template: Path, directory: Path):
+    """Writes the chat tokenizer: the base BPE plus the chat markup tokens and template.
+
+    The new tokens get the ids after the base vocabulary (every base id keeps its
+    meaning); ``<|im_start|>`` / ``<|im_end|>`` are special, the tool and think
+    markup are plain added tokens, as in Qwen3.5's tokenizer. EOS becomes
+    ``<|im_end|>`` (the models' config lists ``<|endoftext|>`` as a second EOS).
+    Idempotent: a base that already has the tokens is left as it is.
+
+    Returns:
+        The ``tokenizers.Tokenizer``.
+    """
+    from tokenizers import AddedToken, Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(base_dir / "tokenizer.json"))
+    base_vocab = tokenizer.get_vocab(with_added_tokens=True)
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t in CHAT_SPECIAL_TOKENS])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
+                          for t in CHAT_MARKUP_TOKENS])
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    assert all(vocab[t] == i for t, i in base_vocab.items()), "a base token changed its id"
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": CHAT_EOS,
+        "pad_token": EOS_TOKEN,
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": False,
+        "model_max_length": 1_000_000_000,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    special = {"eos_token": CHAT_EOS, "pad_token": EOS_TOKEN}
+    (directory / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+    shutil.copy(template, directory / CHAT_TEMPLATE_FILE)
+    return tokenizer
+
+
+def load_chat_tokenizer(directory: Path):
+    """The chat tokenizer as mlx-lm loads it (a ``TokenizerWrapper``), checked.
+
+    Asserts what serving relies on: a chat template, thinking markup, and mlx-lm's
+    ``qwen3_coder`` tool parser, inferred from the template exactly as for Qwen3.5.
+    """
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    vocab = json.loads((directory / "tokenizer.json").read_text())
+    ids = {t["content"]: t["id"] for t in vocab["added_tokens"]}
+    tokenizer = load_tokenizer(directory, eos_token_ids=[ids[CHAT_EOS], ids[EOS_TOKEN]])
+    assert tokenizer.has_chat_template and tokenizer.has_thinking
+    assert tokenizer.has_tool_calling and tokenizer.tool_call_start == "<tool_call>"
+    assert tokenizer.tool_parser.__module__ == "mlx_lm.tool_parsers.qwen3_coder"
+    return tokenizer
+
+
+def chat_workspaces():
+    """The training and held-out stdlib files as two dialog workspaces (paths stdlib-relative)."""
+    import demo_dialogs
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    train, heldout = split_corpus(read_sources(stdlib_source_files()))
+    return tuple(demo_dialogs.Workspace.from_sources(
+        [(path.relative_to(root).as_posix(), text) for path, text in sources])
+        for sources in (train, heldout))
+
+
+def _split_prefix(tokenizer, dialog: dict, tokens: list[int]) -> int:
+    """Length of a rendered dialog's system turn (tool schemas and/or system message), 0 if none."""
+    if dialog["tools"] is None and dialog["messages"][0]["role"] != "system":
+        return 0
+    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    return tokens.index(start, 1)  # where the next turn starts
+
+
+def extend_vocab(model: nn.Module, config: dict, vocab_size: int, seed: int):
+    """A copy of ``model`` whose embedding (and output) matrices have ``vocab_size`` rows.
+
+    The old rows are kept; each new row is the mean of the old rows plus a small
+    seeded perturbation, so the new tokens start as an average token.
+    """
+    weights = dict(tree_flatten(model.parameters()))
+    key = mx.random.key(seed)
+    for name, value in list(weights.items()):
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")) and \
+                value.shape[0] < vocab_size:
+            key, sub = mx.random.split(key)
+            extra = vocab_size - value.shape[0]
+            noise = mx.random.normal((extra, value.shape[1]), key=sub) * 0.1 * mx.std(value)
+            weights[name] = mx.concatenate([value, value.mean(axis=0) + noise.astype(value.dtype)])
+    config = dict(config, vocab_size=vocab_size)
+    grown = build_model(config)
+    grown.load_weights(list(weights.items()), strict=True)
+    mx.eval(grown.parameters())
+    return grown, config
+
+
+def stage_chat_prepare(args) -> None:
+    """Chat tokenizer, code stream, training dialogs and held-out dialogs, in the work dir.
+
+    Dialogs are stored by their system turn ("variant": tools offered or not, a
+    system message or not): the system turn once per variant, and the rest of each
+    dialog (the body: queries, calls, results, answers) packed into the variant's
+    stream. Training computes a variant's system turn once per step and runs the
+    bodies on top of it (:class:`ChatBatches`), so the ~500-token tool schemas are
+    not recomputed, with gradients, for every row.
+    """
+    import demo_dialogs
+
+    work, out = Path(args.work_dir), Path(args.out_dir)
+    settings = chat_settings(args)
+    base = Path(args.init) if args.init else out / "target"
+    tokenizer_dir = work / "chat_tokenizer"
+    chat_tokenizer(base, out / CHAT_TEMPLATE_FILE, tokenizer_dir)
+    tokenizer = load_chat_tokenizer(tokenizer_dir)
+    code = training_token_stream(work, tokenizer_dir, cache_name="chat_code_tokens.npy")
+    train_ws, heldout_ws = chat_workspaces()
+    maker = demo_dialogs.DialogMaker(train_ws, settings["seed"])
+    limit = settings["seq_len"]
+
+    def body_length(dialog):
+        tokens, _ = demo_dialogs.render(tokenizer, dialog)
+        return len(tokens) - _split_prefix(tokenizer, dialog, tokens)
+
+    def fits(dialog):
+        return body_length(dialog) <= limit
+
+    variants: dict[str, dict] = {}
+    kinds, lengths, count = {}, [], 0
+    start = time.time()
+    while count < settings["dialogs"]:
+        dialog = maker.dialog(fits)
+        tokens, weights = demo_dialogs.render(tokenizer, dialog)
+        cut = _split_prefix(tokenizer, dialog, tokens)
+        if len(tokens) - cut > limit:  # a single query too long for a window: draw another
+            continue
+        key = (f"tools={int(dialog['tools'] is not None)},"
+               f"system={int(dialog['messages'][0]['role'] == 'system')}")
+        v = variants.setdefault(key, {"prefix": tokens[:cut], "ids": [], "mask": [],
+                                      "starts": []})
+        assert v["prefix"] == tokens[:cut], f"variant {key}: a different system turn"
+        v["starts"].append(len(v["ids"]))
+        v["ids"] += tokens[cut:]
+        v["mask"] += weights[cut:]
+        lengths.append(len(tokens) - cut)
+        count += 1
+        for kind in dialog["kinds"]:
+            kinds[kind] = kinds.get(kind, 0) + 1
+        if count % 500 == 0:
+            print(f"{count} dialogs, {time.time() - start:.0f} s", flush=True)
+    arrays = {}
+    for i, (key, v) in enumerate(sorted(variants.items())):
+        arrays[f"prefix_{i}"] = np.array(v["prefix"], dtype=np.uint16)
+        arrays[f"ids_{i}"] = np.array(v["ids"], dtype=np.uint16)
+        arrays[f"mask_{i}"] = np.array(v["mask"], dtype=np.uint8)
+        arrays[f"starts_{i}"] = np.array(v["starts"], dtype=np.int64)
+    np.savez(work / "chat_dialogs.npz", **arrays)
+    heldout_maker = demo_dialogs.DialogMaker(heldout_ws, settings["seed"] + 1)
+    heldout = []
+    while len(heldout) < HELDOUT_DIALOGS:
+        dialog = heldout_maker.dialog(fits, max_exchanges=1)
+        heldout.append({k: dialog[k] for k in ("messages", "enable_thinking", "kinds")}
+                       | {"tools": dialog["tools"] is not None})
+    (work / HELDOUT_DIALOGS_FILE).write_text(json.dumps(
+        {"tools": demo_dialogs.TOOLS, "dialogs": heldout}, indent=1) + "\n")
+    stats = {
+        "tokenizer": {"vocab_size": len(tokenizer.get_vocab()),
+                      "added": {t: tokenizer.convert_tokens_to_ids(t)
+                                for t in CHAT_SPECIAL_TOKENS + CHAT_MARKUP_TOKENS},
+                      "eos_token": CHAT_EOS},
+        "code_tokens": int(len(code)),
+        "dialogs": count,
+        "variants": {key: {"dialogs": len(v["starts"]), "system_turn_tokens": len(v["prefix"]),
+                           "body_tokens": len(v["ids"]),
+                           "assistant_tokens": int(sum(v["mask"]))}
+                     for key, v in sorted(variants.items())},
+        "body_tokens_median": float(np.median(lengths)), "kinds": kinds,
+        "generator_seed": settings["seed"], "heldout_seed": settings["seed"] + 1,
+        "heldout_dialogs": HELDOUT_DIALOGS,
+    }
+    (work / "chat_prepare.json").write_text(json.dumps(stats, indent=2))
+    print(json.dumps(stats, indent=1), flush=True)
+
+
+def chat_settings(args) -> dict:
+    """CHAT_DEFAULTS with the command line's overrides."""
+    settings = dict(CHAT_DEFAULTS)
+    for key in settings:
+        if getattr(args, key, None) is not None:
+            settings[key] = getattr(args, key)
+    if args.time_based_cooldown:
+        settings["cooldown_start"] = settings["cooldown_steps"] = None
+    return settings
+
+
+class ChatBatches:
+    """Batches of dialog-body windows on one system turn plus code windows, seeded.
+
+    Each step draws a variant (in proportion to its dialogs), ``dialog_rows`` body
+    windows of it that start at a dialog, and ``code_rows`` windows of the code
+    stream, ``seq_len`` tokens each. Yields ``(prefix, x, y, mask, xc, yc)``: the
+    variant's system-turn tokens ``[1, P]`` (``None`` when it has none), the body
+    inputs, next-token targets and loss mask (assistant tokens) ``[dialog_rows,
+    seq_len]``, and the code inputs and targets ``[code_rows, seq_len]``.
+    """
+
+    def __init__(self, work: Path, *, dialog_rows: int, code_rows: int, seq_len: int,
+                 seed: int, code: np.ndarray):
+        data = np.load(work / "chat_dialogs.npz")
+        self.variants = []
+        n = seq_len + 1
+        for i in range(len([k for k in data.files if k.startswith("prefix_")])):
+            ids, mask = data[f"ids_{i}"], data[f"mask_{i}"]
+            # pad the stream so that a window may start at its last dialog
+            ids = np.concatenate([ids, np.zeros(n, ids.dtype)])
+            mask = np.concatenate([mask, np.zeros(n, mask.dtype)])
+            self.variants.append((data[f"prefix_{i}"], ids, mask, data[f"starts_{i}"]))
+        dialogs = np.array([len(v[3]) for v in self.variants], dtype=np.float64)
+        self.weights = dialogs / dialogs.sum()
+        self.code, self.seq_len = code, seq_len
+        self.dialog_rows, self.code_rows = dialog_rows, code_rows
+        self.rng = np.random.default_rng(seed)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        n = self.seq_len + 1
+        prefix, ids, mask, starts = self.variants[
+            self.rng.choice(len(self.variants), p=self.weights)]
+        picks = self.rng.choice(starts, size=self.dialog_rows)
+        windows = np.stack([ids[s:s + n] for s in picks]).astype(np.int32)
+        masks = np.stack([mask[s:s + n] for s in picks])[:, 1:].astype(np.float32)
+        code_starts = self.rng.integers(0, len(self.code) - n, size=self.code_rows)
+        code = np.stack([self.code[s:s + n] for s in code_starts]).astype(np.int32)
+        prefix = mx.array(prefix.astype(np.int32))[None] if len(prefix) else None
+        return (prefix, mx.array(windows[:, :-1]), mx.array(windows[:, 1:]), mx.array(masks),
+                mx.array(code[:, :-1]), mx.array(code[:, 1:]))
+
+
+class _FixedKV:
+    """An attention layer's cache holding a fixed prefix, for training on top of it.
+
+    ``update_and_fetch`` returns the prefix joined with the new keys/values and
+    stores nothing, so the loss function stays pure (no in-place writes).
+    """
+
+    def __init__(self, keys: mx.array, values: mx.array):
+        self.keys, self.values = keys, values
+        self.offset = keys.shape[2]
+
+    def update_and_fetch(self, keys, values):
+        return (mx.concatenate([self.keys, keys], axis=2),
+                mx.concatenate([self.values, values], axis=2))
+
+    def make_mask(self, N, return_array=False, window_size=None):
+        from mlx_lm.models.base import create_causal_mask
+
+        return create_causal_mask(N, offset=self.offset, window_size=window_size)
+
+
+def prefix_state(model: nn.Module, prefix: mx.array) -> list[tuple[mx.array, mx.array]]:
+    """Per layer, the state after ``prefix`` ``[1, P]``: (keys, values) or (conv, ssm)."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    caches = make_prompt_cache(model)
+    model(prefix, cache=caches)
+    state = []
+    for c in caches:
+        if isinstance(c, KVCache):
+            state.append((c.keys[..., :c.offset, :], c.values[..., :c.offset, :]))
+        else:
+            state.append((c[0], c[1]))
+    return [tuple(mx.stop_gradient(a) for a in pair) for pair in state]
+
+
+def caches_from_state(model: nn.Module, state, rows: int) -> list:
+    """Fresh training caches for ``rows`` rows from :func:`prefix_state`'s arrays."""
+    from mlx_lm.models.cache import ArraysCache, KVCache
+
+    caches = []
+    for c, (a, b) in zip(model.make_cache(), state):
+        a = mx.broadcast_to(a, (rows, *a.shape[1:]))
+        b = mx.broadcast_to(b, (rows, *b.shape[1:]))
+        if isinstance(c, KVCache):
+            caches.append(_FixedKV(a, b))
+        else:
+            arrays = ArraysCache(size=2)
+            arrays[0], arrays[1] = a, b
+            caches.append(arrays)
+    return caches
+
+
+def chat_train_model(model: nn.Module, batches: ChatBatches, *, settings: dict, checkpoint,
+                     checkpoint_every: int, log_every: int = 10) -> dict:
+    """Trains ``model`` further on chat batches (AdamW, warmup-stable-decay).
+
+    Per step: the variant's system turn runs once (no gradient: its tokens carry no
+    loss, and the gradient through its keys/values into later tokens is dropped),
+    the dialog bodies run on top of it, and the code windows run alone.
+    """
+    optimizer = optim.AdamW(learning_rate=settings["lr"], betas=[0.9, 0.95],
+                            weight_decay=0.1)
+    weight = settings["dialog_weight"]
+    rows = settings["dialog_rows"]
+
+    def loss_fn(model, state, x, y, mask, xc, yc):
+        caches = caches_from_state(model, state, rows) if state else None
+        ce = nn.losses.cross_entropy(model(x, cache=caches).astype(mx.float32), y,
+                                     reduction="none")
+        dialog_ce = (ce * mask).sum() / mx.maximum(mask.sum(), 1.0)
+        code_ce = nn.losses.cross_entropy(model(xc).astype(mx.float32), yc, reduction="mean")
+        return weight * dialog_ce + (1.0 - weight) * code_ce, dialog_ce, code_ce
+
+    loss_and_grad = nn.value_and_grad(model, loss_fn)
+    train_state = [model.state, optimizer.state]
+
+    @partial(mx.compile, inputs=train_state, outputs=train_state)
+    def train_step(state, x, y, mask, xc, yc):
+        (loss, dialog_ce, code_ce), grads = loss_and_grad(model, state, x, y, mask, xc, yc)
+        grads, grad_norm = optim.clip_grad_norm(grads, max_norm=1.0)
+        optimizer.update(model, grads)
+        return loss, dialog_ce, code_ce, grad_norm
+
+    def step_fn(prefix, x, y, mask, xc, yc):
+        state = prefix_state(model, prefix) if prefix is not None else []
+        loss, dialog_ce, code_ce, grad_norm = train_step(state, x, y, mask, xc, yc)
+        mx.eval(train_state, loss, dialog_ce, code_ce)
+        return (loss.item(), dialog_ce.item(), code_ce.item()), grad_norm
+
+    model.train()
+    run = train_loop(step_fn, optimizer, None, steps=settings["steps"],
+                     batch=rows + settings["code_rows"], seq_len=settings["seq_len"],
+                     lr=settings["lr"], warmup=settings["warmup"], seed=settings["seed"],
+                     max_minutes=settings["max_minutes"],
+                     cooldown_start=settings["cooldown_start"],
+                     cooldown_steps=settings["cooldown_steps"], checkpoint=checkpoint,
+                     checkpoint_every=checkpoint_every, log_every=log_every,
+                     loss_names=("loss", "dialog", "code"), batches=batches)
+    model.eval()
+    final = np.mean([l[1:] for l in run.losses[-5:]], axis=0)
+    return {
+        **run.stats,
+        "dialog_rows": rows, "code_rows": settings["code_rows"],
+        "loss": f"{weight} x CE over the dialog rows' assistant tokens + {1 - weight} x CE "
+                "over the code rows, nats/token",
+        "system_turn": "computed once per step without gradient; the dialog rows run on it",
+        "schedule": "warmup-stable-decay: linear warmup from 1% of peak, constant, "
+                    "linear cooldown to 10% of peak",
+        "optimizer": "AdamW(betas=(0.9, 0.95), weight_decay=0.1), grad clip 1.0",
+        "seed": settings["seed"],
+        **run.timing,
+        "final_train_loss": float(final[0]),
+        "final_train_dialog_ce": float(final[1]),
+        "final_train_code_ce": float(final[2]),
+        "loss_curve": loss_curve(run.losses),
+    }
+
+
+def stage_chat_train(args) -> None:
+    """Trains the target further on chat batches; writes ``chat_target`` in the work dir.
+
+    Warm start: ``--init`` (default: ``target/`` of the models dir; the shipped run
+    started from the target as shipped before the chat stages), its vocabulary
+    grown to the chat tokenizer's.
+    """
+    import mlx_lm
+
+    work, out = Path(args.work_dir), Path(args.out_dir)
+    settings = chat_settings(args)
+    seed_everything(settings["seed"])
+    init = Path(args.init) if args.init else out / "target"
+    tokenizer_dir = work / "chat_tokenizer"
+    tokenizer = load_chat_tokenizer(tokenizer_dir)
+    vocab_size = len(tokenizer.get_vocab())
+    model, _ = mlx_lm.load(str(init))
+    config = json.loads((init / "config.json").read_text())
+    model, config = extend_vocab(model, config, vocab_size, settings["seed"])
+    config["eos_token_id"] = [tokenizer.convert_tokens_to_ids(CHAT_EOS),
+                              tokenizer.convert_tokens_to_ids(EOS_TOKEN)]
+    code = training_token_stream(work, tokenizer_dir, cache_name="chat_code_tokens.npy")
+    batches = ChatBatches(work, dialog_rows=settings["dialog_rows"],
+                          code_rows=settings["code_rows"], seq_len=settings["seq_len"],
+                          seed=settings["seed"], code=code)
+    print(f"chat-train: from {init}, vocab {vocab_size}; settings {settings}", flush=True)
+    checkpoint_dir = work / "chat_target_checkpoint"
+
+    def checkpoint(step, loss):
+        save_model_dir(model, config, tokenizer_dir, checkpoint_dir)
+        (checkpoint_dir / "step.json").write_text(json.dumps({"step": step, "loss": loss}))
+
+    stats = chat_train_model(model, batches, settings=settings, checkpoint=checkpoint,
+                             checkpoint_every=args.checkpoint_every)
+    destination = work / "chat_target"
+    save_model_dir(model, config, tokenizer_dir, destination)
+    sample = (out / eval_demo.HELDOUT_FILES["other"]).read_text(encoding="utf-8")[:20000]
+    check_load_round_trip(model, destination, vocab_size, sample)
+    stats.update(init=str(init), max_minutes=settings["max_minutes"],
+                 dialog_weight=settings["dialog_weight"], vocab_size=vocab_size)
+    (destination / "chat_train.json").write_text(json.dumps(stats, indent=2))
+    print(f"saved {destination}; final loss {stats['final_train_loss']:.4f} (dialog "
+          f"{stats['final_train_dialog_ce']:.4f}, code {stats['final_train_code_ce']:.4f}), "
+          f"{stats['wall_time_s'] / 60:.1f} min", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parses the command line and runs the requested stage(s)."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("stage", choices=["prepare", "train", "finalize", "all", "distill",
-                                                "ship-distilled"])
+                                          "ship-distilled", "chat-prepare", "chat-train"])
     parser.add_argument("model", nargs="?", choices=["target", "draft"])
     parser.add_argument("--out-dir", default=str(DEFAULT_OUT_DIR))
     parser.add_argument("--work-dir", default=str(DEFAULT_WORK_DIR))
@@ -1042,6 +1483,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--distill-out", default=str(DEFAULT_WORK_DIR / "distilled_draft"),
                         help="distill: output model directory")
     parser.add_argument("--bench-json", help="ship-distilled: measured speed to record")
+    parser.add_argument("--init", help="chat stages: the target to start from (default: "
+                                       "target/ of --out-dir)")
+    parser.add_argument("--dialogs", type=int, help="chat-prepare: training dialogs to draw")
+    parser.add_argument("--dialog-rows", type=int, help="chat: dialog windows per step")
+    parser.add_argument("--code-rows", type=int, help="chat: code windows per step")
+    parser.add_argument("--dialog-weight", type=float,
+                        help="chat: weight of the dialog loss (the code loss gets the rest)")
     args = parser.parse_args(argv)
     if args.stage in ("prepare", "all"):
         stage_prepare(args)
@@ -1061,6 +1509,10 @@ def main(argv: list[str] | None = None) -> None:
         stage_distill(args)
     if args.stage == "ship-distilled":
         stage_ship_distilled(args)
+    if args.stage == "chat-prepare":
+        stage_chat_prepare(args)
+    if args.stage == "chat-train":
+        stage_chat_train(args)
 
 
 if __name__ == "__main__":
