@@ -4,15 +4,11 @@ A "repository" is a list of ``(relative path, source)`` Python files (the CPytho
 standard library's training files for training, its held-out files for
 evaluation). Each dialog is an OpenAI-style message list (``system`` / ``user`` /
 ``assistant`` with ``tool_calls`` / ``tool``) plus the tool schemas, rendered by the
-target's own chat template. The tools behave as :class:`Workspace` implements them,
-so a demo can run the very same tools for real on any directory of Python files:
-
-* ``search(pattern, path=".")``: lines of ``.py`` files containing ``pattern``,
-  as ``path:line: text``, at most ``SEARCH_LIMIT``;
-* ``read_file(path, start_line=1, end_line=...)``: numbered lines, at most
-  ``READ_LIMIT`` of them;
-* ``run_tests(path)``: a pytest-style summary (synthetic in the corpus: the
-  repository has no tests to run).
+target's own chat template. The tools and their schemas are the package's
+(``segcache.models.agent``: ``search``, ``read_file``, ``run_tests``), so a demo runs
+the very same tools for real on any directory of Python files; in the corpus
+``run_tests`` answers with a synthetic pytest summary (the stdlib ships no tests
+to run).
 
 Answers are extractive (they quote names, line numbers, signatures, docstrings
 and code from the tool results), which a 3.5M-parameter model can learn to do.
@@ -22,114 +18,15 @@ dialogs.
 
 from __future__ import annotations
 
-import ast
 import random
-from dataclasses import dataclass, field
 
-SEARCH_LIMIT = 5
-READ_LIMIT = 20
-SYSTEM_PROMPT = "You are a coding assistant working in a Python repository."
-
-TOOLS = [
-    {"type": "function", "function": {
-        "name": "search",
-        "description": "Find the lines of the repository's Python files that contain a text.",
-        "parameters": {"type": "object", "properties": {
-            "pattern": {"type": "string"},
-            "path": {"type": "string", "description": "file or directory (default: all)"},
-        }, "required": ["pattern"]}}},
-    {"type": "function", "function": {
-        "name": "read_file",
-        "description": "Read numbered lines of a file.",
-        "parameters": {"type": "object", "properties": {
-            "path": {"type": "string"},
-            "start_line": {"type": "integer"},
-            "end_line": {"type": "integer"},
-        }, "required": ["path"]}}},
-    {"type": "function", "function": {
-        "name": "run_tests",
-        "description": "Run the tests in a file or directory with pytest.",
-        "parameters": {"type": "object", "properties": {
-            "path": {"type": "string"},
-        }, "required": ["path"]}}},
-]
-
-
-@dataclass
-class Definition:
-    """A function or class of the repository."""
-
-    path: str
-    name: str
-    kind: str  # "def" or "class"
-    line: int  # 1-based line of the `def` / `class` keyword
-    end: int
-    header: str  # the stripped source line at `line`
-    doc: str  # first line of the docstring, or ""
-
-
-@dataclass
-class Workspace:
-    """The repository the tools act on: files and their definitions."""
-
-    files: dict[str, list[str]]
-    definitions: list[Definition] = field(default_factory=list)
-    _texts: dict[str, str] = field(default_factory=dict, repr=False)  # search's fast path
-
-    @classmethod
-    def from_sources(cls, sources: list[tuple[str, str]]) -> "Workspace":
-        """Indexes ``(path, text)`` sources: their lines and their defs/classes."""
-        files, definitions = {}, []
-        for path, text in sources:
-            lines = text.splitlines()
-            files[path] = lines
-            try:
-                tree = ast.parse(text)
-            except SyntaxError:
-                continue
-            for node in ast.walk(tree):
-                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                    continue
-                line = next((n for n in range(node.lineno, min(node.lineno + 40, len(lines) + 1))
-                             if lines[n - 1].lstrip().startswith(("def ", "async def ", "class "))),
-                            None)
-                if line is None or node.name.startswith("__"):
-                    continue
-                doc = (ast.get_docstring(node) or "").strip().split("\n")[0].strip()
-                definitions.append(Definition(
-                    path=path, name=node.name,
-                    kind="class" if isinstance(node, ast.ClassDef) else "def",
-                    line=line, end=node.end_lineno or line, header=lines[line - 1].strip(),
-                    doc=doc if len(doc) <= 120 else ""))
-        return cls(files, definitions)
-
-    def search(self, pattern: str, path: str = ".") -> str:
-        """Tool ``search``: ``path:line: text`` of matching lines, at most SEARCH_LIMIT."""
-        hits = []
-        for name in sorted(self.files):
-            if path not in (".", "") and not (name == path or name.startswith(path.rstrip("/") + "/")):
-                continue
-            if pattern not in self._texts.setdefault(name, "\n".join(self.files[name])):
-                continue
-            for i, line in enumerate(self.files[name], 1):
-                if pattern in line:
-                    hits.append(f"{name}:{i}: {line.strip()}")
-        if not hits:
-            return f"no matches for {pattern!r}"
-        more = len(hits) - SEARCH_LIMIT
-        return "\n".join(hits[:SEARCH_LIMIT] + ([f"({more} more)"] if more > 0 else []))
-
-    def read_file(self, path: str, start_line: int = 1, end_line: int | None = None) -> str:
-        """Tool ``read_file``: numbered lines ``start_line..end_line``, at most READ_LIMIT."""
-        if path not in self.files:
-            return f"error: no file {path}"
-        lines = self.files[path]
-        start = max(1, int(start_line))
-        end = min(len(lines), int(end_line) if end_line else start + READ_LIMIT - 1,
-                  start + READ_LIMIT - 1)
-        if start > len(lines):
-            return f"error: {path} has {len(lines)} lines"
-        return "\n".join(f"{i}: {lines[i - 1]}" for i in range(start, end + 1))
+from segcache.models.agent import (  # noqa: F401  (the tools the dialogs call)
+    READ_LIMIT,
+    SYSTEM_PROMPT,
+    TOOLS,
+    Definition,
+    Workspace,
+)
 
 
 # ------------------------------------------------------------------- phrasing
