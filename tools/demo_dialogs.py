@@ -258,6 +258,29 @@ class DialogMaker:
         return best
 
 
+def drill(maker: DialogMaker, exchanges: int = 5) -> dict:
+    """A conversation of short exchanges without tool schemas: practice at copying.
+
+    Each exchange is a query and the call it asks for (names, paths and line
+    numbers copied from the query), and for some kinds the result and what
+    follows it (a path and a line copied from a search result into an answer or
+    the next call). Long results are left out, so a 512-token window holds
+    several exchanges; the dialogs keep teaching the whole exchange.
+    """
+    keep = {"where_defined": 4, "run_tests": 4, "show_lines": 2, "explain": 4}
+    turns, kinds = [], []
+    while len(kinds) < exchanges:
+        kind = maker.rng.choice(list(keep))
+        made = getattr(maker, kind)()
+        if made:
+            turns += made[:keep[kind]]
+            kinds.append(kind)
+    thinking = maker.rng.random() < 0.7
+    if not thinking:
+        turns = [dict(m, reasoning_content="") if m["role"] == "assistant" else m for m in turns]
+    return {"messages": turns, "tools": None, "enable_thinking": thinking, "kinds": kinds}
+
+
 def render(tokenizer, dialog: dict) -> tuple[list[int], list[int]]:
     """Token ids of a dialog rendered by the chat template, and the loss mask.
 

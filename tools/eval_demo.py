@@ -342,6 +342,31 @@ def tool_call_eval(model, tokenizer, dialogs: dict, max_tokens: int = 192,
             "per_dialog_fields": ["calls_right", "answers_first_line", "loop_success"]}
 
 
+def call_turn_eval(model, tokenizer, dialogs: dict, count: int = 20, max_tokens: int = 96) -> dict:
+    """Greedy replies at ``count`` of the held-out dialogs' tool-call turns, from the
+    reference history (spread evenly over all dialogs): how many parse with the
+    tokenizer's parser, name the reference's function, and equal the reference call.
+
+    A cheaper cut of :func:`tool_call_eval` (no answers, no closed loop) for
+    comparing many candidates.
+    """
+    tools = dialogs["tools"]
+    turns = [(d["messages"][:i], tools if d["tools"] else None, d["enable_thinking"],
+              m["tool_calls"][0]["function"])
+             for d in dialogs["dialogs"] for i, m in enumerate(d["messages"])
+             if m["role"] == "assistant" and m.get("tool_calls")]
+    turns = turns[::max(1, len(turns) // count)][:count]
+    parsed = named = right = 0
+    for history, offered, thinking, want in turns:
+        _, _, calls = split_reply(tokenizer, _chat_reply(model, tokenizer, history, offered,
+                                                         thinking, max_tokens), tools)
+        ok = bool(calls) and "error" not in calls[0]
+        parsed += ok
+        named += ok and calls[0].get("name") == want["name"]
+        right += ok and calls[0] == want
+    return {"turns": len(turns), "parsed": parsed, "function_right": named, "call_right": right}
+
+
 def code_prompts(tokenizer, count: int = 3, length: int = 80) -> list[list[int]]:
     """``count`` code prompts of ``length`` tokens from the held-out mlx-lm sources,
     each starting at a ``def``/``class`` line (evenly spaced through the text)."""

@@ -17,6 +17,18 @@ Stages (each reproducible from fixed seeds)::
                                                 # target (KL on its next-token distributions)
     python tools/train_demo.py ship-distilled   # install it as draft/, update training.json
 
+Chat stages (the Qwen3.5 chat format with tool calls; not shipped yet: see
+``chat-merge``, whose trials show the trade-off that kept the target as it is)::
+
+    python tools/train_demo.py chat-prepare     # chat tokenizer, dialogs, held-out dialogs
+    python tools/train_demo.py chat-drills      # copy drills (short exchanges, no schemas)
+    python tools/train_demo.py chat-train [--init DIR] [--chat-out NAME] [--drill-rows N]
+    python tools/train_demo.py chat-merge [--chat-out NAME]   # pre + alpha (chat - pre):
+                                                # code loss and parsed calls per alpha
+    python tools/train_demo.py chat-distill     # the draft on the chat target
+    python tools/train_demo.py mtp-train        # an MTP head on the chat target
+    python tools/train_demo.py chat-ship        # install them, update training.json
+
 The defaults are the settings the shipped models were trained with.
 """
 
@@ -1038,7 +1050,7 @@ HELDOUT_DIALOGS = 40
 # the rest x the code windows'.
 CHAT_DEFAULTS = {"steps": 4000, "dialog_rows": 3, "code_rows": 1, "seq_len": 512,
                  "lr": 1e-3, "warmup": 20, "max_minutes": 60.0, "seed": SEED + 4,
-                 "dialogs": 1500, "dialog_weight": 0.5,
+                 "dialogs": 1500, "dialog_weight": 0.5, "drill_rows": 0, "drills": 3000,
                  "cooldown_start": None, "cooldown_steps": None}
 
 
@@ -1230,6 +1242,30 @@ def stage_chat_prepare(args) -> None:
     print(json.dumps(stats, indent=1), flush=True)
 
 
+def stage_chat_drills(args) -> None:
+    """Copy drills (``demo_dialogs.drill``) from the training files: ``chat_drills.npz``."""
+    import demo_dialogs
+
+    work = Path(args.work_dir)
+    settings = chat_settings(args)
+    tokenizer = load_chat_tokenizer(work / "chat_tokenizer")
+    train_ws, _ = chat_workspaces()
+    maker = demo_dialogs.DialogMaker(train_ws, settings["seed"] + 2)
+    eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    ids, mask, starts, kinds = [], [], [], {}
+    while len(starts) < settings["drills"]:
+        tokens, weights = demo_dialogs.render(tokenizer, demo_dialogs.drill(maker))
+        starts.append(len(ids))
+        ids += tokens + [eos]
+        mask += weights + [0]
+    np.savez(work / "chat_drills.npz", ids=np.array(ids, dtype=np.uint16),
+             mask=np.array(mask, dtype=np.uint8), starts=np.array(starts, dtype=np.int64))
+    stats = {"drills": len(starts), "tokens": len(ids), "assistant_tokens": int(sum(mask)),
+             "seed": settings["seed"] + 2}
+    (work / "chat_drills.json").write_text(json.dumps(stats, indent=2))
+    print(json.dumps(stats), flush=True)
+
+
 def chat_settings(args) -> dict:
     """CHAT_DEFAULTS with the command line's overrides."""
     settings = dict(CHAT_DEFAULTS)
@@ -1281,12 +1317,20 @@ class ChatBatches:
     stream, ``seq_len`` tokens each. Yields ``(prefix, x, y, mask, xc, yc)``: the
     variant's system-turn tokens ``[1, P]`` (``None`` when it has none), the body
     inputs, next-token targets and loss mask (assistant tokens) ``[dialog_rows,
-    seq_len]``, and the code inputs and targets ``[code_rows, seq_len]``.
+    seq_len]``, and the code inputs and targets ``[code_rows, seq_len]``; with
+    ``drill_rows``, also ``(xd, yd, md)``: windows of the copy drills
+    (``chat-drills``) that start at a conversation, with their loss mask.
     """
 
     def __init__(self, work: Path, *, dialog_rows: int, code_rows: int, seq_len: int,
-                 seed: int, code: np.ndarray):
+                 seed: int, code: np.ndarray, drill_rows: int = 0):
         data = np.load(work / "chat_dialogs.npz")
+        self.drill_rows = drill_rows
+        if drill_rows:
+            drills = np.load(work / "chat_drills.npz")
+            pad = np.zeros(seq_len + 1, drills["ids"].dtype)
+            self.drills = (np.concatenate([drills["ids"], pad]),
+                           np.concatenate([drills["mask"], pad.astype(np.uint8)]), drills["starts"])
         self.variants = []
         n = seq_len + 1
         for i in range(len([k for k in data.files if k.startswith("prefix_")])):
@@ -1314,8 +1358,15 @@ class ChatBatches:
         code_starts = self.rng.integers(0, len(self.code) - n, size=self.code_rows)
         code = np.stack([self.code[s:s + n] for s in code_starts]).astype(np.int32)
         prefix = mx.array(prefix.astype(np.int32))[None] if len(prefix) else None
-        return (prefix, mx.array(windows[:, :-1]), mx.array(windows[:, 1:]), mx.array(masks),
-                mx.array(code[:, :-1]), mx.array(code[:, 1:]))
+        batch = (prefix, mx.array(windows[:, :-1]), mx.array(windows[:, 1:]), mx.array(masks),
+                 mx.array(code[:, :-1]), mx.array(code[:, 1:]))
+        if not self.drill_rows:
+            return batch
+        ids, mask, starts = self.drills
+        picks = self.rng.choice(starts, size=self.drill_rows)
+        drills = np.stack([ids[s:s + n] for s in picks]).astype(np.int32)
+        drill_mask = np.stack([mask[s:s + n] for s in picks])[:, 1:].astype(np.float32)
+        return batch + (mx.array(drills[:, :-1]), mx.array(drills[:, 1:]), mx.array(drill_mask))
 
 
 class _FixedKV:
@@ -1384,11 +1435,16 @@ def chat_train_model(model: nn.Module, batches: ChatBatches, *, settings: dict, 
     weight = settings["dialog_weight"]
     rows = settings["dialog_rows"]
 
-    def loss_fn(model, state, x, y, mask, xc, yc):
+    def loss_fn(model, state, x, y, mask, xc, yc, drills):
         caches = caches_from_state(model, state, rows) if state else None
         ce = nn.losses.cross_entropy(model(x, cache=caches).astype(mx.float32), y,
                                      reduction="none")
-        dialog_ce = (ce * mask).sum() / mx.maximum(mask.sum(), 1.0)
+        ce_sum, count = (ce * mask).sum(), mask.sum()
+        if drills:  # the copy drills count as dialog tokens
+            xd, yd, md = drills
+            ced = nn.losses.cross_entropy(model(xd).astype(mx.float32), yd, reduction="none")
+            ce_sum, count = ce_sum + (ced * md).sum(), count + md.sum()
+        dialog_ce = ce_sum / mx.maximum(count, 1.0)
         code_ce = nn.losses.cross_entropy(model(xc).astype(mx.float32), yc, reduction="mean")
         return weight * dialog_ce + (1.0 - weight) * code_ce, dialog_ce, code_ce
 
@@ -1396,15 +1452,17 @@ def chat_train_model(model: nn.Module, batches: ChatBatches, *, settings: dict, 
     train_state = [model.state, optimizer.state]
 
     @partial(mx.compile, inputs=train_state, outputs=train_state)
-    def train_step(state, x, y, mask, xc, yc):
-        (loss, dialog_ce, code_ce), grads = loss_and_grad(model, state, x, y, mask, xc, yc)
+    def train_step(state, x, y, mask, xc, yc, drills):
+        (loss, dialog_ce, code_ce), grads = loss_and_grad(model, state, x, y, mask, xc, yc,
+                                                          drills)
         grads, grad_norm = optim.clip_grad_norm(grads, max_norm=1.0)
         optimizer.update(model, grads)
         return loss, dialog_ce, code_ce, grad_norm
 
-    def step_fn(prefix, x, y, mask, xc, yc):
+    def step_fn(prefix, x, y, mask, xc, yc, *drills):
         state = prefix_state(model, prefix) if prefix is not None else []
-        loss, dialog_ce, code_ce, grad_norm = train_step(state, x, y, mask, xc, yc)
+        loss, dialog_ce, code_ce, grad_norm = train_step(state, x, y, mask, xc, yc,
+                                                         list(drills))
         mx.eval(train_state, loss, dialog_ce, code_ce)
         return (loss.item(), dialog_ce.item(), code_ce.item()), grad_norm
 
@@ -1422,8 +1480,9 @@ def chat_train_model(model: nn.Module, batches: ChatBatches, *, settings: dict, 
     return {
         **run.stats,
         "dialog_rows": rows, "code_rows": settings["code_rows"],
-        "loss": f"{weight} x CE over the dialog rows' assistant tokens + {1 - weight} x CE "
-                "over the code rows, nats/token",
+        "drill_rows": settings["drill_rows"],
+        "loss": f"{weight} x CE over the dialog and drill rows' assistant tokens + "
+                f"{1 - weight} x CE over the code rows, nats/token",
         "system_turn": "computed once per step without gradient; the dialog rows run on it",
         "schedule": "warmup-stable-decay: linear warmup from 1% of peak, constant, "
                     "linear cooldown to 10% of peak",
@@ -1462,9 +1521,10 @@ def stage_chat_train(args) -> None:
     code = training_token_stream(work, tokenizer_dir, cache_name="chat_code_tokens.npy")
     batches = ChatBatches(work, dialog_rows=settings["dialog_rows"],
                           code_rows=settings["code_rows"], seq_len=settings["seq_len"],
-                          seed=settings["seed"], code=code)
+                          seed=settings["seed"], code=code, drill_rows=settings["drill_rows"])
     print(f"chat-train: from {init}, vocab {vocab_size}; settings {settings}", flush=True)
-    checkpoint_dir = work / "chat_target_checkpoint"
+    destination = work / args.chat_out
+    checkpoint_dir = work / f"{args.chat_out}_checkpoint"
 
     def checkpoint(step, loss):
         save_model_dir(model, config, tokenizer_dir, checkpoint_dir)
@@ -1472,16 +1532,117 @@ def stage_chat_train(args) -> None:
 
     stats = chat_train_model(model, batches, settings=settings, checkpoint=checkpoint,
                              checkpoint_every=args.checkpoint_every)
-    destination = work / "chat_target"
     save_model_dir(model, config, tokenizer_dir, destination)
     sample = (out / eval_demo.HELDOUT_FILES["other"]).read_text(encoding="utf-8")[:20000]
     check_load_round_trip(model, destination, vocab_size, sample)
     stats.update(init=str(init), max_minutes=settings["max_minutes"],
-                 dialog_weight=settings["dialog_weight"], vocab_size=vocab_size)
+                 dialog_weight=settings["dialog_weight"], vocab_size=vocab_size,
+                 settings={k: v for k, v in settings.items()
+                           if k not in ("cooldown_start", "cooldown_steps")})
     (destination / "chat_train.json").write_text(json.dumps(stats, indent=2))
     print(f"saved {destination}; final loss {stats['final_train_loss']:.4f} (dialog "
           f"{stats['final_train_dialog_ce']:.4f}, code {stats['final_train_code_ce']:.4f}), "
           f"{stats['wall_time_s'] / 60:.1f} min", flush=True)
+
+
+def validation_texts(out: Path) -> dict[str, str]:
+    """Code outside training and outside the reported held-out texts, for choosing settings.
+
+    ``stdlib``: the held-out stdlib files that ``heldout_stdlib.txt`` does not contain;
+    ``other``: the mlx-lm files that ``heldout_other.txt`` does not contain.
+    """
+    _, heldout = split_corpus(read_sources(stdlib_source_files()))
+    shipped = {w: eval_demo.read_heldout_text(w, out) for w in eval_demo.HELDOUT_FILES}
+    return {
+        "stdlib": "\n".join(t for _, t in heldout if t not in shipped["stdlib"]),
+        "other": "\n".join(t for _, t in read_sources(other_source_files())
+                           if t not in shipped["other"]),
+    }
+
+
+MERGE_ALPHAS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+# A candidate must call tools in a real agent loop: at least this share of the held-out
+# tool-call turns must give a call that parses (eval_demo.call_turn_eval).
+MIN_CALL_PARSE_RATE = 0.6
+
+
+def merged(pre: nn.Module, chat: nn.Module, alpha: float) -> list[tuple[str, mx.array]]:
+    """Weights pre + alpha (chat - pre); rows the pre-chat model lacks (new tokens) are chat's."""
+    pre_w = dict(tree_flatten(pre.parameters()))
+    out = []
+    for name, value in tree_flatten(chat.parameters()):
+        base = pre_w[name]
+        if base.shape != value.shape:
+            base = mx.concatenate([base, value[base.shape[0]:]])
+        out.append((name, base + alpha * (value - base)))
+    return out
+
+
+def stage_chat_merge(args) -> None:
+    """Interpolates a chat-trained target with the pre-chat target; the trade-off per alpha.
+
+    Weight averaging between a fine-tuned model and its start recovers some of what
+    the fine-tune lost on the start's task while keeping some of the new skill. For
+    each alpha of MERGE_ALPHAS (``--alphas`` overrides): the code loss on
+    :func:`validation_texts` and on the shipped held-out texts (first
+    EVAL_MAX_TOKENS tokens each, the pre-chat tokenizer's ids), and the tool-call
+    turns of the held-out dialogs (``eval_demo.call_turn_eval``). An alpha passes when its validation losses are
+    both at most the pre-chat target's and at least MIN_CALL_PARSE_RATE of its
+    calls parse; the largest passing alpha is written to ``chat_merged``. The
+    trials go to ``chat_merge.json`` in the work dir either way.
+    """
+    import mlx_lm
+
+    work, out = Path(args.work_dir), Path(args.out_dir)
+    pre_dir = Path(args.init) if args.init else out / "target"
+    chat_dir = work / args.chat_out
+    pre, pre_tokenizer = mlx_lm.load(str(pre_dir))
+    chat, tokenizer = mlx_lm.load(str(chat_dir))
+    dialogs = json.loads((work / HELDOUT_DIALOGS_FILE).read_text())
+    texts = {"validation": validation_texts(out),
+             "heldout": {w: eval_demo.read_heldout_text(w, out) for w in eval_demo.HELDOUT_FILES}}
+    # The pre-chat tokenizer's ids: both models read them alike (the chat vocabulary only
+    # appends markup tokens), while the chat tokenizer's would give the pre-chat model
+    # ids it lacks wherever the code spells the markup (mlx-lm's sources do).
+    ids = {k: {w: eval_demo.eval_token_ids(pre_tokenizer, t) for w, t in v.items()}
+           for k, v in texts.items()}
+
+    def losses(model):
+        return {k: {w: eval_demo.heldout_loss(model, i) for w, i in v.items()}
+                for k, v in ids.items()}
+
+    baseline = losses(pre)
+    print(f"pre-chat code loss {baseline}", flush=True)
+    alphas = [float(a) for a in args.alphas.split(",")] if args.alphas else MERGE_ALPHAS
+    trials, chosen = [], None
+    for alpha in alphas:
+        candidate, _ = mlx_lm.load(str(chat_dir))
+        candidate.load_weights(merged(pre, chat, alpha))
+        loss = losses(candidate)
+        calls = eval_demo.call_turn_eval(candidate, tokenizer, dialogs)
+        kept = all(loss["validation"][w] <= baseline["validation"][w] for w in ids["validation"])
+        calling = calls["parsed"] >= MIN_CALL_PARSE_RATE * calls["turns"]
+        trials.append({"alpha": alpha, "code_loss": loss, "calls": calls,
+                       "kept_code_quality": kept, "calls_tools": calling})
+        print(json.dumps(trials[-1]), flush=True)
+        if kept and calling:
+            chosen = alpha
+    stats = {"chat": args.chat_out, "alpha": chosen, "trials": trials,
+             "pre_chat_code_loss": baseline,
+             "validation": "first %d tokens of: held-out stdlib files not in heldout_stdlib.txt; "
+                           "mlx-lm files not in heldout_other.txt" % eval_demo.EVAL_MAX_TOKENS,
+             "rule": "the largest alpha whose validation losses are both <= the pre-chat "
+                     f"target's and whose parsed calls are >= {MIN_CALL_PARSE_RATE} of the turns"}
+    (work / "chat_merge.json").write_text(json.dumps(stats, indent=2))
+    if chosen is None:
+        raise SystemExit("no alpha both keeps the code loss at the pre-chat level and calls "
+                         f"tools; the trials are in {work / 'chat_merge.json'}")
+    chat.load_weights(merged(pre, chat, chosen))
+    config = json.loads((chat_dir / "config.json").read_text())
+    destination = work / "chat_merged"
+    save_model_dir(chat, config, chat_dir, destination)
+    (destination / "chat_merge.json").write_text(json.dumps(stats, indent=2))
+    print(f"saved {destination}: alpha {chosen}", flush=True)
 
 
 class FrozenForward:
@@ -1974,7 +2135,8 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("stage", choices=["prepare", "train", "finalize", "all", "distill",
                                           "ship-distilled", "chat-prepare", "chat-train",
-                                          "chat-distill", "mtp-train", "chat-ship"])
+                                          "chat-drills", "chat-merge", "chat-distill",
+                                          "mtp-train", "chat-ship"])
     parser.add_argument("model", nargs="?", choices=["target", "draft"])
     parser.add_argument("--out-dir", default=str(DEFAULT_OUT_DIR))
     parser.add_argument("--work-dir", default=str(DEFAULT_WORK_DIR))
@@ -2006,8 +2168,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dialogs", type=int, help="chat-prepare: training dialogs to draw")
     parser.add_argument("--dialog-rows", type=int, help="chat: dialog windows per step")
     parser.add_argument("--code-rows", type=int, help="chat: code windows per step")
+    parser.add_argument("--drill-rows", type=int, help="chat-train: copy-drill windows per step")
+    parser.add_argument("--drills", type=int, help="chat-drills: conversations to draw")
     parser.add_argument("--teacher", help="chat-distill / mtp-train: the chat target "
                                           "(default: chat_target in the work dir)")
+    parser.add_argument("--chat-out", default="chat_target",
+                        help="chat-train: output directory name in the work dir; chat-merge: "
+                             "the chat-trained target to merge")
+    parser.add_argument("--alphas", help="chat-merge: comma-separated alphas to try")
     parser.add_argument("--dialog-weight", type=float,
                         help="chat: weight of the dialog loss (the code loss gets the rest)")
     args = parser.parse_args(argv)
@@ -2031,8 +2199,12 @@ def main(argv: list[str] | None = None) -> None:
         stage_ship_distilled(args)
     if args.stage == "chat-prepare":
         stage_chat_prepare(args)
+    if args.stage == "chat-drills":
+        stage_chat_drills(args)
     if args.stage == "chat-train":
         stage_chat_train(args)
+    if args.stage == "chat-merge":
+        stage_chat_merge(args)
     if args.stage == "chat-distill":
         stage_chat_distill(args)
     if args.stage == "mtp-train":
