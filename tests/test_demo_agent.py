@@ -1,4 +1,5 @@
-"""The demo target's tools (segcache.models.agent) and a tool-calling loop on the shipped target."""
+"""The demo target's tools (segcache.models.agent) and its tool-calling loop, on a scripted
+Qwen3.5-style model (the shipped target has no chat format yet)."""
 
 import segcache  # noqa: F401, I001  (binds the system BLAS before mlx is imported)
 
@@ -9,6 +10,7 @@ import pytest
 
 from segcache.demo import MODELS_DIR
 from segcache.models.agent import READ_LIMIT, TOOLS, Workspace, agent_loop, parse_calls
+from segcache.testing.chat import build, call_text
 
 FILES = {
     "shapes/area.py": '''\
@@ -51,11 +53,6 @@ def workspace(tmp_path_factory):
     return Workspace.from_directory(root)
 
 
-@pytest.fixture(scope="module")
-def target():
-    return mlx_lm.load(str(MODELS_DIR / "target"))
-
-
 def test_tools_act_on_the_directory(workspace):
     assert workspace.search("def circle_area(") == "shapes/area.py:4: def circle_area(radius):"
     assert workspace.search("area(", "tests").splitlines()[0].startswith("tests/test_area.py:")
@@ -81,28 +78,61 @@ def test_run_tests_runs_pytest(workspace):
     assert workspace.run_tests("tests/none.py").startswith("error: no file")
 
 
-def test_parse_calls_uses_the_tokenizers_parser(target):
-    _, tokenizer = target
+
+SEARCH_BODY = ("\n<function=search>\n<parameter=pattern>\ndef circle_area(\n</parameter>\n"
+               "</function>\n")
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    """A scripted model with a Qwen3.5-style tokenizer (qwen3_coder calls, reasoning) whose
+    every reply reasons, then calls search(pattern="def circle_area(")."""
+    path = build(tmp_path_factory.mktemp("scripted") / "m", family="qwen3_coder", thinking=True,
+                 scripts={"default": "Find it.</think>\n\n" + call_text("qwen3_coder", SEARCH_BODY)})
+    return mlx_lm.load(str(path))
+
+
+def test_parse_calls_uses_the_tokenizers_parser(scripted):
+    _, tokenizer = scripted
     text = ("Let me look.\n\n<tool_call>\n<function=read_file>\n<parameter=path>\na.py\n</parameter>\n"
             "<parameter=start_line>\n3\n</parameter>\n</function>\n</tool_call>")
     calls, rest = parse_calls(tokenizer, text, TOOLS)
-    assert calls == [{"name": "read_file", "arguments": {"path": "a.py", "start_line": 3}}]
+    assert calls == [{"name": "read_file", "arguments": {"path": "a.py", "start_line": 3}}]  # typed
     assert rest == "Let me look."
     broken = "<tool_call>\nnot a call\n</tool_call>"
     assert parse_calls(tokenizer, broken, TOOLS) == ([], broken)  # kept as text, never dropped
 
 
-def test_agent_loop_on_the_shipped_target(target, workspace):
-    """A real loop: the model calls a tool, the workspace runs it, the model answers."""
-    model, tokenizer = target
+def test_parse_calls_on_a_tokenizer_without_tool_calling():
+    """The shipped target has no chat template and no tool parser: its text is all content."""
+    tokenizer = mlx_lm.load(str(MODELS_DIR / "target"))[1]
+    assert not tokenizer.has_tool_calling
+    text = "<tool_call>\n<function=search>\n</function>\n</tool_call> and more"
+    assert parse_calls(tokenizer, text, TOOLS) == ([], text)
+
+
+def test_agent_loop_runs_each_call_on_the_workspace(scripted, workspace):
+    """The loop parses each reply's call, runs it, sends the result back, and stops after
+    max_calls rounds with the model's next reply (its calls not run)."""
+    model, tokenizer = scripted
     query = [{"role": "user", "content": "Where is `circle_area` defined?"}]
-    messages = agent_loop(model, tokenizer, workspace, query, max_calls=3)
-    calls = [m for m in messages if m.get("tool_calls")]
+    messages = agent_loop(model, tokenizer, workspace, query, max_calls=2)
+    replies = [m for m in messages if m["role"] == "assistant"]
     results = [m for m in messages if m["role"] == "tool"]
-    assert calls and len(results) == sum(len(m["tool_calls"]) for m in calls)
-    first = calls[0]["tool_calls"][0]["function"]
-    assert first == {"name": "search", "arguments": {"pattern": "def circle_area("}}
+    assert [m["role"] for m in messages] == ["user"] + ["assistant", "tool"] * 2 + ["assistant"]
+    want = {"name": "search", "arguments": {"pattern": "def circle_area("}}
+    for reply in replies:
+        assert reply["reasoning_content"] == "Find it." and reply["content"] == ""
+        assert [c["function"] for c in reply["tool_calls"]] == [want]
+    assert [r["tool_call_id"] for r in results] == [replies[i]["tool_calls"][0]["id"] for i in range(2)]
+    assert all(r["content"] == workspace.search("def circle_area(") for r in results)
     assert results[0]["content"] == "shapes/area.py:4: def circle_area(radius):"
-    answer = messages[-1]
-    assert answer["role"] == "assistant" and "tool_calls" not in answer
-    assert "`shapes/area.py`" in answer["content"] and "line 4" in answer["content"]
+
+
+def test_agent_loop_returns_an_answer_without_calls(tmp_path, workspace):
+    path = build(tmp_path / "m", family="qwen3_coder", thinking=True,
+                 scripts={"default": "Known.</think>\n\nIn `shapes/area.py`."})
+    model, tokenizer = mlx_lm.load(str(path))
+    messages = agent_loop(model, tokenizer, workspace, [{"role": "user", "content": "Where?"}])
+    assert messages[1:] == [{"role": "assistant", "content": "In `shapes/area.py`.",
+                             "reasoning_content": "Known."}]

@@ -1,7 +1,11 @@
-"""The demo target's tools, and an agent loop that runs them on the target in-process.
+"""The tools the demo target's chat stages teach, and an agent loop that runs them in-process.
 
-The shipped target was trained (tools/train_demo.py, tools/demo_dialogs.py) on
-dialogs that call these three tools, with these schemas, on Python code:
+The chat stages of tools/train_demo.py (dialogs from tools/demo_dialogs.py) train
+a target on dialogs that call these three tools, with these schemas, on Python
+code. The shipped target is not one of those yet (their code quality did not
+hold: see segcache/models/README.md), so it has no chat template and a server
+refuses ``tools`` for it; the loop below works with any tokenizer that has
+mlx-lm tool calling.
 
 * ``search(pattern, path=".")``: the lines of ``.py`` files containing
   ``pattern``, as ``path:line: text``, at most ``SEARCH_LIMIT``;
@@ -10,9 +14,9 @@ dialogs that call these three tools, with these schemas, on Python code:
 * ``run_tests(path)``: pytest's summary for a file or directory.
 
 :class:`Workspace` implements them on any directory of Python files, so a demo,
-a test or a README transcript can run a real tool-calling loop end to end on the
-shipped target, in-process (:func:`agent_loop`) or through a server (the same
-``TOOLS`` to send and ``Workspace.call`` to execute what comes back).
+a test or a bench can run a real tool-calling loop, in-process
+(:func:`agent_loop`) or through a server (the same ``TOOLS`` to send and
+``Workspace.call`` to execute what comes back).
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ SYSTEM_PROMPT = "You are a coding assistant working in a Python repository."  # 
 SEARCH_LIMIT = 5
 READ_LIMIT = 20
 RUN_TESTS_TIMEOUT = 300  # seconds
-SYSTEM_PROMPT = "You are a coding assistant working in a Python repository."
 
 TOOLS = [
     {"type": "function", "function": {
@@ -168,8 +171,6 @@ class Workspace:
         return "\n".join(f"{i}: {lines[i - 1]}" for i in range(start, end + 1))
 
 
-
-
 def agent_loop(model, tokenizer, workspace: Workspace, messages: list[dict], *,
                tools: list[dict] = TOOLS, max_calls: int = 4, max_tokens: int = 256,
                enable_thinking: bool = True) -> list[dict]:
@@ -182,8 +183,9 @@ def agent_loop(model, tokenizer, workspace: Workspace, messages: list[dict], *,
 
     Returns:
         The messages with the model's turns (``reasoning_content``, ``content``,
-        ``tool_calls``) and the tool results appended; the last is the answer, or
-        the last tool result when ``max_calls`` calls were made.
+        ``tool_calls``) and the tool results appended. The last is the answer, or,
+        after ``max_calls`` rounds of calls, the model's next reply with its calls
+        not run.
     """
     from mlx_lm import generate
 
