@@ -250,21 +250,25 @@ class GroupScheduler(Scheduler):
         finally:
             self.engine.flush()
 
-    def _lose(self, exc: BaseException) -> None:
-        self.lost = exc
-        log.error("rank %d of %d: the group cannot go on: %s: %s", self.channel.rank, self.channel.size,
-                  type(exc).__name__, exc)
+    def abandon(self, why: str) -> None:
+        """Fail every request in flight with `why`, from another thread while the model thread is
+        blocked for good (a collective with a dead peer, before the deadline ends the process)."""
         with self._cond:
             self._stopping = True
             jobs = [job.origin for job in self.running] + list(self.waiting)
             self.waiting.clear()
-        message = (f"the distributed deployment lost a rank or fell out of step ({type(exc).__name__}: {exc}); "
-                   "the server is stopping")
         for job in jobs:
             try:
-                job.deliver(Failure(message))
+                job.deliver(Failure(why))
             except Exception:
                 log.exception("%s: delivering its failure failed", job.request.id)
+
+    def _lose(self, exc: BaseException) -> None:
+        self.lost = exc
+        log.error("rank %d of %d: the group cannot go on: %s: %s", self.channel.rank, self.channel.size,
+                  type(exc).__name__, exc)
+        self.abandon(f"the distributed deployment lost a rank or fell out of step ({type(exc).__name__}: {exc}); "
+                     "the server is stopping")
         # The running jobs' generators stay open (referenced): closing one would release its row and
         # publish, which may evaluate a graph holding the model's collectives, on a group that is gone.
         self.on_lost(exc)
@@ -384,9 +388,16 @@ class Group:
     def scheduler(self, engine: Engine, args) -> GroupScheduler:
         """Rank 0's scheduler (the HTTP side submits to it)."""
         self.channel.set_timeout(args.rank_timeout)
-        self._scheduler = GroupScheduler(engine, self.channel, max_queue=args.max_queue,
-                                         max_running=args.decode_concurrency, on_lost=self._stop_serving)
-        return self._scheduler
+        scheduler = GroupScheduler(engine, self.channel, max_queue=args.max_queue,
+                                   max_running=args.decode_concurrency, on_lost=self._stop_serving)
+
+        def last_words(what: str) -> None:  # the clients hear why before the deadline ends this rank
+            scheduler.abandon(f"{what} waited past --rank-timeout ({args.rank_timeout:g} s): another rank is "
+                              "gone or stuck; the server is stopping")
+            time.sleep(1.0)  # the HTTP side sends the failures
+
+        self.channel.on_deadline = last_words
+        return scheduler
 
     def _stop_serving(self, exc: BaseException) -> None:
         """Rank 0 lost the group: stop the HTTP server as SIGTERM would (the requests in flight got
