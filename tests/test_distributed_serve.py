@@ -178,3 +178,85 @@ def test_restart_resumes_from_each_rank_store(served, tmp_path):
         assert again.ranks.wait(1, 60) == 0, again.ranks.log(1)[-3000:]
     finally:
         again.ranks.stop(signal.SIGKILL)
+
+
+# -- the scheduler of one rank, in one process (a group of one: its own messages) ------------------
+
+
+def _run(sched, jobs, cancel=None) -> int:
+    """Step `sched` until its jobs are done. `cancel`: (job, its events): the HTTP side cancels it
+    once it has 3 events; returns how many it had then (-1: never cancelled)."""
+    for job in jobs:
+        sched.submit(job)
+    at = -1
+    for _ in range(5000):
+        if cancel is not None and at < 0 and len(cancel[1]) >= 3:
+            cancel[0].cancel()
+            at = len(cancel[1])
+        if not sched.pending():
+            break
+        sched.step()
+    assert not sched.pending()
+    return at
+
+
+def test_a_request_crosses_the_wire_whole():
+    """Every field of a GenRequest (its Controls included) survives msgpack; a request without a
+    seed gets one (the same in its fields and its controls), one with a seed keeps it."""
+    import msgpack
+
+    from segcache.controls import Controls
+    from segcache.distributed.serve import decode_request, encode_request, seeded
+    from segcache.serve.engine import GenRequest
+
+    controls = Controls(temperature=0.7, top_k=5, logit_bias={3: -1.5, 7: 2.0},
+                        response_format={"type": "json_object"}, repetition_penalty=1.1)
+    req = GenRequest(id="cmpl-1", ids=[1, 2, 3], max_tokens=9, checkpoints=[2], stops=["\n\n"], top_logprobs=2,
+                     cache_salt="salt", n=2, controls=controls)
+    seeded(req)
+    assert isinstance(req.seed, int) and req.controls.seed == req.seed
+    wire = msgpack.unpackb(msgpack.packb(encode_request(req), use_bin_type=True), raw=False, strict_map_key=False)
+    back = decode_request(wire)
+    for f in ("id", "ids", "max_tokens", "checkpoints", "stops", "top_logprobs", "cache_salt", "n", "seed", "controls"):
+        assert getattr(back, f) == getattr(req, f), f
+    fixed = GenRequest(id="cmpl-2", ids=[1], max_tokens=1, seed=42)
+    assert seeded(fixed).seed == 42 and fixed.controls is None
+
+
+def test_the_group_scheduler_alone_serves_as_the_scheduler():
+    """On a group of one (its messages come back to it), the group scheduler admits, batches and
+    cancels as the plain Scheduler does: the same events for the same requests, a cancelled one
+    stops at the step after its flag, and `stop()` ends its loop."""
+    import mlx_lm
+
+    from segcache.distributed import Channel
+    from segcache.distributed.serve import GroupScheduler
+    from segcache.serve.engine import Chunk, Engine, Finish, GenRequest
+    from segcache.serve.worker import Job, Scheduler
+    from serve_util import TARGET
+
+    model, tok = mlx_lm.load(str(TARGET))
+    prompts = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", "import os\n"]
+
+    def jobs(out):
+        return [Job(GenRequest(id=f"r{i}", ids=tok.encode(p), max_tokens=24), out.setdefault(f"r{i}", []).append)
+                for i, p in enumerate(prompts)]
+
+    def text(events):
+        return "".join(e.text for e in events if isinstance(e, Chunk))
+
+    want, got = {}, {}
+    engine = Engine(model, tok, prompt_lookup=True, decode_concurrency=2)
+    _run(Scheduler(engine, max_running=2, begin_step=engine.begin_step), jobs(want))
+    engine = Engine(model, tok, prompt_lookup=True, decode_concurrency=2, group=Channel())
+    assert engine.decoder.gate is None  # each rank would time its own steps
+    sched = GroupScheduler(engine, Channel(), max_running=2)
+    mine = jobs(got)
+    at = _run(sched, mine, cancel=(mine[0], got["r0"]))
+    for rid in ("r1", "r2"):  # r2 waited for a free row, then ran as alone
+        assert text(got[rid]) == text(want[rid]) and isinstance(got[rid][-1], Finish)
+    assert at == len(got["r0"]) == 3  # cancelled at the next step: nothing more came
+    assert text(want["r0"]).startswith(text(got["r0"])) and isinstance(want["r0"][-1], Finish)
+    assert len(engine.decoder) == 0 and sched.lost is None
+    sched.stop()
+    assert sched.step() is False  # the stop decision: every rank leaves its loop
