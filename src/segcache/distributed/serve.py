@@ -249,6 +249,10 @@ class GroupScheduler(Scheduler):
             self._lose(exc)
         finally:
             self.engine.flush()
+            stats = self.channel.stats  # what the protocol cost (the model's own collectives aside)
+            log.info("rank %d of %d: %d scheduler steps, %d messages, %d bytes sent (%.0f per step)",
+                     self.channel.rank, self.channel.size, self.steps, stats.collectives, stats.sent_bytes,
+                     stats.sent_bytes / max(1, self.steps))
 
     def abandon(self, why: str) -> None:
         """Fail every request in flight with `why`, from another thread while the model thread is
@@ -371,7 +375,10 @@ class Group:
             path = default_cache_dir(self.channel.share(model_identity(model) if self.leader else None))
         store, error = None, None
         try:
-            _private_dirs(path)
+            try:
+                _private_dirs(path)
+            except FileExistsError:  # another rank on this machine made it first: fine
+                pass
             store = open_rank_store(path, self.shard, ram_bytes=args.ram_bytes, disk_bytes=args.disk_bytes,
                                     remote=args.prompt_cache_remote)
         except (StoreError, OSError) as exc:
