@@ -7,6 +7,9 @@ then one rank is killed mid-stream (the other stops, saying why, no hang), and
 a restart of both ranks (now with the demo draft model, replicated on each
 rank) resumes every prompt from each rank's own store.
 
+`make test-long` (SEGCACHE_LONG=1) runs the same on a pipeline-parallel
+deployment too (each rank two of the target's four layers).
+
 Every server here is a real process on a free loopback port; every wait is
 bounded; the test stops every process it started.
 """
@@ -25,6 +28,8 @@ from segcache.testing import ranks
 from serve_util import DRAFT, TARGET, Server, free_port
 
 START_TIMEOUT = 120  # seconds for both ranks to load and answer /health (2 loaded cores)
+LONG = os.environ.get("SEGCACHE_LONG") == "1"
+MODES = ["tensor", "pipeline"] if LONG else ["tensor"]
 RANK_TIMEOUT = "20"  # seconds a rank waits for the other in a step (the tiny model's steps take milliseconds)
 LOST_EXIT = 75  # a rank that lost the group (segcache.distributed.channel.LOST_EXIT)
 
@@ -40,11 +45,11 @@ CHAT = [{"role": "user", "content": "write a function that adds two numbers"}]
 class Deployment:
     """Both ranks of `segcache serve` under the ring backend; rank 0 answers HTTP on `port`."""
 
-    def __init__(self, directory: Path, store: Path, *args):
+    def __init__(self, directory: Path, store: Path, *args, model: Path = TARGET):
         self.port = free_port()
         src = str(Path(__file__).resolve().parents[1] / "src")
         env = {"PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
-        argv = ["-m", "segcache.cli", "serve", "--model", str(TARGET), "--port", str(self.port),
+        argv = ["-m", "segcache.cli", "serve", "--model", str(model), "--port", str(self.port),
                 "--prompt-cache-dir", str(store), "--rank-timeout", RANK_TIMEOUT, *map(str, args)]
         self.ranks = ranks.start(argv, 2, directory=directory, env=env, name=f"serve-{self.port}-rank")
 
@@ -95,17 +100,34 @@ def answers(client) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def pipelined(directory: Path) -> Path:
+    """The target with the weight index mlx-lm's pipeline loading reads (one file holds every weight)."""
+    import json
+    import shutil
+
+    import mlx.core as mx
+
+    shutil.copytree(TARGET, directory)
+    names = mx.load(str(directory / "model.safetensors")).keys()
+    index = {"metadata": {}, "weight_map": {name: "model.safetensors" for name in names}}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    return directory
+
+
+@pytest.fixture(scope="module", params=MODES)
+def served(request, tmp_path_factory):
     """The two-rank deployment and a one-process server, both fresh, answering the same requests."""
     root = tmp_path_factory.mktemp("dist-serve")
-    flags = ("--prompt-lookup", "--decode-concurrency", "4")
-    group = Deployment(root, root / "store", *flags)
+    mode = request.param
+    flags = ("--prompt-lookup", "--decode-concurrency", "4") + (("--pipeline",) if mode == "pipeline" else ())
+    model = pipelined(root / "target") if mode == "pipeline" else TARGET
+    group = Deployment(root, root / "store", *flags, model=model)
     one = Server(root / "one-store", *flags, model=TARGET)
     try:
         one.start()
         group.wait_ready()
-        yield {"root": root, "group": group, "got": answers(group.client()), "want": answers(one.client())}
+        yield {"root": root, "group": group, "got": answers(group.client()), "want": answers(one.client()),
+               "mode": mode, "model": model, "flags": flags}
     finally:
         one.stop()
         group.ranks.stop(signal.SIGKILL)
@@ -120,7 +142,7 @@ def test_two_ranks_answer_as_one_process(served):
         assert got[key][0] == want[key][0], key
         assert got[key][0]  # the demo target writes something for each
     rank1 = served["group"].ranks.log(1)
-    assert "rank 1 of 2 (tensor parallel" in rank1
+    assert f"rank 1 of 2 ({served['mode']} parallel" in rank1
     assert rank1.count("lookup accepted") >= len(PROMPTS) + 1, rank1[-3000:]
     store = served["root"] / "store"
     assert sorted(p.name for p in store.iterdir()) == ["rank-0-of-2", "rank-1-of-2"]
@@ -161,7 +183,8 @@ def test_restart_resumes_from_each_rank_store(served, tmp_path):
     every rank must hold, or none resumes) and the answers are unchanged."""
     group = served["group"]
     group.ranks.stop(signal.SIGKILL)  # whatever the last test left
-    again = Deployment(served["root"], served["root"] / "store", "--draft-model", DRAFT, "--decode-concurrency", "4")
+    flags = ["--draft-model", DRAFT, "--decode-concurrency", "4"] + (["--pipeline"] if served["mode"] == "pipeline" else [])
+    again = Deployment(served["root"], served["root"] / "store", *flags, model=served["model"])
     try:
         again.wait_ready()
         got = answers(again.client())
