@@ -156,8 +156,18 @@ class GroupScheduler(Scheduler):
                     rows += job.request.n
             stop = self._stopping and not self.waiting and not self.running and not admitted
         cancelled = [job.request.id for job in self.running if job.origin.cancelled and not job.cancelled]
-        payload = [[encode_request(seeded(job.request)) for job in admitted], cancelled, stop]
-        return admitted, cancelled, stop, payload
+        sent, wire = [], []
+        for job in admitted:
+            try:
+                data = encode_request(seeded(job.request))
+                _pack(data)  # a field msgpack cannot carry fails this request, not the group
+            except (TypeError, ValueError, OverflowError) as exc:
+                log.error("%s cannot be sent to the other ranks: %s", job.request.id, exc)
+                job.deliver(Failure(f"the request cannot be sent to the other ranks: {exc}"))
+                continue
+            sent.append(job)
+            wire.append(data)
+        return sent, cancelled, stop, [wire, cancelled, stop]
 
     def _message(self, payload) -> tuple[list, Verdict]:
         """One collective: every rank's verdict on its last step, rank 0's decision for this one."""
