@@ -149,7 +149,8 @@ class GroupScheduler(Scheduler):
         with self._cond:
             rows = sum(job.request.n for job in self.running)
             admitted = []
-            while self.waiting and (not (self.running or admitted) or rows + self.waiting[0].request.n <= self.max_running):
+            while self.waiting and (not (self.running or admitted)
+                                    or rows + self.waiting[0].request.n <= self.max_running):
                 job = self.waiting.popleft()
                 if not job.cancelled:  # a client gone while waiting costs nothing, on any rank
                     admitted.append(job)
