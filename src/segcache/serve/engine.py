@@ -243,6 +243,10 @@ class Engine:
         vocab_size: the model's vocabulary (its logits' width; default: the tokenizer's).
         grammars: the model's structured-output compiler, shared with the HTTP side (which
             compiles a request's schema first, so a bad one is a 400); built here when None.
+        group: a `segcache.distributed.Channel` when this engine is one rank's of a sharded
+            model (`segcache serve` under mlx.launch): every Runtime it builds agrees its
+            prefix resumes with the other ranks, and batches draft without the cost gate
+            (it times each rank's own steps, so the ranks' widths would differ).
 
     Attributes:
         prefill_chunk: with several rows, prompt tokens a joining request feeds per
@@ -259,7 +263,7 @@ class Engine:
     def __init__(self, model, tokenizer, *, store=None, draft_model=None, prompt_lookup: bool = False,
                  num_draft_tokens: int = 4, prefill_step: int = 2048, checkpoint_interval: int = 256,
                  decode_concurrency: int = 1, prompt_concurrency: int = 8, vocab_size: Optional[int] = None,
-                 grammars: Optional[Grammars] = None):
+                 grammars: Optional[Grammars] = None, group=None):
         self.model = model
         self.tokenizer = tokenizer
         self.store = store
@@ -271,6 +275,7 @@ class Engine:
         self.vocab_size = vocab_size or len(tokenizer.vocab)
         self.grammars = grammars
         self.decode_concurrency = decode_concurrency
+        self.group = group
         self.prompt_concurrency = prompt_concurrency
         drafting = prompt_lookup or draft_model is not None
         one = decode_concurrency == 1
@@ -279,7 +284,7 @@ class Engine:
         self.decoder = BatchDecoder(model, num_draft_tokens=num_draft_tokens if drafting else 0,
                                     draft_model=draft_model, prefill_step=prefill_step,
                                     draft_min_prob=DRAFT_MIN_PROB if draft_model is not None else 0.0,
-                                    gate=not one, one_row=one)
+                                    gate=not one and group is None, one_row=one)
         self._buffers: dict[str, collections.deque] = {}
         self._prefilling = 0  # prompts being prefilled (at most prompt_concurrency)
         # Prompts fed together (several rows only): the batch holds exactly the `_joining` entries
@@ -396,7 +401,8 @@ class Engine:
         or a store (the decoder feeds a fresh one)."""
         if self.draft_model is None or self.store is None:
             return None
-        drt = Runtime(self.draft_model, store=self.store, cache_salt=req.cache_salt, gdn_prefill="auto")
+        drt = Runtime(self.draft_model, store=self.store, cache_salt=req.cache_salt, gdn_prefill="auto",
+                      group=self.group)
         if len(req.ids) > 1:
             drt.prefill(req.ids[:-1], step_size=self.prefill_step)
         return drt
@@ -418,7 +424,8 @@ class Engine:
         self._prefilling += 1
         steps = None
         try:
-            rt = Runtime(self.model, store=self.store, cache_salt=req.cache_salt, gdn_prefill="auto")
+            rt = Runtime(self.model, store=self.store, cache_salt=req.cache_salt, gdn_prefill="auto",
+                         group=self.group)
             if len(req.ids) == 1:
                 return rt, 0, "-"
             ids = req.ids[:-1]
