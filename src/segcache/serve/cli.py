@@ -114,6 +114,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="checkpoint a long prompt every N tokens, so another prompt sharing only its start "
                         "resumes within N tokens of where they part (default 256; 0: only at chat message "
                         "boundaries, prompt ends and branch points)")
+    p.add_argument("--pipeline", action="store_true",
+                   help="under mlx.launch: split the model's layers over the ranks (pipeline parallel) instead of "
+                        "its heads (tensor parallel, the default), as mlx_lm.server; ignored in one process")
+    p.add_argument("--rank-timeout", type=float, default=300.0,
+                   help="under mlx.launch: seconds a rank waits for the others at a step (the slowest rank's "
+                        "longest step, a prefill chunk included) before it stops, saying so (default 300)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     p.set_defaults(handler=run)
     return p
@@ -182,6 +188,17 @@ def _open_store(args, model):
     return store, path
 
 
+def _group():
+    """This rank's `Group` when started by mlx.launch (a group of more than one), else None."""
+    import mlx.core as mx
+
+    if mx.distributed.init().size() == 1:
+        return None
+    from ..distributed.serve import Group
+
+    return Group()
+
+
 def api_keys(args) -> list[str]:
     """The accepted API keys: every --api-key (else $SEGCACHE_API_KEY) and the --api-key-file's.
 
@@ -217,9 +234,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(message)s")
     if (args.num_draft_tokens < 1 or args.max_tokens < 1 or args.prefill_step_size < 1 or args.max_queue < 0
             or args.checkpoint_interval < 0 or args.decode_concurrency < 1 or args.prompt_concurrency < 1
-            or not args.request_timeout > 0 or args.max_connections < 0):
+            or not args.request_timeout > 0 or args.max_connections < 0 or not args.rank_timeout > 0):
         print("segcache serve: --num-draft-tokens, --max-tokens, --prefill-step-size, --decode-concurrency and "
-              "--prompt-concurrency must be >= 1, --request-timeout > 0, "
+              "--prompt-concurrency must be >= 1, --request-timeout and --rank-timeout > 0, "
               "--max-queue, --checkpoint-interval and --max-connections >= 0", file=sys.stderr)
         return 2
     try:
@@ -254,13 +271,19 @@ def run(args: argparse.Namespace) -> int:
     template = args.chat_template
     if template is not None and Path(template).is_file():
         template = Path(template).read_text()
-    loaded = []
+    group = _group()  # under mlx.launch: this rank's (docs/distributed.md); None in one process
+    loaded, failure = [], None
     for path in filter(None, (args.model, args.draft_model)):
-        try:
-            loaded.append(load(path))
+        try:  # the model sharded over the group; a draft model whole on every rank
+            loaded.append(group.load(path, args.pipeline) if group is not None and not loaded else load(path))
         except Exception as exc:  # mlx-lm raises several types for a bad directory
-            print(f"segcache serve: cannot load the model at {path}: {exc}", file=sys.stderr)
-            return 1
+            failure = f"segcache serve: cannot load the model at {path}: {exc}"
+            break
+    if group is not None:
+        failure = group.loaded(failure, args)  # every rank loaded, with the same settings, or every rank stops
+    if failure is not None:
+        print(failure, file=sys.stderr)
+        return 1
     model, tokenizer = loaded[0]
     draft = loaded[1][0] if args.draft_model else None
     vocab = _lookup(_config(args.model) or _model_args(model), "vocab_size")
@@ -281,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
         except SegcacheError as exc:
             print(f"segcache serve: --mtp: {exc}", file=sys.stderr)
             return 2
-    store, path = _open_store(args, model)
+    store, path = _open_store(args, model) if group is None else group.open_store(args, model)
     settings = _settings(args, model, tokenizer, keys)
     name = settings.served_name
     options = dict(store=store, draft_model=draft, prompt_lookup=args.prompt_lookup, mtp=head,
@@ -289,8 +312,13 @@ def run(args: argparse.Namespace) -> int:
                    checkpoint_interval=args.checkpoint_interval)
     running = args.decode_concurrency
     engine = Engine(model, tokenizer, decode_concurrency=running, prompt_concurrency=args.prompt_concurrency,
-                    **options)
-    scheduler = Scheduler(engine, max_queue=args.max_queue, max_running=running, begin_step=engine.begin_step)
+                    group=group.channel if group is not None else None, **options)
+    if group is not None and not group.leader:  # no HTTP here: rank 0's steps, until it stops or is lost
+        return group.follow(engine, args, store, path)
+    if group is not None:
+        scheduler = group.scheduler(engine, args)
+    else:
+        scheduler = Scheduler(engine, max_queue=args.max_queue, max_running=running, begin_step=engine.begin_step)
     worker = Worker(scheduler)
     server = Server(settings, Prompter(tokenizer, template, args.chat_template_args), scheduler, worker, store)
 
@@ -300,6 +328,8 @@ def run(args: argparse.Namespace) -> int:
             store.close()  # the RAM tier reaches disk
             log.info("prefix store flushed and closed: %s", shown(path))
         release_streams()  # this thread loaded the models (see release_streams)
+        if group is not None and group.lost is not None:
+            group.exit()  # the group lost a rank: stop here, saying why (the requests in flight failed)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -311,7 +341,8 @@ def run(args: argparse.Namespace) -> int:
     mode = ("draft model" if draft is not None else "prompt lookup" if args.prompt_lookup
             else f"MTP depth {args.num_draft_tokens}" if head is not None else "plain")
     rows = f", up to {args.decode_concurrency} rows batched" if args.decode_concurrency > 1 else ""
-    log.info("serving %s (%s decoding%s) on http://%s:%d; prefix store: %s", name, mode, rows, args.host,
+    ranks = f", rank 0 of {group.size} ({group.parallel} parallel)" if group is not None else ""
+    log.info("serving %s (%s decoding%s%s) on http://%s:%d; prefix store: %s", name, mode, rows, ranks, args.host,
              args.port, shown(path) if store is not None else "none")
     max_connections = args.max_connections or default_max_connections(open_files, _BACKLOG)
     log.info("connections: at most %d open, requests whole within %g s; open files: %s", max_connections,

@@ -247,6 +247,10 @@ class Engine:
             compiles a request's schema first, so a bad one is a 400); built here when None.
         mtp: the target's `MTPHead` to draft with (exclusive with draft_model and
             prompt_lookup), or None. Prefills keep the hidden states they compute for it.
+        group: a `segcache.distributed.Channel` when this engine is one rank's of a sharded
+            model (`segcache serve` under mlx.launch): every Runtime it builds agrees its
+            prefix resumes with the other ranks, and batches draft without the cost gate
+            (it times each rank's own steps, so the ranks' widths would differ).
 
     Attributes:
         prefill_chunk: with several rows, prompt tokens a joining request feeds per
@@ -263,7 +267,7 @@ class Engine:
     def __init__(self, model, tokenizer, *, store=None, draft_model=None, prompt_lookup: bool = False,
                  num_draft_tokens: int = 4, prefill_step: int = 2048, checkpoint_interval: int = 256,
                  decode_concurrency: int = 1, prompt_concurrency: int = 8, vocab_size: Optional[int] = None,
-                 grammars: Optional[Grammars] = None, mtp=None):
+                 grammars: Optional[Grammars] = None, group=None, mtp=None):
         self.model = model
         self.tokenizer = tokenizer
         self.store = store
@@ -275,6 +279,7 @@ class Engine:
         self.vocab_size = vocab_size or len(tokenizer.vocab)
         self.grammars = grammars
         self.decode_concurrency = decode_concurrency
+        self.group = group
         self.prompt_concurrency = prompt_concurrency
         self.mtp = mtp
         drafting = prompt_lookup or draft_model is not None or mtp is not None
@@ -284,7 +289,7 @@ class Engine:
         self.decoder = BatchDecoder(model, num_draft_tokens=num_draft_tokens if drafting else 0,
                                     draft_model=draft_model, prefill_step=prefill_step,
                                     draft_min_prob=DRAFT_MIN_PROB if draft_model is not None else 0.0,
-                                    gate=not one, one_row=one, mtp=mtp)
+                                    gate=not one and group is None, one_row=one, mtp=mtp)
         self._buffers: dict[str, collections.deque] = {}
         self._prefilling = 0  # prompts being prefilled (at most prompt_concurrency)
         # Prompts fed together (several rows only): the batch holds exactly the `_joining` entries
@@ -405,7 +410,8 @@ class Engine:
         or a store (the decoder feeds a fresh one)."""
         if self.draft_model is None or self.store is None:
             return None
-        drt = Runtime(self.draft_model, store=self.store, cache_salt=req.cache_salt, gdn_prefill="auto")
+        drt = Runtime(self.draft_model, store=self.store, cache_salt=req.cache_salt, gdn_prefill="auto",
+                      group=self.group)
         if len(req.ids) > 1:
             drt.prefill(req.ids[:-1], step_size=self.prefill_step)
         return drt
@@ -449,7 +455,8 @@ class Engine:
         self._prefilling += 1
         steps = None
         try:
-            rt = Runtime(self.model, store=self.store, cache_salt=req.cache_salt, gdn_prefill="auto")
+            rt = Runtime(self.model, store=self.store, cache_salt=req.cache_salt, gdn_prefill="auto",
+                         group=self.group)
             if len(req.ids) == 1:
                 return rt, 0, "-"
             ids = req.ids[:-1]
