@@ -43,6 +43,8 @@ _LAZY = {
     "PromptLookup": "lookup",
     "BatchRuntime": "batch",
     "BatchDecoder": "batch",
+    "MTPHead": "mtp",
+    "load_head": "mtp",
 }
 
 __all__ = [

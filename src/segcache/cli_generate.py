@@ -1,7 +1,7 @@
 """`segcache generate`: plain or speculative generation from local mlx-lm model directories.
 
     segcache generate --model PATH --prompt TEXT --max-tokens N
-        [--draft-model PATH --num-draft-tokens K [--draft-min-prob P] | --prompt-lookup] [--temp T --seed S] [--verbose]
+        [--draft-model PATH --num-draft-tokens K [--draft-min-prob P] | --prompt-lookup | --mtp [--mtp-weights PATH]] [--temp T --seed S] [--verbose]
 """
 
 from __future__ import annotations
@@ -24,6 +24,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     drafter = p.add_mutually_exclusive_group()
     drafter.add_argument("--draft-model", help="draft model directory sharing the target's tokenizer")
     drafter.add_argument("--prompt-lookup", action="store_true", help="draft by n-gram lookup in prompt + output")
+    drafter.add_argument("--mtp", action="store_true", help="draft with the model's own multi-token-prediction "
+                         "head (Qwen3-Next, Qwen3.5: mtp.safetensors in the model directory, see "
+                         "`segcache mtp extract`), --num-draft-tokens deep")
+    p.add_argument("--mtp-weights", metavar="PATH", help="with --mtp: the head's file (or the original "
+                   "checkpoint holding mtp.* tensors) instead of the model directory's")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="drafts per round, at most (default 4)")
     p.add_argument("--draft-min-prob", type=float, default=None,
                    help="with --draft-model: stop a round's drafting after a draft the draft model gives "
@@ -80,6 +85,13 @@ def run(args: argparse.Namespace) -> int:
         draft_model = None
         if args.draft_model:
             draft_model, _ = _load(args.draft_model, "draft model")
+        head = None
+        if getattr(args, "mtp_weights", None) and not getattr(args, "mtp", False):
+            raise ValueError("--mtp-weights needs --mtp")
+        if getattr(args, "mtp", False):
+            from .mtp import head_for
+
+            head = head_for(model, args.model, getattr(args, "mtp_weights", None))
         sampler = make_sampler(args.temp, top_p=getattr(args, "top_p", 0.0))
         prompt = _prompt(tokenizer, args.prompt, getattr(args, "ignore_chat_template", False))
         response = None
@@ -102,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             for response in stream_generate(
                 model, tokenizer, prompt,
-                draft_model=draft_model, prompt_lookup=args.prompt_lookup,
+                draft_model=draft_model, prompt_lookup=args.prompt_lookup, mtp=head,
                 num_draft_tokens=args.num_draft_tokens, max_tokens=args.max_tokens, sampler=sampler,
                 runtime=runtime,
                 **({} if args.draft_min_prob is None else {"draft_min_prob": args.draft_min_prob}),

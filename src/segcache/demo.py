@@ -3,7 +3,8 @@
 1. load the target (hybrid) and the draft;
 2. open a persistent prefix store (the user's cache directory by default);
 3. complete a code prompt with plain greedy decoding (mlx-lm), with the draft
-   model and with prompt lookup, and check that all three texts are identical;
+   model, with prompt lookup and (when the target has one) with its own MTP
+   head, and check that all the texts are identical;
 4. run a second request that continues the first one and compare its
    time-to-first-token cold and warm, saying which tier the hit came from;
 5. print the store's stats.
@@ -67,6 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the draft probability below which a round drafts no further "
                              "(default: stream_generate's; 0 = always draft --num-draft-tokens)")
     parser.add_argument("--lookup-tokens", type=int, default=4, help="drafts per round with prompt lookup")
+    parser.add_argument("--mtp-tokens", type=int, default=2,
+                        help="draft depth with the target's MTP head (when its directory has mtp.safetensors)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each way (the fastest counts)")
     parser.add_argument("--report", help="also write the results as JSON to this file")
     parser.add_argument("--runtime", action="store_true", help="walk through fork / commit / rollback instead")
@@ -189,6 +192,9 @@ def run(args) -> int:
     for role, path, model in (("target", target_dir, target), ("draft", draft_dir, draft)):
         params = sum(v.size for _, v in _flat(model.parameters()))
         print(f"    {role:<7}{model.model_type:<11}{params / 1e6:5.2f}M parameters  {shown(path)}")
+    head = _mtp_head(target, target_dir)
+    if head is not None:
+        print(f"    MTP head of the target: {head.num_layers} layer(s)  {shown(target_dir / 'mtp.safetensors')}")
     prompt_ids = tokenizer.encode(PROMPT)
 
     cache_dir = Path(args.prompt_cache_dir) if args.prompt_cache_dir else default_cache_dir()
@@ -209,6 +215,9 @@ def run(args) -> int:
             "prompt lookup": lambda n: stream_generate(target, tokenizer, prompt_ids, prompt_lookup=True,
                                                        num_draft_tokens=args.lookup_tokens, max_tokens=n),
         }
+        if head is not None:
+            ways["MTP head"] = lambda n: stream_generate(target, tokenizer, prompt_ids, mtp=head,
+                                                         num_draft_tokens=args.mtp_tokens, max_tokens=n)
         for way in ways.values():
             for _ in way(8):
                 pass
@@ -252,7 +261,8 @@ def run(args) -> int:
                 "tokens": tokens, "text": text, "tps": last.generation_tps, "speedup": speedup,
                 "acceptance": stats.acceptance_rate if stats and stats.drafted else None,
             }
-        print(f"    all three outputs identical: {'yes' if identical else 'NO'}")
+        count = {3: "three", 4: "four"}.get(len(runs), str(len(runs)))
+        print(f"    all {count} outputs identical: {'yes' if identical else 'NO'}")
         report["identical"] = identical
         request1 = {"hit_tokens": resume1.restored, "tier": _tier(resume1),
                     "ttft": prefill_time + stored_run[2].stats.prompt_time}
@@ -286,6 +296,17 @@ def run(args) -> int:
         Path(args.report).write_text(json.dumps(report, indent=1))
     ok = report["identical"] and report["request2"]["same_first_token"]
     return 0 if ok else 1
+
+
+def _mtp_head(model, directory: Path):
+    """The target's MTP head when its directory has one (and its family has heads), else None."""
+    from .errors import UnsupportedModelError
+    from .mtp import load_head
+
+    try:
+        return load_head(model, directory)
+    except UnsupportedModelError:
+        return None
 
 
 def _flat(params):

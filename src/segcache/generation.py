@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import operator
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence, Union
 
@@ -82,10 +83,13 @@ def _tokens(decoder: BatchDecoder, runtime: Runtime, draft: Optional[Runtime], i
     """Prefill, then the decoder's steps on the runtime as a row of one: yields (token, logprobs,
     from_draft) until closed. Every exit settles the open round at the tokens yielded."""
     if len(ids) > 1:
-        if runtime.store is not None:  # resume from the prefix store, publish the prompt
-            runtime.prefill(history[:-1], step_size=prefill_step, checkpoints=checkpoints)
-        else:
-            feed(runtime, ids[:-1], prefill_step)
+        with _collecting(decoder) as hidden:  # with MTP, the prefill's hidden states for its head
+            if runtime.store is not None:  # resume from the prefix store, publish the prompt
+                runtime.prefill(history[:-1], step_size=prefill_step, checkpoints=checkpoints)
+            else:
+                feed(runtime, ids[:-1], prefill_step)
+        if hidden:
+            draft = _hidden_states(hidden, len(history) - 1)
     decoder.add(0, runtime, history[-1], acceptor=acceptor, max_tokens=max_tokens, draft_runtime=draft, stats=stats,
                 processors=processors, stop_tokens=stops)
     clean = False
@@ -112,6 +116,51 @@ def _tokens(decoder: BatchDecoder, runtime: Runtime, draft: Optional[Runtime], i
             stats.commit_time += time.perf_counter() - tic
             if clean and rt.store is not None:
                 rt.publish()  # the next turn resumes from prompt + reply
+
+
+@contextmanager
+def _collecting(decoder: BatchDecoder):
+    """With an MTP drafter, collect the hidden states of the forwards the block runs."""
+    if decoder.mode != "mtp":
+        yield None
+        return
+    with decoder.drafter.tap.collecting() as chunks:
+        yield chunks
+
+
+def _hidden_states(chunks: list, held: int):
+    """The prefill's hidden states as the MTP row's `HiddenStates`: the last positions of the
+    `held` tokens (a prefix restored from the store has none: the drafter computes those)."""
+    from .mtp.drafter import HiddenStates
+
+    hidden = mx.concatenate([c[0] for c in chunks], axis=0)
+    return HiddenStates(hidden) if hidden.shape[0] <= held else None
+
+
+def _mtp_head(model, mtp):
+    """The MTP head `mtp` names for `model`: an MTPHead, True (the head `load_head` attached to
+    the model), or a path (a model directory holding mtp.safetensors or a head / checkpoint file)."""
+    from .mtp import MTPHead, load_head
+    from .mtp.weights import attached
+
+    if isinstance(mtp, MTPHead):
+        if mtp.model is not model:
+            raise ValueError("the MTP head is bound to another model; load it for this one")
+        return mtp
+    if mtp is True:
+        head = attached(model)
+        if head is None:
+            raise ValueError("mtp=True: this model has no MTP head loaded; pass mtp=PATH (the model "
+                             "directory, or the head's file) or load one with segcache.mtp.load_head")
+        return head
+    from pathlib import Path
+
+    path = Path(mtp)
+    head = load_head(model, path) if path.is_dir() else load_head(model, mtp_weights=path)
+    if head is None:
+        raise ValueError(f"no MTP head at {path} (no mtp.safetensors, no mtp.* tensors); "
+                         "write one with `segcache mtp extract`")
+    return head
 
 
 def _prompt_ids(tokenizer: TokenizerWrapper, prompt) -> list[int]:
@@ -161,6 +210,7 @@ def stream_generate(
     prefill_checkpoints: Sequence[int] = (),
     seed: Optional[int] = None,
     processors: Optional[Processors] = None,
+    mtp=None,
 ) -> Iterator[GenerationResponse]:
     """Generate on segcache runtimes, speculatively with a draft model or prompt lookup.
 
@@ -204,6 +254,12 @@ def stream_generate(
             bias, a grammar), applied at every position the target computes as plain
             decoding would, drafted positions included; the output equals plain
             decoding with them.
+        mtp: draft with the target's own multi-token-prediction head (Qwen3-Next,
+            Qwen3.5): an `MTPHead`, True (the head `segcache.mtp.load_head` loaded
+            for this model), or a path (a model directory with `mtp.safetensors`,
+            a head file, or an original checkpoint's mtp.* tensors). Depth
+            `num_draft_tokens` (the head applied on its own outputs); `adaptive`
+            halves and doubles it as for prompt lookup. Greedy output is unchanged.
 
     Yields:
         GenerationResponse per token; the last one has `finish_reason` set.
@@ -216,9 +272,10 @@ def stream_generate(
         raise ValueError("max_tokens must be non-zero (use -1 for no limit)")
     if draft_runtime is not None and draft_model is None:
         draft_model = draft_runtime.model
-    if draft_model is not None and prompt_lookup:
-        raise ValueError("choose one drafter: draft_model or prompt_lookup, not both")
-    if (draft_model is not None or prompt_lookup) and num_draft_tokens < 1:
+    if sum((draft_model is not None, bool(prompt_lookup), mtp not in (None, False))) > 1:
+        raise ValueError("choose one drafter: draft_model or prompt_lookup or mtp, not several")
+    head = _mtp_head(model, mtp) if mtp not in (None, False) else None
+    if (draft_model is not None or prompt_lookup or head is not None) and num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
     if not 0.0 <= draft_min_prob <= 1.0:
         raise ValueError(f"draft_min_prob must be a probability in [0, 1], got {draft_min_prob}")
@@ -247,11 +304,14 @@ def stream_generate(
                 "the target runtime holds tokens fed without Runtime.forward (ids unknown), so a "
                 "draft model cannot be brought up to date; use prompt lookup or a fresh runtime"
             )
+    if head is not None and None in history[: len(history) - 1]:
+        raise ValueError("the target runtime holds tokens fed without Runtime.forward (ids unknown), "
+                         "which the MTP head needs; use a fresh runtime")
     decoder = BatchDecoder(
-        model, num_draft_tokens=num_draft_tokens if draft is not None or prompt_lookup else 0,
+        model, num_draft_tokens=num_draft_tokens if draft is not None or prompt_lookup or head else 0,
         draft_model=draft_model if draft is not None else None, prefill_step=prefill_step_size,
         draft_min_prob=draft_min_prob if adaptive and draft is not None else 0.0,
-        gate=False, one_row=True, adaptive=adaptive,
+        gate=False, one_row=True, adaptive=adaptive, mtp=head,
     )
     stats = GenerationStats(mode=decoder.mode, prompt_tokens=len(ids))
     acceptor = make_acceptor(sampler, None if seed is None else Keys(seed))

@@ -148,9 +148,12 @@ class BatchDecoder:
 
     def __init__(self, model, *, num_draft_tokens: int = 0, recurrent_strategy: str = "auto",
                  draft_model=None, draft_min_prob: float = 0.0, prefill_step: int = 2048,
-                 gate: bool | Gate = True, pipeline: bool = True, one_row: bool = False, adaptive: bool = True):
-        if draft_model is not None and num_draft_tokens < 1:
-            raise ValueError(f"a draft model needs num_draft_tokens >= 1, got {num_draft_tokens}")
+                 gate: bool | Gate = True, pipeline: bool = True, one_row: bool = False, adaptive: bool = True,
+                 mtp=None):
+        if (draft_model is not None or mtp is not None) and num_draft_tokens < 1:
+            raise ValueError(f"a draft model or MTP head needs num_draft_tokens >= 1, got {num_draft_tokens}")
+        if draft_model is not None and mtp is not None:
+            raise ValueError("choose one drafter: a draft model or the MTP head, not both")
         if not 0.0 <= draft_min_prob <= 1.0:
             raise ValueError(f"draft_min_prob must be a probability in [0, 1], got {draft_min_prob}")
         if num_draft_tokens < 0:
@@ -164,9 +167,16 @@ class BatchDecoder:
             rows = OneRow(draft_model) if one_row else BatchRuntime(draft_model, recurrent_strategy=recurrent_strategy)
             self.draft = rows
             self.drafter = DraftModel(rows, min_prob=draft_min_prob, prefill_step=prefill_step)
+        elif mtp is not None:
+            from ..mtp.drafter import MTP  # mlx-lm's qwen3 modules load only with MTP on
+
+            if mtp.model is not model:
+                raise ValueError("the MTP head is bound to another model than this decoder's target")
+            self.drafter = MTP(mtp, prefill_step=prefill_step)
         elif num_draft_tokens:
             self.drafter = Lookup()
-        self.mode = "draft" if draft_model is not None else "lookup" if num_draft_tokens else "plain"
+        self.mode = ("draft" if draft_model is not None else "mtp" if mtp is not None
+                     else "lookup" if num_draft_tokens else "plain")
         self.gate = None if not num_draft_tokens or gate is False else Gate() if gate is True else gate
         self.policy = DraftPolicy(num_draft_tokens, gate=self.gate,
                                   min_prob=draft_min_prob if draft_model is not None else 0.0, adaptive=adaptive)
@@ -212,7 +222,7 @@ class BatchDecoder:
             raise ValueError(f"add({row_id!r}): this decoder holds one row, {next(iter(self.rows))!r}, already")
         if runtime.model is not self.model:
             raise ValueError(f"add({row_id!r}): the runtime is of another model")
-        if draft_runtime is not None and self.draft is None:
+        if draft_runtime is not None and self.draft is None and self.mode != "mtp":
             raise ValueError(f"add({row_id!r}): a draft runtime without a draft model")
         history = runtime.tokens + [pending]
         self._close()  # a row joins settled rows
@@ -544,6 +554,8 @@ class BatchDecoder:
                 raise InvariantError(f"draft rows {self.draft.ids} but target rows {self.batch.ids}")
         for s in self.rows.values():
             s.estimate.check()
+        if self.mode == "mtp" and self._round is None:
+            self.drafter.check([self.rows[r] for r in self.batch.ids])
         if self.gate is not None and isinstance(self.gate.cost, MeasuredCost):
             self.gate.cost.check()
         for rid in self.batch.ids:

@@ -56,6 +56,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     drafter = p.add_mutually_exclusive_group()
     drafter.add_argument("--draft-model", help="draft model directory sharing the model's tokenizer")
     drafter.add_argument("--prompt-lookup", action="store_true", help="draft by n-gram lookup in prompt + output")
+    drafter.add_argument("--mtp", action="store_true", help="draft with the model's own multi-token-prediction "
+                         "head (Qwen3-Next, Qwen3.5: mtp.safetensors in the model directory, see "
+                         "`segcache mtp extract`), --num-draft-tokens deep")
+    p.add_argument("--mtp-weights", metavar="PATH", help="with --mtp: the head's file (or the original "
+                   "checkpoint holding mtp.* tensors) instead of the model directory's")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="drafts per round, at most (default 4)")
     p.add_argument("--prompt-cache-dir", help="prefix store directory (default: one per model identity under "
                    "the user's cache directory, e.g. ~/.cache/segcache/serve/<identity>)")
@@ -109,6 +114,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="checkpoint a long prompt every N tokens, so another prompt sharing only its start "
                         "resumes within N tokens of where they part (default 256; 0: only at chat message "
                         "boundaries, prompt ends and branch points)")
+    p.add_argument("--pipeline", action="store_true",
+                   help="under mlx.launch: split the model's layers over the ranks (pipeline parallel) instead of "
+                        "its heads (tensor parallel, the default), as mlx_lm.server; ignored in one process")
+    p.add_argument("--rank-timeout", type=float, default=300.0,
+                   help="under mlx.launch: seconds a rank waits for the others at a step (the slowest rank's "
+                        "longest step, a prefill chunk included) before it stops, saying so (default 300)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     p.set_defaults(handler=run)
     return p
@@ -177,6 +188,17 @@ def _open_store(args, model):
     return store, path
 
 
+def _group():
+    """This rank's `Group` when started by mlx.launch (a group of more than one), else None."""
+    import mlx.core as mx
+
+    if mx.distributed.init().size() == 1:
+        return None
+    from ..distributed.serve import Group
+
+    return Group()
+
+
 def api_keys(args) -> list[str]:
     """The accepted API keys: every --api-key (else $SEGCACHE_API_KEY) and the --api-key-file's.
 
@@ -212,9 +234,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(message)s")
     if (args.num_draft_tokens < 1 or args.max_tokens < 1 or args.prefill_step_size < 1 or args.max_queue < 0
             or args.checkpoint_interval < 0 or args.decode_concurrency < 1 or args.prompt_concurrency < 1
-            or not args.request_timeout > 0 or args.max_connections < 0):
+            or not args.request_timeout > 0 or args.max_connections < 0 or not args.rank_timeout > 0):
         print("segcache serve: --num-draft-tokens, --max-tokens, --prefill-step-size, --decode-concurrency and "
-              "--prompt-concurrency must be >= 1, --request-timeout > 0, "
+              "--prompt-concurrency must be >= 1, --request-timeout and --rank-timeout > 0, "
               "--max-queue, --checkpoint-interval and --max-connections >= 0", file=sys.stderr)
         return 2
     try:
@@ -249,13 +271,19 @@ def run(args: argparse.Namespace) -> int:
     template = args.chat_template
     if template is not None and Path(template).is_file():
         template = Path(template).read_text()
-    loaded = []
+    group = _group()  # under mlx.launch: this rank's (docs/distributed.md); None in one process
+    loaded, failure = [], None
     for path in filter(None, (args.model, args.draft_model)):
-        try:
-            loaded.append(load(path))
+        try:  # the model sharded over the group; a draft model whole on every rank
+            loaded.append(group.load(path, args.pipeline) if group is not None and not loaded else load(path))
         except Exception as exc:  # mlx-lm raises several types for a bad directory
-            print(f"segcache serve: cannot load the model at {path}: {exc}", file=sys.stderr)
-            return 1
+            failure = f"segcache serve: cannot load the model at {path}: {exc}"
+            break
+    if group is not None:
+        failure = group.loaded(failure, args)  # every rank loaded, with the same settings, or every rank stops
+    if failure is not None:
+        print(failure, file=sys.stderr)
+        return 1
     model, tokenizer = loaded[0]
     draft = loaded[1][0] if args.draft_model else None
     vocab = _lookup(_config(args.model) or _model_args(model), "vocab_size")
@@ -263,16 +291,34 @@ def run(args: argparse.Namespace) -> int:
         print("segcache serve: the draft model's vocabulary differs from the model's; the draft must share "
               "its tokenizer", file=sys.stderr)
         return 2
-    store, path = _open_store(args, model)
+    head = None
+    if getattr(args, "mtp_weights", None) and not getattr(args, "mtp", False):
+        print("segcache serve: --mtp-weights needs --mtp", file=sys.stderr)
+        return 2
+    if getattr(args, "mtp", False):
+        from ..errors import SegcacheError
+        from ..mtp import head_for
+
+        try:
+            head = head_for(model, args.model, args.mtp_weights)
+        except SegcacheError as exc:
+            print(f"segcache serve: --mtp: {exc}", file=sys.stderr)
+            return 2
+    store, path = _open_store(args, model) if group is None else group.open_store(args, model)
     settings = _settings(args, model, tokenizer, keys)
     name = settings.served_name
-    options = dict(store=store, draft_model=draft, prompt_lookup=args.prompt_lookup,
+    options = dict(store=store, draft_model=draft, prompt_lookup=args.prompt_lookup, mtp=head,
                    num_draft_tokens=args.num_draft_tokens, prefill_step=args.prefill_step_size,
                    checkpoint_interval=args.checkpoint_interval, vocab_size=vocab)
     running = args.decode_concurrency
     engine = Engine(model, tokenizer, decode_concurrency=running, prompt_concurrency=args.prompt_concurrency,
-                    **options)
-    scheduler = Scheduler(engine, max_queue=args.max_queue, max_running=running, begin_step=engine.begin_step)
+                    group=group.channel if group is not None else None, **options)
+    if group is not None and not group.leader:  # no HTTP here: rank 0's steps, until it stops or is lost
+        return group.follow(engine, args, store, path)
+    if group is not None:
+        scheduler = group.scheduler(engine, args)
+    else:
+        scheduler = Scheduler(engine, max_queue=args.max_queue, max_running=running, begin_step=engine.begin_step)
     worker = Worker(scheduler)
     server = Server(settings, Prompter(tokenizer, template, args.chat_template_args), scheduler, worker, store)
 
@@ -282,6 +328,8 @@ def run(args: argparse.Namespace) -> int:
             store.close()  # the RAM tier reaches disk
             log.info("prefix store flushed and closed: %s", shown(path))
         release_streams()  # this thread loaded the models (see release_streams)
+        if group is not None and group.lost is not None:
+            group.exit()  # the group lost a rank: stop here, saying why (the requests in flight failed)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -290,9 +338,11 @@ def run(args: argparse.Namespace) -> int:
         # has shut down, which ends the process before any code after it.
         close()
 
-    mode = "draft model" if draft is not None else "prompt lookup" if args.prompt_lookup else "plain"
+    mode = ("draft model" if draft is not None else "prompt lookup" if args.prompt_lookup
+            else f"MTP depth {args.num_draft_tokens}" if head is not None else "plain")
     rows = f", up to {args.decode_concurrency} rows batched" if args.decode_concurrency > 1 else ""
-    log.info("serving %s (%s decoding%s) on http://%s:%d; prefix store: %s", name, mode, rows, args.host,
+    ranks = f", rank 0 of {group.size} ({group.parallel} parallel)" if group is not None else ""
+    log.info("serving %s (%s decoding%s%s) on http://%s:%d; prefix store: %s", name, mode, rows, ranks, args.host,
              args.port, shown(path) if store is not None else "none")
     max_connections = args.max_connections or default_max_connections(open_files, _BACKLOG)
     log.info("connections: at most %d open, requests whole within %g s; open files: %s", max_connections,

@@ -32,6 +32,7 @@ Runtime and publishes nothing. Everything here runs on the model thread.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -223,6 +224,7 @@ class _Joining:
     seconds: float = 0.0  # its share of the forwards that fed it
     runtime: Optional[Runtime] = None  # the prompt, all fed: set when done
     failed: Optional[str] = None  # a forward that fed it failed
+    hidden: list = field(default_factory=list)  # with MTP: the target's hidden states of what it fed
 
 
 class Engine:
@@ -243,6 +245,12 @@ class Engine:
         vocab_size: the model's vocabulary (its logits' width; default: the tokenizer's).
         grammars: the model's structured-output compiler, shared with the HTTP side (which
             compiles a request's schema first, so a bad one is a 400); built here when None.
+        mtp: the target's `MTPHead` to draft with (exclusive with draft_model and
+            prompt_lookup), or None. Prefills keep the hidden states they compute for it.
+        group: a `segcache.distributed.Channel` when this engine is one rank's of a sharded
+            model (`segcache serve` under mlx.launch): every Runtime it builds agrees its
+            prefix resumes with the other ranks, and batches draft without the cost gate
+            (it times each rank's own steps, so the ranks' widths would differ).
 
     Attributes:
         prefill_chunk: with several rows, prompt tokens a joining request feeds per
@@ -259,7 +267,7 @@ class Engine:
     def __init__(self, model, tokenizer, *, store=None, draft_model=None, prompt_lookup: bool = False,
                  num_draft_tokens: int = 4, prefill_step: int = 2048, checkpoint_interval: int = 256,
                  decode_concurrency: int = 1, prompt_concurrency: int = 8, vocab_size: Optional[int] = None,
-                 grammars: Optional[Grammars] = None):
+                 grammars: Optional[Grammars] = None, group=None, mtp=None):
         self.model = model
         self.tokenizer = tokenizer
         self.store = store
@@ -271,21 +279,24 @@ class Engine:
         self.vocab_size = vocab_size or len(tokenizer.vocab)
         self.grammars = grammars
         self.decode_concurrency = decode_concurrency
+        self.group = group
         self.prompt_concurrency = prompt_concurrency
-        drafting = prompt_lookup or draft_model is not None
+        self.mtp = mtp
+        drafting = prompt_lookup or draft_model is not None or mtp is not None
         one = decode_concurrency == 1
         # One row: the speculative width adapts per round, as stream_generate's (the cost gate
         # is for batches, where a wider verify multiplies over rows).
         self.decoder = BatchDecoder(model, num_draft_tokens=num_draft_tokens if drafting else 0,
                                     draft_model=draft_model, prefill_step=prefill_step,
                                     draft_min_prob=DRAFT_MIN_PROB if draft_model is not None else 0.0,
-                                    gate=not one, one_row=one)
+                                    gate=not one and group is None, one_row=one, mtp=mtp)
         self._buffers: dict[str, collections.deque] = {}
         self._prefilling = 0  # prompts being prefilled (at most prompt_concurrency)
         # Prompts fed together (several rows only): the batch holds exactly the `_joining` entries
         # whose runtime is not ready yet.
         self.prefill_batch = None if one else PrefillBatch(model, gdn_prefill="auto")
         self._joining: dict[str, _Joining] = {}
+        self._hidden: dict[str, list] = {}  # with MTP: request id -> its prefill's hidden states
         self._stepped = self._prefilled = False  # the decoder's / prefill batch's step of this scheduler step ran
         self._dirty = False  # published records may still be only in RAM
         self.decode_steps = 0  # decoder steps run (counters for tests and logs)
@@ -350,12 +361,15 @@ class Engine:
         goes out. Closing the generator cancels the request: its rows leave and each publishes
         prompt + what its client received.
         """
-        rt, cached, tier = yield from self._prefill(req)
+        try:
+            rt, cached, tier = yield from self._prefill(req)
+        finally:
+            hidden = self._hidden.pop(req.id, None)
         controls = req.settings()
         sampler = controls.sampler(self.tokenizer)
         processors = controls.processors(self.vocab_size, self._grammars(controls)) or None
         keys = controls.keys()
-        drt = self._draft_runtime(req)
+        drt = self._draft_runtime(req) if self.mtp is None else self._hidden_states(req, hidden)
         waiting = list(range(req.n))
         running: list[_Choice] = []
         try:
@@ -396,10 +410,33 @@ class Engine:
         or a store (the decoder feeds a fresh one)."""
         if self.draft_model is None or self.store is None:
             return None
-        drt = Runtime(self.draft_model, store=self.store, cache_salt=req.cache_salt, gdn_prefill="auto")
+        drt = Runtime(self.draft_model, store=self.store, cache_salt=req.cache_salt, gdn_prefill="auto",
+                      group=self.group)
         if len(req.ids) > 1:
             drt.prefill(req.ids[:-1], step_size=self.prefill_step)
         return drt
+
+    def _hidden_states(self, req: GenRequest, hidden: Optional[list]):
+        """The MTP row's `HiddenStates`: what the prompt's forwards computed (the last positions;
+        a prefix restored from the store has none, and the drafter computes it)."""
+        from ..mtp import HiddenStates
+
+        if not hidden:
+            return None
+        states = mx.concatenate(hidden, axis=0)
+        return HiddenStates(states) if states.shape[0] <= len(req.ids) - 1 else None
+
+    @contextlib.contextmanager
+    def _collect(self, into: Optional[list]):
+        """With MTP, keep the hidden states of the target's forwards run in the block (row 0)."""
+        if into is None:
+            yield
+            return
+        with self.decoder.drafter.tap.collecting() as chunks:
+            try:
+                yield
+            finally:  # the prefill's last forward ends its generator (StopIteration)
+                into.extend(c[0] for c in chunks)
 
     def _prefill(self, req: GenRequest) -> Generator[None, None, tuple[Runtime, int, str]]:
         """Resume the prompt (all but its last token) from the store, then feed the rest, yielding
@@ -418,7 +455,8 @@ class Engine:
         self._prefilling += 1
         steps = None
         try:
-            rt = Runtime(self.model, store=self.store, cache_salt=req.cache_salt, gdn_prefill="auto")
+            rt = Runtime(self.model, store=self.store, cache_salt=req.cache_salt, gdn_prefill="auto",
+                         group=self.group)
             if len(req.ids) == 1:
                 return rt, 0, "-"
             ids = req.ids[:-1]
@@ -427,12 +465,14 @@ class Engine:
             steps = rt.prefill_steps(ids, step_size=chunk, checkpoints=self._checkpoints(req))
             resume = next(steps)  # where the prompt resumed from: this request's own answer
             left = len(ids) - resume.tokens
+            hidden = self._hidden[req.id] = [] if self.mtp is not None else None
             if one or not left or resume.tokens > left:
                 while True:
                     if not one:
                         yield None  # another scheduler step: the running rows decode before the next chunk
                     try:
-                        next(steps)  # one forward (the last one also publishes)
+                        with self._collect(hidden):
+                            next(steps)  # one forward (the last one also publishes)
                     except StopIteration:
                         break
                     self.prefill_chunks += 1
@@ -447,6 +487,8 @@ class Engine:
                 self._prefill_step()
                 if joining.failed is not None:
                     raise StepFailed(joining.failed)
+            if hidden is not None:
+                hidden.extend(joining.hidden)
             return joining.runtime, resume.restored, resume.tier
         finally:
             self._prefilling -= 1
@@ -466,7 +508,13 @@ class Engine:
         rows = len(batch)
         tic = time.perf_counter()
         try:
-            reached = batch.step(self.prefill_chunk if len(self.decoder) else self.prefill_step)
+            ids = batch.batch.ids
+            with self._collect(None if self.mtp is None else []):
+                reached = batch.step(self.prefill_chunk if len(self.decoder) else self.prefill_step)
+                if self.mtp is not None:  # each prompt's row of the forward's hidden states
+                    fed = self.decoder.drafter.tap.chunks[-1]
+                    for i, rid in enumerate(ids):
+                        self._joining[rid].hidden.append(fed[i])
         except Exception as exc:  # every prompt of the forward fails; the batch is dropped whole
             log.exception("a prefill forward of %d prompt(s) failed; failing each of them", rows)
             for rid in list(batch.prompts):
@@ -502,7 +550,7 @@ class Engine:
             rt = self.decoder.release(choice.row, pending=not choice.on_eos)  # the row has left
             rt.store, rt.cache_salt = self.store, req.cache_salt  # a batch row's copy has neither
             rt.publish()
-            if self.decoder.one_row and choice.draft is not None:
+            if self.decoder.one_row and isinstance(choice.draft, Runtime):
                 choice.draft.publish()  # its draft runtime itself was the draft row: the next turn resumes it
             self._dirty = True
         finally:
