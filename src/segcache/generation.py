@@ -36,6 +36,7 @@ from .drafters import eval_cache as _eval_cache
 from .drafters import feed as _feed
 from .drafters import normalize as _normalize
 from .errors import BranchError
+from .kvquant import KVQuantization
 from .lookup import PromptLookup
 from .runtime import Runtime
 
@@ -359,6 +360,10 @@ def stream_generate(
     adaptive: bool = True,
     draft_min_prob: float = DRAFT_MIN_PROB,
     prefill_checkpoints: Sequence[int] = (),
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = 5000,
+    max_kv_size: Optional[int] = None,
 ) -> Iterator[GenerationResponse]:
     """Generate on segcache runtimes, speculatively with a draft model or prompt lookup.
 
@@ -395,6 +400,11 @@ def stream_generate(
         prefill_checkpoints: with a store-backed `runtime`, more positions (in
             runtime tokens + prompt) its prefill checkpoints on the way, e.g.
             chat message boundaries (see `Runtime.prefill`).
+        kv_bits, kv_group_size, quantized_kv_start: mlx-lm's KV cache
+            quantization, for the runtimes made here and set on those given
+            (`Runtime.quantize_kv`; both target and draft, as mlx-lm does).
+        max_kv_size: as mlx-lm's: for a runtime made here, of a model without
+            `make_cache`, sliding windows of this many tokens (ignored otherwise).
 
     Yields:
         GenerationResponse per token; the last one has `finish_reason` set.
@@ -417,15 +427,16 @@ def stream_generate(
         tokenizer = TokenizerWrapper(tokenizer)
     ids = _prompt_ids(tokenizer, prompt)
 
+    quantization = KVQuantization.of(kv_bits, kv_group_size, quantized_kv_start)  # ValueError if bad
     if runtime is None:
-        runtime = Runtime(model)
+        runtime = Runtime(model, max_kv_size=max_kv_size)
     _check_runtime(runtime, model, "runtime")
     if draft_runtime is not None and draft_runtime is runtime:
         raise ValueError("draft_runtime must be a runtime of its own, not the target's runtime")
     history = runtime.tokens + ids
     draft = None
     if draft_model is not None:
-        draft = draft_runtime if draft_runtime is not None else Runtime(draft_model)
+        draft = draft_runtime if draft_runtime is not None else Runtime(draft_model, max_kv_size=max_kv_size)
         _check_runtime(draft, draft_model, "draft_runtime")
         held = draft.tokens
         if held != history[: len(held)] or len(held) >= len(history):
@@ -438,6 +449,11 @@ def stream_generate(
                 "the target runtime holds tokens fed without Runtime.forward (ids unknown), so a "
                 "draft model cannot be brought up to date; use prompt lookup or a fresh runtime"
             )
+    if quantization is not None:  # both checked before either changes
+        for rt in filter(None, (runtime, draft)):
+            rt.check_quantize_kv(quantization)
+        for rt in filter(None, (runtime, draft)):
+            rt.quantize_kv(quantization)
     lookup = None
     if prompt_lookup:
         lookup = PromptLookup()

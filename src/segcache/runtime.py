@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Generator, Iterable, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import make_prompt_cache
 
 from . import adapters
 from .adapters.chunked import chunked_threshold
@@ -23,7 +23,10 @@ from .errors import (
     UnsupportedModelError,
     UnsupportedOperationError,
 )
+from .kvquant import DEFAULT_GROUP_SIZE, DEFAULT_START, KVQuantization
 from .layers import registry
+from .layers.compat import QuantizeRefused
+from .layers.kv import KVLayer
 from .layers.protocol import PAGES, UNSTORED
 from .layers.recurrent import STRATEGIES, RecurrentLayer
 from .layers.state import default_state_strategy
@@ -94,13 +97,14 @@ class Branch:
         return f"Branch(base={self.base_offset}, {state})"
 
 
-def _build_layers(model, strategy: str, branch_state_bytes: int, state_strategy: str | None = None) -> list:
+def _build_layers(model, strategy: str, branch_state_bytes: int, state_strategy: str | None = None,
+                  max_kv_size: int | None = None) -> list:
     """One layer cache per decoder layer; the model is changed only if every layer is supported.
 
     First every layer is matched to a segment kind (raising before anything
     changed), then the recurrent modules are adapted, all or none.
     """
-    native = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
+    native = make_prompt_cache(model, max_kv_size)  # mlx-lm's own rule: the model's make_cache if it has one
     layers = registry.owners(model, native)
     if layers is None:
         raise UnsupportedModelError(
@@ -175,6 +179,15 @@ class Runtime:
             or more; within float rounding of native), or "auto" (chunked off
             Metal, native on Metal; `adapters.chunked.default_gdn_prefill`; what
             `segcache generate`, `serve` and `demo` use).
+        kv_bits, kv_group_size, quantized_kv_start: mlx-lm's KV cache
+            quantization, applied where mlx-lm's `generate_step` applies it:
+            after each forward outside a branch, full-attention layers holding
+            `quantized_kv_start` tokens or more become quantized layers
+            (`segcache.kvquant`). None (the default): never.
+        max_kv_size: as mlx-lm's `make_prompt_cache(model, max_kv_size)`: for a
+            model without `make_cache`, every layer is a sliding window of this
+            many tokens (keeping the first 4); ignored when the model makes its
+            own cache, as in mlx-lm.
 
     Attributes:
         model: the model.
@@ -192,6 +205,10 @@ class Runtime:
         recurrent_strategy: str = "auto",
         branch_state_bytes: int = BRANCH_STATE_BYTES,
         gdn_prefill: str = "native",
+        kv_bits: int | None = None,
+        kv_group_size: int = DEFAULT_GROUP_SIZE,
+        quantized_kv_start: int = DEFAULT_START,
+        max_kv_size: int | None = None,
     ):
         if recurrent_strategy not in RECURRENT_STRATEGIES:
             raise ValueError(f"recurrent_strategy must be one of {RECURRENT_STRATEGIES}")
@@ -200,11 +217,14 @@ class Runtime:
         # StateLayer (SSM, short conv, ...): "auto" is "replay" (layers/state.py)
         state_strategy = default_state_strategy() if recurrent_strategy == "auto" else recurrent_strategy
         chunked_from = chunked_threshold(gdn_prefill)  # raises ValueError on a bad name
+        quantization = KVQuantization.of(kv_bits, kv_group_size, quantized_kv_start)  # ValueError if bad
+        if max_kv_size is not None and (not isinstance(max_kv_size, int) or isinstance(max_kv_size, bool) or max_kv_size < 1):
+            raise ValueError(f"max_kv_size must be a positive int or None, got {max_kv_size!r}")
         if recurrent_strategy == "auto":
             recurrent_strategy = default_recurrent_strategy()
         self.model = model
         self.recurrent_strategy = recurrent_strategy
-        self.cache = _build_layers(model, recurrent_strategy, branch_state_bytes, state_strategy)
+        self.cache = _build_layers(model, recurrent_strategy, branch_state_bytes, state_strategy, max_kv_size)
         # cache[i] is _layers[i]: mlx-lm code may replace entries of the list
         # (kv_bits); every operation checks first (_own_layers).
         self._layers = tuple(self.cache)
@@ -218,6 +238,9 @@ class Runtime:
         self._branches: list[Branch] = []
         self.store = store
         self._prefix = None  # store.prefix_cache.PrefixCache for `store`, made on first use; shared with clones
+        self.kv_quantization = None
+        if quantization is not None:
+            self.quantize_kv(quantization)
 
     # -- what the cache holds -------------------------------------------------
 
@@ -274,6 +297,8 @@ class Runtime:
         x = chunk[None] if isinstance(chunk, mx.array) else mx.array(chunk, dtype=mx.uint32)[None]
         try:
             logits = self.model(x, cache=self.cache)
+            if self.kv_quantization is not None and not self._branches:
+                self._quantize_due()  # where mlx-lm's generate_step quantizes: after the model call
         except BaseException:
             for layer, point in zip(self.cache, saved):
                 layer.restore(point)
@@ -335,6 +360,8 @@ class Runtime:
             layer.commit(n)
         self._ledger.truncate(inner.base_offset + n)
         self._close(inner)
+        if self.kv_quantization is not None and not self._branches:
+            self._quantize_due()  # deferred while a branch was open (kvquant)
 
     def _rollback(self, branch: Branch | None) -> None:
         inner = self._innermost(branch, "rollback")
@@ -348,6 +375,61 @@ class Runtime:
     def _close(self, branch: Branch) -> None:
         self._branches.pop()
         branch.open = False
+
+    # -- KV quantization (segcache.kvquant) -------------------------------------------
+
+    def quantize_kv(self, setting: KVQuantization) -> None:
+        """Quantize full-attention layers from now on as mlx-lm's `kv_bits` does (see `segcache.kvquant`).
+
+        As in mlx-lm, a layer switches after a forward (outside a branch; else at
+        the commit closing the outermost branch) that leaves it holding
+        `setting.start` tokens or more; so even at start 0 the first forward runs
+        at full precision. Setting the same value again changes nothing.
+
+        Raises:
+            ValueError: another setting is in force, or a layer is a sliding window
+                (it has no quantized form); nothing changed.
+        """
+        self.check_quantize_kv(setting)
+        self.kv_quantization = setting
+
+    def check_quantize_kv(self, setting: KVQuantization) -> None:
+        """Raise what `quantize_kv(setting)` would raise, changing nothing."""
+        if not isinstance(setting, KVQuantization):
+            raise ValueError(f"quantize_kv() takes a segcache.kvquant.KVQuantization, got {setting!r}")
+        if self.kv_quantization is not None and setting != self.kv_quantization:
+            raise ValueError(
+                f"this runtime quantizes KV with {self.kv_quantization.describe()} already; "
+                f"build a new Runtime for {setting.describe()}"
+            )
+        self._own_layers("quantize_kv")
+        refused = [i for i, layer in enumerate(self.cache) if isinstance(layer, QuantizeRefused)]
+        if refused:
+            raise ValueError(
+                f"kv_bits on a model whose layers {refused[:4]} are sliding windows "
+                f"({type(self.cache[refused[0]]).__name__}): a window has no quantized form (mlx-lm's "
+                "RotatingKVCache.to_quantized raises too); run this model without kv_bits"
+            )
+
+    def _quantize_due(self) -> None:
+        """Swap every full-attention layer holding `start` tokens or more for its quantized form.
+
+        All or nothing: the quantized layers are made first (MLX checks the shapes
+        then: a group size that does not divide the head dimension raises), then swapped.
+        """
+        q = self.kv_quantization
+        due = [i for i, layer in enumerate(self.cache) if type(layer) is KVLayer and layer.offset >= q.start]
+        if not due:
+            return
+        try:
+            made = {i: self.cache[i].to_quantized(group_size=q.group_size, bits=q.bits) for i in due}
+        except ValueError as exc:
+            for i in due:
+                self.cache[i].replaced_by = None
+            raise ValueError(f"cannot quantize the KV cache with {q.describe()}: {exc}") from None
+        for i, layer in made.items():
+            self.cache[i] = layer
+        self._layers = tuple(self.cache)
 
     # -- prefix store -------------------------------------------------------------
 
@@ -567,6 +649,7 @@ class Runtime:
         other._ledger = self._ledger.copy(self.committed_offset)
         other._branches = []
         other.store, other._prefix = self.store, self._prefix
+        other.kv_quantization = self.kv_quantization
         return other
 
     # -- invariants -------------------------------------------------------------
