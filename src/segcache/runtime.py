@@ -27,6 +27,7 @@ from .kvquant import DEFAULT_GROUP_SIZE, DEFAULT_START, KVQuantization
 from .layers import registry
 from .layers.compat import QuantizeRefused
 from .layers.kv import KVLayer
+from .layers.quantized import QuantizedKVLayer
 from .layers.protocol import PAGES, UNSTORED
 from .layers.recurrent import STRATEGIES, RecurrentLayer
 from .layers.state import default_state_strategy
@@ -412,24 +413,50 @@ class Runtime:
             )
 
     def _quantize_due(self) -> None:
-        """Swap every full-attention layer holding `start` tokens or more for its quantized form.
-
-        All or nothing: the quantized layers are made first (MLX checks the shapes
-        then: a group size that does not divide the head dimension raises), then swapped.
-        """
+        """Swap every full-attention layer holding `start` tokens or more for its quantized form."""
         q = self.kv_quantization
         due = [i for i, layer in enumerate(self.cache) if type(layer) is KVLayer and layer.offset >= q.start]
-        if not due:
-            return
+        if due:
+            self._quantize_layers({i: (q.group_size, q.bits) for i in due})
+
+    def _quantize_layers(self, forms: dict) -> None:
+        """Swap layer i (a KVLayer) for its quantized form `forms[i]` = (group_size, bits); all or nothing.
+
+        The quantized layers are made first (MLX checks the shapes then: a group
+        size that does not divide the head dimension raises), then swapped.
+
+        Raises:
+            ValueError: MLX cannot quantize a layer so; nothing changed.
+        """
         try:
-            made = {i: self.cache[i].to_quantized(group_size=q.group_size, bits=q.bits) for i in due}
+            made = {i: self.cache[i].to_quantized(group_size=g, bits=b) for i, (g, b) in forms.items()}
         except ValueError as exc:
-            for i in due:
+            for i in forms:
                 self.cache[i].replaced_by = None
-            raise ValueError(f"cannot quantize the KV cache with {q.describe()}: {exc}") from None
+            raise ValueError(f"cannot quantize the KV cache with group size / bits {sorted(set(forms.values()))}: {exc}") from None
         for i, layer in made.items():
             self.cache[i] = layer
         self._layers = tuple(self.cache)
+
+    def quantized_forms(self) -> dict:
+        """{layer index: (group_size, bits)} of the layers holding quantized K/V."""
+        return {i: (layer.group_size, layer.bits) for i, layer in enumerate(self.cache) if type(layer) is QuantizedKVLayer}
+
+    def quantize_like(self, other: "Runtime") -> None:
+        """Quantize the layers `other` holds quantized, as `other` holds them (no branch may be open).
+
+        The prefix store probes a fresh runtime of the same layout with this.
+
+        Raises:
+            BranchError: a branch is open; nothing changed.
+            ValueError: the layouts differ; nothing changed.
+        """
+        if self._branches:
+            raise BranchError("quantize_like() with an open branch: commit or roll it back first")
+        self._own_layers("quantize_like")
+        forms = {i: f for i, f in other.quantized_forms().items() if type(self.cache[i]) is KVLayer}
+        if forms:
+            self._quantize_layers(forms)
 
     # -- prefix store -------------------------------------------------------------
 
@@ -561,6 +588,8 @@ class Runtime:
         The new runtime builds its own layers (its own options apply) and loads
         copies of the given ones' committed states; its token ids are None (the
         file does not hold them), so it forks and generates, but does not publish.
+        A full-attention layer saved quantized (`QuantizedKVLayer`) is loaded
+        into a quantized layer of the same group size and bits.
 
         Args:
             model: the model the cache was computed with.
@@ -575,6 +604,10 @@ class Runtime:
         cache = list(cache)
         if len(cache) != len(rt.cache):
             raise ValueError(f"from_prompt_cache(): {len(cache)} caches for {len(rt.cache)} layers")
+        forms = {i: (src.group_size, src.bits) for i, (src, own) in enumerate(zip(cache, rt.cache))
+                 if type(src) is QuantizedKVLayer and type(own) is KVLayer}  # saved after kv_bits switched
+        if forms:
+            rt._quantize_layers(forms)
         for i, (src, own) in enumerate(zip(cache, rt.cache)):
             if type(src) is not type(own) or src.layout() != own.layout():
                 found = src.layout() if type(src) is type(own) else type(src).__name__
@@ -620,16 +653,17 @@ class Runtime:
         unstored = [i for i, layer in enumerate(self.cache) if layer.resumes_from == UNSTORED]
         if unstored:
             raise UnsupportedOperationError(
-                f"the prefix store on a runtime whose layers {unstored} are {type(self.cache[unstored[0]]).__name__} "
-                "(mlx-lm's kv_bits quantized them): the store keeps unquantized K/V under the model's identity, "
-                "so it neither publishes nor resumes quantized rows. Prefill and publish before quantizing "
-                "(quantized_kv_start past the prompt), or use a Runtime without kv_bits; nothing was changed"
+                f"the prefix store on a runtime whose layers {unstored} are {type(self.cache[unstored[0]]).__name__}, "
+                "a kind the store cannot hold; use a Runtime without a store; nothing was changed"
             )
-        if self._prefix is None or self._prefix.store is not self.store:
+        if self._prefix is None or self._prefix.store is not self.store or self._prefix.layouts != self._layouts():
             from .store.prefix_cache import PrefixCache
 
-            self._prefix = PrefixCache(self)
+            self._prefix = PrefixCache(self)  # layouts change when kv_bits quantizes the KV layers
         return self._prefix
+
+    def _layouts(self) -> list:
+        return [layer.layout() for layer in self.cache]
 
     # -- sharing ----------------------------------------------------------------
 

@@ -131,6 +131,7 @@ class PrefixCache:
     def __init__(self, rt):
         self.store = rt.store
         self.layout = layout_of(rt)
+        self.layouts = [layer.layout() for layer in rt.cache]  # the layers this cache was made for
 
     def _prompt(self, rt, ids: list[int]) -> PromptKeys:
         return PromptKeys(self.store, self.layout, ids, rt.cache)
@@ -403,8 +404,8 @@ class PrefixCache:
         if store is not None:
             store.note_prefill(L, resumed)
             if start < L:
-                try:
-                    self.publish(rt, ids, self.chosen(snaps + [self.snapshot(rt, last)]))
+                try:  # rt's own cache: kv_bits may have quantized its KV layers on the way (another layout)
+                    rt.prefix_cache().publish(rt, ids, self.chosen(snaps + [self.snapshot(rt, last)]))
                 except Exception as exc:
                     _warn(store, "publish", exc)
         return last
