@@ -1,9 +1,10 @@
 """`segcache serve`: flags, loading, the prefix store, uvicorn and an orderly shutdown.
 
-Flags shared with mlx_lm.server keep its names and meanings (--model,
---draft-model, --num-draft-tokens, --host, --port, --allowed-origins,
---chat-template, --temp, --top-p, --max-tokens, --prefill-step-size,
---log-level). SIGINT/SIGTERM: uvicorn stops accepting, lets requests in flight
+Every flag of mlx_lm.server is taken with its name and meaning (the mlx-lm
+ones segcache does not build yet, --pipeline and --chat-template-args, stop
+with a message; --prompt-cache-size is accepted and ignored: the store is
+bounded by bytes); a few defaults differ on purpose (CORS off, one request
+decoded at a time: tests/test_dropin_help.py lists them). SIGINT/SIGTERM: uvicorn stops accepting, lets requests in flight
 end, then the worker drains and the store is flushed and closed.
 """
 
@@ -48,8 +49,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prompt-cache-dir", help="prefix store directory (default: one per model identity under "
                    "the user's cache directory, e.g. ~/.cache/segcache/serve/<identity>)")
     p.add_argument("--prompt-cache-remote", metavar="URL", help="shared prefix-cache tier on Redis/Valkey, redis://[:password@]host:port/db (rediss:// for TLS); local tiers still serve when it is down")
-    p.add_argument("--ram-bytes", "--prompt-cache-bytes", type=parse_size, default=1 << 30,
-                   help="RAM tier budget (default 1G; --prompt-cache-bytes as mlx_lm.server names it)")
+    p.add_argument("--ram-bytes", type=parse_size, default=1 << 30,
+                   help="RAM tier budget (default 1G; or --prompt-cache-bytes, in mlx_lm.server's units)")
     p.add_argument("--disk-bytes", type=parse_size, default=16 << 30, help="disk tier budget (default 16G)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
@@ -77,8 +78,90 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "resumes within N tokens of where they part (default 256; 0: only at chat message "
                         "boundaries, prompt ends and branch points)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+    _add_mlx_lm_flags(p)
     p.set_defaults(handler=run)
     return p
+
+
+# -- the rest of mlx_lm.server's flags (issue 25; tests/test_dropin_help.py) -----------------
+
+
+def _add_mlx_lm_flags(p: argparse.ArgumentParser) -> None:
+    from .. import dropin
+
+    dropin.add_load_flags(p)
+    dropin.add_default_template_flag(p)
+    p.add_argument("--chat-template-args", type=json.loads, default="{}",
+                   help="more arguments of the chat template, as a JSON object, e.g. '{\"enable_thinking\": false}' "
+                        "(not built yet: anything but {} stops the server with a message)")
+    p.add_argument("--prompt-cache-bytes", type=parse_decimal_size, default=None,
+                   help="the RAM tier's budget (as --ram-bytes) in mlx_lm.server's units: 2G = 2*10^9, "
+                        "500MB = 5*10^8 (what leaves RAM goes to the disk tier, --disk-bytes)")
+    p.add_argument("--prompt-cache-size", type=int, default=None,
+                   help="mlx_lm.server's count of cached prompts. segcache's prefix store shares pages between "
+                        "prompts and is bounded by bytes instead (--prompt-cache-bytes in RAM, --disk-bytes on "
+                        "disk; what leaves RAM goes to disk), so a count does not apply: accepted and ignored, "
+                        "with a note in the log")
+    dropin.add_kv_flags(p, server=True)
+    p.add_argument("--pipeline", action="store_true",
+                   help="pipeline instead of tensor parallelism across hosts (mx.distributed): not built yet, "
+                        "stops the server with a message")
+
+
+_DECIMAL = {"": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9, "T": 10**12, "TB": 10**12}
+
+
+def parse_decimal_size(text: str) -> int:
+    """Bytes from mlx_lm.server's sizes: '1000000', '500M', '1.5GB' (powers of 1000)."""
+    m = re.match(r"^\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*$", text)
+    if not m or m.group(2).upper() not in _DECIMAL:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1000000, 500M, 2G, 1.5GB)")
+    from decimal import Decimal
+
+    return int(Decimal(m.group(1)) * _DECIMAL[m.group(2).upper()])
+
+
+def _mlx_lm_flags_check(args):
+    """(why the mlx_lm.server flags given cannot be served or None, the KV quantization or None)."""
+    from .. import dropin
+
+    try:
+        kv = dropin.kv_setting(args)
+    except ValueError as exc:
+        return str(exc), None
+    return _mlx_lm_flags_refusal(args), kv
+
+
+def _apply_mlx_lm_flags(args, tokenizer, kv) -> None:
+    """What the mlx_lm.server flags change once the model is loaded."""
+    from .. import dropin
+
+    if args.use_default_chat_template:
+        dropin.use_default_chat_template(tokenizer, "segcache serve")
+    if args.prompt_cache_bytes is not None:
+        args.ram_bytes = args.prompt_cache_bytes
+    if args.prompt_cache_size is not None:
+        log.info("--prompt-cache-size %d ignored: the prefix store is bounded by bytes (--prompt-cache-bytes, "
+                 "--disk-bytes), not by a count of prompts", args.prompt_cache_size)
+    if kv is not None and args.decode_concurrency > 1:
+        log.warning("--kv-bits: requests are decoded one at a time (--decode-concurrency %d ignored), as "
+                    "mlx_lm.server does with quantized KV", args.decode_concurrency)
+        args.decode_concurrency = 1
+
+
+def _mlx_lm_flags_refusal(args) -> str | None:
+    """Why the mlx_lm.server flags given cannot be served (None: they can)."""
+    if args.pipeline:
+        return ("--pipeline: serving across hosts with mx.distributed (pipeline or tensor parallel) is not "
+                "built yet; run one segcache serve per host without --pipeline")
+    if args.chat_template_args != {} and args.chat_template_args is not None:
+        if not isinstance(args.chat_template_args, dict):
+            return "--chat-template-args must be a JSON object of chat template arguments"
+        return ("--chat-template-args: passing extra arguments to the chat template is not built yet; "
+                "run without it (or bake them into a --chat-template)")
+    if args.prompt_cache_size is not None and args.prompt_cache_size < 0:
+        return "--prompt-cache-size must be >= 0"
+    return None
 
 
 def default_cache_dir(identity: bytes) -> Path:
@@ -154,6 +237,7 @@ def _settings(args, model, tokenizer):
         min_p=args.min_p, api_key=args.api_key or None,
         allowed_origins=args.allowed_origins, max_body_bytes=args.max_body_bytes,
         ram_bytes=args.ram_bytes, disk_bytes=args.disk_bytes,
+        adapters={args.adapter_path, str(Path(args.adapter_path).resolve())} if args.adapter_path else set(),
     )
 
 
@@ -173,9 +257,9 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"segcache serve: {exc.name or exc} is not installed; pip install 'segcache[serve]'", file=sys.stderr)
         return 1
-    from mlx_lm import load
-
+    from .. import dropin
     from ..demo import shown
+    from ..errors import ModelError
     from .chat import Prompter
     from .engine import Engine
     from .worker import Scheduler, Worker, release_streams
@@ -183,15 +267,22 @@ def run(args: argparse.Namespace) -> int:
     template = args.chat_template
     if template is not None and Path(template).is_file():
         template = Path(template).read_text()
+    refusal, kv = _mlx_lm_flags_check(args)
+    if refusal:
+        print(f"segcache serve: {refusal}", file=sys.stderr)
+        return 2
     loaded = []
-    for path in filter(None, (args.model, args.draft_model)):
-        try:
-            loaded.append(load(path))
-        except Exception as exc:  # mlx-lm raises several types for a bad directory
-            print(f"segcache serve: cannot load the model at {path}: {exc}", file=sys.stderr)
+    for path, adapter in ((args.model, args.adapter_path), (args.draft_model, None)):
+        if path is None:
+            continue
+        try:  # the draft without the adapter, as mlx_lm.server loads it
+            loaded.append(dropin.load(path, adapter_path=adapter, trust_remote_code=args.trust_remote_code)[:2])
+        except ModelError as exc:
+            print(f"segcache serve: {exc}", file=sys.stderr)
             return 1
     model, tokenizer = loaded[0]
     draft = loaded[1][0] if args.draft_model else None
+    _apply_mlx_lm_flags(args, tokenizer, kv)
     vocab = _lookup(_config(args.model) or _model_args(model), "vocab_size")
     if draft is not None and _lookup(_config(args.draft_model) or _model_args(draft), "vocab_size") != vocab:
         print("segcache serve: the draft model's vocabulary differs from the model's; the draft must share "
@@ -203,6 +294,8 @@ def run(args: argparse.Namespace) -> int:
     options = dict(store=store, draft_model=draft, prompt_lookup=args.prompt_lookup,
                    num_draft_tokens=args.num_draft_tokens, prefill_step=args.prefill_step_size,
                    checkpoint_interval=args.checkpoint_interval)
+    if kv is not None:
+        options["kv"] = kv  # Engine only: BatchEngine does not take quantized KV (decode-concurrency 1 above)
     running = args.decode_concurrency
     if running > 1:
         from .batching import BatchEngine

@@ -111,10 +111,12 @@ class Engine:
         checkpoint_interval: also checkpoint every this many prompt tokens (0: never),
             so a later prompt sharing only part of this one (another session on the
             same long context) resumes within that many tokens of where they part.
+        kv: mlx-lm's KV quantization (`segcache.kvquant.KVQuantization`) for every
+            request's runtimes, or None.
     """
 
     def __init__(self, model, tokenizer, *, store=None, draft_model=None, prompt_lookup: bool = False,
-                 num_draft_tokens: int = 4, prefill_step: int = 2048, checkpoint_interval: int = 256):
+                 num_draft_tokens: int = 4, prefill_step: int = 2048, checkpoint_interval: int = 256, kv=None):
         self.model = model
         self.tokenizer = tokenizer
         self.store = store
@@ -123,6 +125,7 @@ class Engine:
         self.num_draft_tokens = num_draft_tokens
         self.prefill_step = prefill_step
         self.checkpoint_interval = checkpoint_interval
+        self.kv = kv
         self._dirty = False  # published records may still be only in RAM
 
     def _stats(self) -> dict:
@@ -169,6 +172,8 @@ class Engine:
             draft_model=self.draft_model, prompt_lookup=self.prompt_lookup,
             num_draft_tokens=self.num_draft_tokens, max_tokens=req.max_tokens, sampler=sampler,
             prefill_step_size=self.prefill_step, prefill_checkpoints=self._checkpoints(req),
+            **({} if self.kv is None else dict(kv_bits=self.kv.bits, kv_group_size=self.kv.group_size,
+                                                quantized_kv_start=self.kv.start)),
         )
         stop = StopText(req.stops)
         eos = tok.eos_token_ids

@@ -42,6 +42,7 @@ class _Request(_Strict):
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict] = None
+    adapters: Optional[str] = None  # mlx_lm.server's adapter path; one adapter per server (Server._check_adapter)
 
     def stops(self) -> list[str]:
         """The stop strings, as a list."""
