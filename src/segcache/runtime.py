@@ -518,7 +518,43 @@ class Runtime:
 
             held = check_prefill(self, ids)
             return self._fed(held, feed_steps(self, ids, held, [len(ids)], step_size))
+        if self._quantized_prompt(ids):
+            from .store.prefix_cache import check_prefill
+
+            check_prefill(self, ids)  # raise now, as the store's prefill does
+            return self._quantized_first(ids, step_size, checkpoints)
         return self.prefix_cache().prefill_steps(self, ids, step_size=step_size, checkpoints=checkpoints)
+
+    def _quantized_prompt(self, ids: list[int]) -> bool:
+        """True if kv_bits will have quantized this fresh runtime's KV layers by the prompt's end."""
+        q = self.kv_quantization
+        return (q is not None and len(ids) >= q.start and self.offset == 0 and not self._branches
+                and any(type(layer) is KVLayer for layer in self.cache))
+
+    def _quantized_first(self, ids: list[int], step_size: int, checkpoints):
+        """The store's prefill, resuming from quantized pages when the store holds some.
+
+        A prompt that ends quantized is looked up under the quantized layout
+        (empty quantized layers swapped in, nothing to convert). On a miss the
+        unquantized layers come back, so the prompt is computed as mlx-lm
+        computes it (at full precision until `quantized_kv_start`) and the
+        store's own prefill looks up the unquantized layout.
+        """
+        own = list(self.cache)
+        q = self.kv_quantization
+        self._quantize_layers({i: (q.group_size, q.bits) for i, layer in enumerate(own) if type(layer) is KVLayer})
+        try:
+            plan = self.prefix_cache().lookup(self, ids, 0)
+        except Exception:  # any store failure is a miss (the store's prefill reports its own)
+            plan = None
+        if plan is None or plan.resume == 0:
+            plan = None
+            for layer in own:
+                layer.replaced_by = None
+            self.cache[:] = own
+            self._layers = tuple(own)
+        return (yield from self.prefix_cache().prefill_steps(self, ids, step_size=step_size, checkpoints=checkpoints,
+                                                             plan=plan))
 
     @staticmethod
     def _fed(held: int, steps) -> Generator[int, None, mx.array]:

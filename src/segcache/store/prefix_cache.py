@@ -372,18 +372,21 @@ class PrefixCache:
         """`Runtime.prefill`: resume from the store, compute the rest, publish. See there."""
         return drain(self.prefill_steps(rt, ids, step_size=step_size, checkpoints=checkpoints))
 
-    def prefill_steps(self, rt, ids: list[int], *, step_size: int, checkpoints: Iterable[int] = ()):
-        """`Runtime.prefill_steps`: `prefill` as a generator (validated now, run as it is iterated)."""
-        return self._prefill(rt, ids, check_prefill(rt, ids), step_size, checkpoints)
+    def prefill_steps(self, rt, ids: list[int], *, step_size: int, checkpoints: Iterable[int] = (),
+                      plan: Plan | None = None):
+        """`Runtime.prefill_steps`: `prefill` as a generator (validated now, run as it is iterated).
 
-    def _prefill(self, rt, ids: list[int], held: int, step_size: int, checkpoints: Iterable[int]):
+        `plan`: what `lookup(rt, ids, held)` returned just before, if the caller looked already.
+        """
+        return self._prefill(rt, ids, check_prefill(rt, ids), step_size, checkpoints, plan)
+
+    def _prefill(self, rt, ids: list[int], held: int, step_size: int, checkpoints: Iterable[int], plan=None):
         store = self.store if not self.store.closed else None
         L, lay = len(ids), self.layout
-        plan = None
         resumed = 0  # tokens restored from the store
         if store is not None:
             try:
-                plan = self.lookup(rt, ids, held)
+                plan = self.lookup(rt, ids, held) if plan is None else plan
                 if plan.resume > held:
                     rt.restore(ids[: plan.resume], self.states(rt, plan))
                     resumed = plan.resume
