@@ -74,14 +74,22 @@ def load(path: str, *, what: str = "model", adapter_path: str | None = None, tru
 
     from .errors import ModelError
 
+    import mlx.core as mx
+
     tokenizer_config = dict(tokenizer_config or {})
     tokenizer_config["trust_remote_code"] = trust_remote_code
     try:
-        return mlx_load(path, adapter_path=adapter_path, tokenizer_config=tokenizer_config,
-                        model_config=model_config or {}, return_config=True, trust_remote_code=trust_remote_code)
+        model, tokenizer, config = mlx_load(
+            path, adapter_path=adapter_path, tokenizer_config=tokenizer_config, model_config=model_config or {},
+            return_config=True, trust_remote_code=trust_remote_code,
+        )
+        # mlx-lm evaluates the base weights but leaves an adapter's lazy: evaluate them here, on the loading
+        # thread (serve's model thread has streams of its own and cannot evaluate arrays of this one)
+        mx.eval(model.parameters())
     except Exception as exc:  # mlx-lm raises several types for a bad directory or adapter
         where = f"{path!r} with the adapter {adapter_path!r}" if adapter_path else repr(path)
         raise ModelError(f"cannot load the {what} from {where}: {exc}") from exc
+    return model, tokenizer, config
 
 
 def use_default_chat_template(tokenizer, command: str) -> None:

@@ -25,12 +25,14 @@ def load(path: str):
     Raises:
         ValueError: the file is missing or is not a prompt cache file.
     """
+    from pathlib import Path
+
     from mlx_lm.models.cache import load_prompt_cache
 
+    if not Path(path).is_file():
+        raise ValueError(f"no prompt cache file at {path!r}")
     try:
         return load_prompt_cache(str(path), return_metadata=True)
-    except FileNotFoundError:
-        raise ValueError(f"no prompt cache file at {path!r}") from None
     except Exception as exc:  # a foreign safetensors file, an unknown class name, a bad state
         raise ValueError(f"{path!r} is not a prompt cache file mlx-lm can read ({type(exc).__name__}: {exc})") from None
 
