@@ -326,6 +326,8 @@ def run(args: argparse.Namespace) -> int:
 
     mode = "draft model" if draft is not None else "prompt lookup" if args.prompt_lookup else "plain"
     rows = f", up to {args.decode_concurrency} rows batched" if args.decode_concurrency > 1 else ""
+    rows += f", KV quantized to {kv.bits} bits from token {kv.start}" if kv is not None else ""
+    rows += f", adapter {args.adapter_path}" if args.adapter_path else ""
     log.info("serving %s (%s decoding%s) on http://%s:%d; prefix store: %s", name, mode, rows, args.host,
              args.port, shown(path) if store is not None else "none")
     worker.start()
