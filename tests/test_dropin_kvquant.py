@@ -171,3 +171,43 @@ def test_a_quantized_prompt_file_continues_on_a_runtime(target, ids, tmp_path):
     with rt.fork():  # fork-able like any runtime
         rt.forward([1, 2])
     rt.check()
+
+
+def test_quantized_pages_travel_through_the_remote_tier(target, ids, redis_server, tmp_path):
+    """A host with an empty disk resumes quantized pages another host published to Redis, bit-identical."""
+    model, _ = target
+    kw = dict(kv_bits=4, kv_group_size=64, quantized_kv_start=0)
+    opts = dict(remote=redis_server.url, remote_timeout=2.0)
+    with open_store(tmp_path / "a", **opts) as store:
+        first = Runtime(model, store=store, **kw)
+        first.prefill(ids)
+        assert store.stats()["remote_writes"] > 0
+    with open_store(tmp_path / "b", **opts) as store:
+        other = Runtime(model, store=store, **kw)
+        steps = other.prefill_steps(ids + [7])
+        assert next(steps) == len(ids)
+        steps.close()
+        assert store.stats()["remote_reads"] > 0
+    assert all(same(a, b) for a, b in zip(_quantized(other.cache), _quantized(first.cache)))
+
+
+def test_a_prompt_file_with_the_draft_caches_drafts_from_them(target, ids, tmp_path):
+    """A file holding the model's caches then the draft's (mlx-lm's speculative prompt_cache order)
+    continues speculatively, with mlx-lm's greedy text from the model's part."""
+    model, tok = target
+    draft, _ = mlx_lm.load(str(MODELS_DIR / "draft"))
+    caches = make_prompt_cache(model), make_prompt_cache(draft)
+    for m, c in zip((model, draft), caches):
+        m(mx.array(ids)[None], cache=c)
+    path = str(tmp_path / "both.safetensors")
+    save_prompt_cache(path, caches[0] + caches[1])
+    from mlx_lm.models.cache import load_prompt_cache
+
+    rest = list(tok.encode("\n"))
+    want = mlx_lm.generate(model, tok, rest, max_tokens=16, prompt_cache=load_prompt_cache(path)[: len(caches[0])])
+    loaded = load_prompt_cache(path)
+    rt = runtime_from(model, loaded[: len(caches[0])])
+    drt = runtime_from(draft, loaded[len(caches[0]):])
+    out = list(stream_generate(model, tok, rest, max_tokens=16, runtime=rt, draft_runtime=drt))
+    assert "".join(r.text for r in out) == want
+    assert out[-1].stats.mode == "draft" and out[-1].stats.rounds > 0

@@ -444,10 +444,11 @@ def stream_generate(
                 f"draft_runtime holds {len(held)} tokens that are not a prefix of the target's "
                 f"{len(history) - 1} + the prompt's last; pass a draft runtime that followed this target"
             )
-        if None in history[: len(history) - 1]:
+        if None in history[len(held) : len(history) - 1]:  # ids the draft must still be fed
             raise ValueError(
-                "the target runtime holds tokens fed without Runtime.forward (ids unknown), so a "
-                "draft model cannot be brought up to date; use prompt lookup or a fresh runtime"
+                "the target runtime holds tokens fed without Runtime.forward (ids unknown) that the draft "
+                "runtime has not seen, so it cannot be brought up to date; use prompt lookup, a draft "
+                "runtime holding those tokens (e.g. loaded from the same prompt cache file), or a fresh runtime"
             )
     if quantization is not None:  # both checked before either changes
         for rt in filter(None, (runtime, draft)):
