@@ -36,6 +36,7 @@ _LAZY = {
     "PromptLookup": "lookup",
     "BatchRuntime": "batch",
     "BatchDecoder": "batch",
+    "KVQuantization": "kvquant",
 }
 
 __all__ = [
