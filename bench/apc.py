@@ -35,7 +35,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 from segcache import Runtime, open_store
-from segcache.store.prefix_cache import PrefixCache
+from segcache.store import PrefixCache
 from segcache.testing import models
 
 TARGET = Path(segcache.__file__).parent / "models" / "target"
@@ -50,7 +50,7 @@ BIG = 1 << 34
 class GridCache(PrefixCache):
     """The baseline policy: checkpoints only on the page grid (no prompt ends, no branch points)."""
 
-    def stops(self, plan, start, length, checkpoints):
+    def stops(self, plan, start, length):
         P = self.layout.page_tokens
         return list(range((start // P + 1) * P, length, P)) if self.layout.stateful else []
 
@@ -329,8 +329,9 @@ def main():
                 for user, reply in turns_:
                     history = history + user
                     rt = Runtime(model, store=s)
-                    cache = rt.prefix_cache() if policy == "auto" else GridCache(rt)
-                    cache.prefill(rt, history, step_size=2048)
+                    if policy == "grid":
+                        rt._prefix = GridCache(rt)  # the runtime's prefix cache, with the baseline policy
+                    rt.prefill(history, step_size=2048)
                     rt.forward(reply)  # what the model would have generated
                     if policy == "auto":
                         rt.publish()

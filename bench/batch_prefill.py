@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx_lm
 
 from segcache import Runtime
-from segcache.batch.layers import BatchKVLayer
+from segcache.layers.kv import BatchKVLayer
 from segcache.batch.runtime import BatchRuntime
 from segcache.demo import MODELS_DIR
 

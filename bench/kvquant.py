@@ -54,7 +54,7 @@ def resume(model, ids, path, kv_bits) -> float:
         rt = _runtime(model, store, kv_bits)
         tic = time.perf_counter()
         steps = rt.prefill_steps(ids[:-1])
-        held = next(steps)
+        held = next(steps).restored
         mx.eval([layer.state for layer in rt.cache])
         seconds = time.perf_counter() - tic
         steps.close()

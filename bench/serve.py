@@ -3,6 +3,7 @@
     python bench/serve.py [--model DIR] [--tokens 24] [--mlx-blas same|wheel]
     python bench/serve.py --sweep [--sweep-tokens 64] [--streams 1,2,4,8]
     python bench/serve.py --join [--join-chars 7000] [--sweep-tokens 64]
+    python bench/serve.py --cold [--rounds 5] [--cold-chars 1000] [--sweep-tokens 64]
 
 Both servers run the same model (the shipped hybrid target by default) as
 subprocesses on 127.0.0.1, driven by the official `openai` client with
@@ -29,6 +30,13 @@ segcache plain, segcache with prompt lookup, segcache with the draft model
 (--decode-concurrency 1) as the baseline. Reports aggregate generated tok/s
 (completion tokens over the wall time) and mean TTFT.
 
+`--cold`: 8 clients at once, each a distinct cold prompt of --cold-chars
+characters of Python and a --sweep-tokens answer, against fresh servers:
+segcache at --decode-concurrency 8 (prompts prefilled together), segcache
+one at a time (--decode-concurrency 1) and mlx_lm.server at
+--decode-concurrency 8 (its own batched prefill), alternating, --rounds
+times; medians of aggregate tok/s and the ratios.
+
 `--join`: 4 streams decode (--sweep-tokens each); once each has its first
 token a long prompt (--join-chars) arrives. Reports the longest gap between
 two chunks of a running stream after that (how long the joining prefill
@@ -42,6 +50,7 @@ import glob
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -311,6 +320,38 @@ def sweep(args, env, mlx_env, work: Path) -> int:
     return 0
 
 
+def cold(args, env, mlx_env, work: Path) -> int:
+    text = (MODELS / "heldout_other.txt").read_text()
+    n = 8
+    prompts = [text[i * 5000 : i * 5000 + args.cold_chars] for i in range(n)]
+    ours = [sys.executable, "-m", "segcache.cli", "serve", "--model", args.model, "--log-level", "WARNING"]
+    configs = {
+        "segcache N=8": (ours + ["--decode-concurrency", str(n), "--prompt-concurrency", str(n)], env),
+        "segcache one": (ours + ["--decode-concurrency", "1"], env),
+        "mlx_lm.server": ([sys.executable, "-m", "mlx_lm.server", "--model", args.model, "--log-level", "WARNING",
+                           "--decode-concurrency", str(n), "--prompt-concurrency", str(n)], mlx_env),
+    }
+    got = {name: [] for name in configs}
+    print(f"{n} clients at once, cold prompts of {args.cold_chars} characters, {args.sweep_tokens} tokens each")
+    for r in range(args.rounds):
+        for name, (cmd, e) in configs.items():
+            port = _port()
+            full = cmd + ["--port", str(port)]
+            if name.startswith("segcache"):  # a fresh store each time: every prompt is cold
+                full += ["--prompt-cache-dir", str(work / f"store-cold-{r}-{name.replace(' ', '-')}")]
+            tps, ttft = burst(Proc(name, full, e, port, work / f"cold-{name.replace(' ', '-')}.log"),
+                              prompts, args.sweep_tokens)
+            got[name].append(tps)
+            print(f"  round {r + 1} {name:<14} {tps:7.1f} tok/s, mean TTFT {ttft * 1000:6.0f} ms", flush=True)
+    med = {name: statistics.median(v) for name, v in got.items()}
+    print("\nmedians: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in med.items()))
+    print(f"segcache N=8 / mlx_lm.server: {med['segcache N=8'] / med['mlx_lm.server']:.2f}x (goal >= 1.2x); "
+          f"/ segcache one at a time: {med['segcache N=8'] / med['segcache one']:.2f}x (goal >= 2x)")
+    ratios = [a / b for a, b in zip(got["segcache N=8"], got["mlx_lm.server"])]
+    print("per round vs mlx_lm.server: " + ", ".join(f"{x:.2f}x" for x in ratios))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(MODELS / "target"))
@@ -323,6 +364,10 @@ def main() -> int:
     ap.add_argument("--join", action="store_true",
                     help="4 streams decode while a long prompt joins: their longest stall, its TTFT")
     ap.add_argument("--join-chars", type=int, default=7000)
+    ap.add_argument("--cold", action="store_true",
+                    help="8 clients, cold prompts at once: batched against one at a time and mlx_lm.server")
+    ap.add_argument("--cold-chars", type=int, default=1000)
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     context = (MODELS / "heldout_other.txt").read_text()[: args.context_chars]
     work = Path(tempfile.mkdtemp(prefix="segcache-bench-serve-"))
@@ -333,6 +378,8 @@ def main() -> int:
     if args.mlx_blas == "same" and libs and sys.platform.startswith("linux"):
         mlx_env.update(LD_PRELOAD=libs[0], OPENBLAS_THREAD_TIMEOUT="4")
         blas = f"OpenBLAS, LD_PRELOAD={libs[0]}"
+    if args.cold:
+        return cold(args, env, mlx_env, work)
     if args.sweep or args.join:
         print(f"mlx_lm.server on {blas}; logs in {work}")
         return (sweep if args.sweep else join_bench)(args, env, mlx_env, work)

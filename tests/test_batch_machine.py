@@ -12,6 +12,13 @@ def test_batch_machine(family, strategy):
     run_machine(batch_machine_for(tiny(family), strategy=strategy), examples=10, steps=20)
 
 
+@pytest.mark.parametrize("family,strategy", [("nemotron_h", "replay"), ("lfm2", "states"), ("mamba2", "auto")])
+def test_batch_machine_on_state_families(family, strategy):
+    """StateLayer families (Mamba-2 hybrid, short conv, Mamba-2): ragged rounds, joins of empty and
+    prompted rows, leaves and extracts in a branch, against mlx-lm's own caches per row."""
+    run_machine(batch_machine_for(tiny(family), strategy=strategy), examples=10, steps=20)
+
+
 @pytest.mark.parametrize("family", ["gemma3_text", "llama_swa"])
 def test_batch_machine_on_sliding_window_models(family):
     """Prompts and forwards past the 8-token window: rows cross it, branches straddle it, layers compact."""

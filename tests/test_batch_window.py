@@ -15,8 +15,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from conftest import tiny
 from segcache.batch import BatchDecoder, BatchRuntime
-from segcache.batch.layers import BatchKVLayer
-from segcache.batch.window import BatchWindowLayer, temporal_window
+from segcache.layers.kv import BatchKVLayer
+from segcache.layers.window import BatchWindowLayer, temporal_window
 from segcache.errors import BranchError, UnsupportedModelError
 from segcache.layers import WindowLayer
 from segcache.runtime import Runtime
@@ -244,7 +244,7 @@ def test_window_layer_merge_gives_a_batched_layer_whose_rows_extract_back():
 
 def test_models_with_other_recurrent_kinds_are_refused():
     with pytest.raises(UnsupportedModelError, match="ArraysCache"):
-        BatchRuntime(models.build("mamba"))
+        BatchRuntime(models.build("recurrent_gemma"))
 
 
 def test_a_full_attention_layer_given_a_window_masks_as_mlx_lms_kv_cache():

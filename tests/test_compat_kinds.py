@@ -21,9 +21,11 @@ from mlx_lm.generate import (
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 from segcache import BranchError, Runtime, UnsupportedOperationError, open_store
-from segcache.batch.layers import BatchKVLayer, BatchRecurrentLayer
-from segcache.batch.state_rows import BatchStateLayer
 from segcache.layers import (
+    BatchCompositeLayer,
+    BatchKVLayer,
+    BatchRecurrentLayer,
+    BatchStateLayer,
     CompositeLayer,
     KVLayer,
     QuantizedKVLayer,
@@ -31,7 +33,6 @@ from segcache.layers import (
     StateLayer,
     WindowLayer,
 )
-from segcache.layers.composite import BatchCompositeLayer
 from segcache.testing import models
 
 PROMPT = [3, 14, 15, 9, 26, 5, 35, 8, 9, 7, 9, 3]

@@ -4,7 +4,6 @@ import mlx.core as mx
 
 from segcache.acceptors import ExactSpeculative, GreedyMatch, SamplerMatch, make_acceptor
 from segcache.drafters import Draft, Lookup
-from segcache.lookup import PromptLookup
 from segcache.sampling import Sampler
 
 
@@ -23,16 +22,25 @@ def test_greedy_match_accepts_the_common_prefix_then_the_targets_token():
     assert rule.accept(logprobs, [0, 0], None, choices) == (0, 1)
 
 
+class _Row:
+    def __init__(self, row_id):
+        self.row_id = row_id
+
+
 def test_lookup_drafter_follows_emitted_tokens():
-    drafter = Lookup(PromptLookup())
-    drafter.extend([5, 6, 7, 8, 5, 6])
-    assert drafter.draft([], 0, 6, 2).tokens == [7, 8]
-    drafter.extend([9])
-    assert len(drafter.draft([], 0, 9, 2)) == 0
+    drafter = Lookup()
+    drafter.add("a", [5, 6, 7, 8, 5, 6], None, None)
+    drafter.add("b", [1, 2, 3], None, None)
+    rows = [_Row("a"), _Row("b")]
+    assert drafter.offer(rows, [2, 2]) == [2, 0]
+    assert drafter.draft(rows, [2, 0]).tokens == [[7, 8], []]
+    drafter.extend("a", [9])
+    assert drafter.offer(rows, [2, 2]) == [0, 0]
 
 
 def test_draft_verify_input_for_ids_and_lazy_chains():
-    assert Draft([3, 4]).verify_input(1) == [1, 3, 4]
-    lazy = Draft(mx.array([3, 4], dtype=mx.uint32))
-    assert lazy.lazy and len(lazy) == 2
-    assert lazy.verify_input(1).tolist() == [1, 3, 4] and lazy.ids() == [3, 4]
+    assert Draft([[3, 4], []], [2, 0]).verify_input([1, 2]) == [[1, 3, 4], [2]]
+    lazy = Draft(mx.array([[3, 4], [5, 6]], dtype=mx.uint32), [2, 1])
+    assert lazy.lazy and bool(lazy)
+    assert lazy.verify_input([1, 2]).tolist() == [[1, 3, 4], [2, 5, 6]]
+    assert lazy.proposals() == [[3, 4], [5, 6]]

@@ -20,10 +20,9 @@ from segcache.cli import build_parser
 DEFAULTS_THAT_DIFFER = {
     ("generate", "--num-draft-tokens"): "drafts change the speed only; 4 was the fastest setting measured",
     ("serve", "--num-draft-tokens"): "drafts change the speed only; 4 was the fastest setting measured",
-    ("serve", "--allowed-origins"): "CORS is off unless asked for (mlx-lm allows every origin)",
+    ("serve", "--allowed-origins"): "no cross-origin caller unless asked for (mlx-lm allows every origin)",
     ("serve", "--chat-template"): "None instead of '': both mean the tokenizer's template",
     ("serve", "--decode-concurrency"): "one request decoded at a time unless asked (batching is opt-in)",
-    ("serve", "--prompt-concurrency"): "one prompt prefilled at a time unless asked",
     ("serve", "--prompt-cache-size"): "accepted and ignored: the store is bounded by bytes, not a count",
 }
 # options whose parsed value segcache keeps in another form (what the value means is the same)
@@ -116,3 +115,23 @@ def test_defaults_written_out_are_mlx_lms():
     from segcache.kvquant import DEFAULT_START
 
     assert DEFAULT_START == theirs.DEFAULT_QUANTIZED_KV_START
+
+
+def test_kv_bits_serves_one_row_at_a_time_and_says_so(caplog):
+    """Batched rows hold unquantized KV: with --kv-bits the server decodes one request at a time (as
+    mlx_lm.server serves kv_bits), says so in --help and logs it, rather than ignoring the flag."""
+    from segcache.serve import cli
+
+    parser = segcache_parser("serve")
+    args = parser.parse_args(["--model", "m", "--kv-bits", "4", "--decode-concurrency", "8"])
+    refusal, kv = cli._mlx_lm_flags_check(args)
+    assert refusal is None and (kv.bits, kv.group_size, kv.start) == (4, 64, 5000)
+    with caplog.at_level("WARNING", logger="segcache.serve"):
+        cli._apply_mlx_lm_flags(args, None, kv)
+    assert args.decode_concurrency == 1
+    assert "--kv-bits" in caplog.text and "one at a time" in caplog.text
+    helptext = " ".join(parser.format_help().split())
+    assert "with --kv-bits requests decode one at a time" in helptext
+    plain = parser.parse_args(["--model", "m", "--decode-concurrency", "8"])
+    cli._apply_mlx_lm_flags(plain, None, None)
+    assert plain.decode_concurrency == 8

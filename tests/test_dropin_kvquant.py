@@ -134,7 +134,7 @@ def test_other_bits_and_group_sizes_are_other_identities(target, ids, tmp_path):
 
         def resumed(**kw):
             steps = Runtime(model, store=store, **kw).prefill_steps(longer)
-            held = next(steps)
+            held = next(steps).restored
             steps.close()
             return held
 
@@ -185,7 +185,7 @@ def test_quantized_pages_travel_through_the_remote_tier(target, ids, redis_serve
     with open_store(tmp_path / "b", **opts) as store:
         other = Runtime(model, store=store, **kw)
         steps = other.prefill_steps(ids + [7])
-        assert next(steps) == len(ids)
+        assert next(steps).restored == len(ids)
         steps.close()
         assert store.stats()["remote_reads"] > 0
     assert all(same(a, b) for a, b in zip(_quantized(other.cache), _quantized(first.cache)))
@@ -211,3 +211,47 @@ def test_a_prompt_file_with_the_draft_caches_drafts_from_them(target, ids, tmp_p
     out = list(stream_generate(model, tok, rest, max_tokens=16, runtime=rt, draft_runtime=drt))
     assert "".join(r.text for r in out) == want
     assert out[-1].stats.mode == "draft" and out[-1].stats.rounds > 0
+
+
+def _serve(engine, requests):
+    """Run GenRequests through `engine` one scheduler step at a time; {id: (text, events)}."""
+    from segcache.serve.engine import Chunk
+    from segcache.serve.worker import Job, Scheduler
+
+    sched = Scheduler(engine, max_queue=len(requests), max_running=1, begin_step=engine.begin_step)
+    events = {r.id: [] for r in requests}
+    for r in requests:
+        sched.submit(Job(r, events[r.id].append))
+    for _ in range(2000):
+        if not sched.step():
+            break
+    assert not sched.pending() and len(engine.decoder) == 0
+    return {rid: ("".join(e.text for e in ev if isinstance(e, Chunk)), ev) for rid, ev in events.items()}
+
+
+def test_the_serve_engine_quantizes_target_and_draft_one_row_at_a_time(target, ids, tmp_path, monkeypatch):
+    """`segcache serve --kv-bits`: the request engine's runtimes (target and draft) switch where
+    mlx-lm's do, a second request resumes the quantized pages with the same text, and batched rows
+    (which hold unquantized KV) are refused rather than run unquantized."""
+    from segcache.serve.engine import Engine, Finish, GenRequest
+
+    model, tok = target
+    draft, _ = mlx_lm.load(str(MODELS_DIR / "draft"))
+    kv = KVQuantization(4, 64, 40)
+    with pytest.raises(ValueError, match="decode_concurrency"):
+        Engine(model, tok, kv=kv, decode_concurrency=2)
+    want = mlx_lm.generate(model, tok, ids, max_tokens=24, kv_bits=4, quantized_kv_start=40)
+    made = []
+    real = Engine._draft_runtime
+    monkeypatch.setattr(Engine, "_draft_runtime", lambda self, req: made.append(real(self, req)) or made[-1])
+    for extra in ({}, dict(draft_model=draft)):
+        with open_store(tmp_path / f"s{len(extra)}") as store:
+            engine = Engine(model, tok, store=store, kv=kv, **extra)
+            got = _serve(engine, [GenRequest("a", ids, 24)])["a"]
+            again = _serve(engine, [GenRequest("b", ids, 24)])["b"]
+        assert got[0] == want and again[0] == want
+        finish = again[1][-1]
+        assert isinstance(finish, Finish) and finish.usage.cached_tokens >= len(ids) - 1
+    assert len(made) == 4 and made[:2] == [None, None]  # no draft model: no draft runtime
+    for drt in made[2:]:
+        assert drt.kv_quantization == kv and any(type(c) is QuantizedKVLayer for c in drt.cache)

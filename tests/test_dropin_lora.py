@@ -104,7 +104,7 @@ def test_identity_holds_the_adapter_whole(adapters):
 
 def _resumed(model, store, ids) -> int:
     steps = Runtime(model, store=store).prefill_steps(ids)
-    first = next(steps)
+    first = next(steps).restored
     steps.close()
     return first
 

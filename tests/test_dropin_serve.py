@@ -124,10 +124,10 @@ def test_adapter_path_text_of_mlx_lm_server_and_the_adapters_field(tmp_path):
 
 @pytest.mark.parametrize("flags, says", [
     (["--pipeline"], "--pipeline"),
-    (["--chat-template-args", '{"enable_thinking": false}'], "--chat-template-args"),
     (["--kv-bits", "7"], "kv_bits=7"),
 ])
 def test_flags_not_built_stop_with_a_message(tmp_path, flags, says):
-    cmd = [sys.executable, "-m", "segcache.cli", "serve", "--model", str(TARGET), "--port", str(free_port()), *flags]
+    cmd = [sys.executable, "-m", "segcache.cli", "serve", "--model", str(TARGET), "--port", str(free_port()),
+           "--prompt-cache-dir", str(tmp_path / "store"), *flags]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and says in done.stderr, done.stderr

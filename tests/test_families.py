@@ -64,6 +64,14 @@ KERNELS = {
 # Empty: every family whose make_cache() holds an ArraysCache is in the matrix
 # (test_every_recurrent_family_of_mlx_lm_is_in_the_matrix).
 REFUSED = {}
+# Families BatchRuntime refuses (UnsupportedModelError, nothing changed), with the reason;
+# test_batched_rows_as_alone checks they still are, and every other family batches exactly.
+NOT_BATCHED = {
+    "falcon_h1": "a CacheList per layer (composites are not batched)",
+    "baichuan_m1": "a CacheList per layer (composites are not batched)",
+    "recurrent_gemma": "its state starts otherwise from None than from zeros (an empty row beside others)",
+    "longcat_flash_ngram": "its n-gram context grows with the first tokens (rows cannot be stacked)",
+}
 # make_cache() uses CacheList, but only of attention caches: not recurrent, not in this matrix
 ATTENTION_LISTS = ("deepseek_v32", "longcat_flash", "minimax_m3_vl")
 STRATEGIES = ["replay", "states"]
@@ -81,6 +89,7 @@ COLUMNS = {
     "test_speculative_target": "speculative target",
     "test_speculative_draft": "speculative draft",
     "test_kernel_kept_outside_branches": "kernel kept on the hot path",
+    "test_batched_rows_as_alone": "batched rows",
 }
 
 
@@ -349,6 +358,43 @@ def test_kernel_kept_outside_branches(family, monkeypatch):
         assert got[1].keys() == want[1].keys() and len(got[0]) == len(want[0])
         for x, y in zip(_arrays(got), _arrays(want)):
             assert x.shape == y.shape and x.dtype == y.dtype and mx.array_equal(x, y).item()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_rows_as_alone(family):
+    """BatchRuntime: rows (one empty) decode a step, verify drafts in a ragged round and
+    each commit its own count, each as a single Runtime fed the row's kept tokens (logits
+    as close as the state machine asks, same greedy tokens: batched products round
+    otherwise, docs/batching.md).
+    A family in NOT_BATCHED is refused before any module is adapted."""
+    from segcache import BatchRuntime
+
+    model = tiny(family)
+    if family in NOT_BATCHED:
+        classes = [type(m) for _, m in model.named_modules()]
+        with pytest.raises(UnsupportedModelError, match="decode-concurrency 1"):
+            BatchRuntime(model)
+        assert [type(m) for _, m in model.named_modules()] == classes
+        return
+    prompts = [PREFIX, PREFIX[:4], []]
+    held = [p + [9] for p in prompts]
+    batch = BatchRuntime(model)
+    for i, p in enumerate(prompts):
+        batch.join(i, _runtime(family, "replay", p) if p else None)
+    steps = [batch.forward([[9]] * 3)[:, 0]]
+    feeds = [TAIL_A[:3], TAIL_A[:1], TAIL_B[:2]]
+    batch.fork()
+    batch.forward(feeds)
+    batch.commit([2, 1, 0])
+    batch.check()
+    held = [h + f[:n] for h, f, n in zip(held, feeds, [2, 1, 0])]
+    steps.append(batch.forward([[4]] * 3)[:, 0])
+    for i, (p, h) in enumerate(zip(prompts, held)):
+        assert batch.tokens(i) == h + [4]
+        alone = Runtime(model)
+        want = [alone.forward(p + [9])[0, -1], alone.forward(h[len(p) + 1 :] + [4])[0, -1]]
+        for got, ref in zip((steps[0][i], steps[1][i]), want):
+            assert_logits_close(got, ref, f"{family} row {i}")
 
 
 def test_a_family_without_a_hook_is_refused_before_anything_changes(monkeypatch):

@@ -72,7 +72,7 @@ def test_eight_concurrent_streams_and_a_client_leaving(tmp_path, ref):
         # a non-streaming client that leaves is noticed too (the handler polls for it)
         body = json.dumps({"prompt": TEXT[30000:30300], "max_tokens": 3000}).encode()
         with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
             time.sleep(0.5)
         deadline = time.monotonic() + 60
@@ -165,6 +165,8 @@ def test_cors_is_off_by_default(tmp_path):
     srv = Server(tmp_path / "store", log_path=tmp_path / "serve.log").start()
     try:
         r = httpx.get(srv.url + "/v1/models", headers={"Origin": "http://any.example"}, timeout=10)
+        assert r.status_code == 403 and "access-control-allow-origin" not in r.headers  # cross-origin: refused
+        r = httpx.get(srv.url + "/v1/models", timeout=10)
         assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
         assert oct((tmp_path / "store").stat().st_mode & 0o777) == oct(0o700)
     finally:

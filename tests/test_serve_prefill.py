@@ -1,5 +1,5 @@
 """`segcache serve --decode-concurrency N`: a joining prompt is prefilled in chunks, one per
-scheduler step, while the running rows decode between them (serve/batching.py). Driven
+scheduler step, while the running rows decode between them (serve/engine.py). Driven
 in-process through the Scheduler, so steps are counted, never timed."""
 
 import segcache  # noqa: F401, I001  (binds the system BLAS before mlx loads)
@@ -10,8 +10,8 @@ import mlx_lm
 import pytest
 
 from segcache import Runtime, open_store
-from segcache.serve.batching import BatchEngine
-from segcache.serve.engine import Chunk, Finish, GenRequest
+from segcache.serve.engine import Chunk, Engine, Finish, GenRequest
+from segcache.store import Resume
 from segcache.serve.worker import Job, Scheduler
 from serve_util import TARGET
 
@@ -40,12 +40,12 @@ def _alone(loaded, ids, n):
 
 
 class Harness:
-    """A BatchEngine under a Scheduler, stepped by hand; per step the engine's counters."""
+    """An Engine of 4 rows under a Scheduler, stepped by hand; per step the engine's counters."""
 
     def __init__(self, loaded, store=None, prompt_concurrency=1):
         model, tok = loaded
-        self.engine = BatchEngine(model, tok, decode_concurrency=4, prompt_concurrency=prompt_concurrency,
-                                  store=store)
+        self.engine = Engine(model, tok, decode_concurrency=4, prompt_concurrency=prompt_concurrency,
+                             store=store)
         self.engine.prefill_chunk = CHUNK
         self.sched = Scheduler(self.engine, max_running=4, begin_step=self.engine.begin_step)
         self.events: dict[str, list] = {}
@@ -183,11 +183,66 @@ def test_prefill_steps_yield_the_resume_then_between_forwards_and_end_as_prefill
                 break
         # resume (nothing stored), then before each forward but the first: chunks end at 100, 150, 250, ...
         fed = sorted({*range(100, 150, 100), *range(150, len(ids), 100)})
-        assert seen == [0] + fed
+        assert seen == [Resume(0, 0, "-")] + fed
         assert (got == want).all().item()
         assert sorted((e.key, e.kind, e.tokens) for e in a.entries()) == sorted(
             (e.key, e.kind, e.tokens) for e in b.entries())
         again = Runtime(model, store=b).prefill_steps(ids + [1])
-        assert next(again) == len(ids)  # the first step resumes from the store
+        assert next(again) == Resume(len(ids), len(ids), "ram")  # the first step resumes from the store, from RAM
         again.close()  # stopped there: nothing more fed, nothing published
         assert b.stats()["prefills"] == 1
+
+
+def test_cold_prompts_arriving_together_are_prefilled_in_shared_forwards(loaded, prompts, tmp_path):
+    """Several prompts joining at once advance together, one forward per scheduler step for all of
+    them (a forward feeds every row the same count, stopping at each one's checkpoints): far fewer
+    forwards than one prompt at a time, each answer as the request alone, and the store holds what
+    each prompt's own `Runtime.prefill` would have published."""
+    model, tok = loaded
+    texts = [TEXT[i * 700 : i * 700 + 400 + 60 * i] for i in range(4)]
+    ids = {f"p{i}": tok.encode(t) for i, t in enumerate(texts)}
+    with open_store(tmp_path / "served") as served, open_store(tmp_path / "alone") as alone:
+        h = Harness(loaded, store=served, prompt_concurrency=4)
+        sizes = []
+        step = h.engine.prefill_batch.step
+        h.engine.prefill_batch.step = lambda budget: (sizes.append((len(h.engine.prefill_batch), budget)), step(budget))[1]
+        for rid, p in ids.items():
+            h.submit(rid, p, 12)
+        h.run()
+        for rid, p in ids.items():
+            assert h.text(rid) == _alone(loaded, p, 12), rid
+        alone_chunks = sum(_chunks(len(p) - 1) for p in ids.values())
+        assert h.engine.prefill_chunks < alone_chunks and max(n for n, _ in sizes) == len(ids)
+        # nothing decoded while they all joined: the first forward took them together, unstalled
+        assert sizes[0] == (len(ids), h.engine.prefill_step)
+        for rid, p in ids.items():
+            req = GenRequest(rid, p, 1)
+            Runtime(model, store=alone).prefill(p[:-1], checkpoints=h.engine._checkpoints(req))
+        # (the served store holds the finished requests' prompt + answer records too)
+        assert {(e.key, e.kind, e.tokens) for e in alone.entries() if e.kind != "node"} <= {
+            (e.key, e.kind, e.tokens) for e in served.entries()}
+
+
+def test_a_prefill_forward_never_stalls_decoding_rows_longer_than_one_chunk(loaded, prompts):
+    """While rows decode, a forward of the prefill batch feeds at most `prefill_chunk` tokens in
+    all, however many prompts are joining (the running rows' stall stays that of one chunk)."""
+    h = Harness(loaded, prompt_concurrency=3)
+    h.submit("a", prompts["a"], 60)
+    h.until(lambda: h.events["a"])
+    fed = []
+    step = h.engine.prefill_batch.step
+
+    def counting(budget):
+        before = sum(h.engine.prefill_batch.batch.lengths)
+        out = step(budget)
+        fed.append((len(h.engine.decoder), sum(h.engine.prefill_batch.batch.lengths) + sum(
+            r.position for r in out if r.done) - before))
+        return out
+
+    h.engine.prefill_batch.step = counting
+    for rid, p in (("long", prompts["long"]), ("c", prompts["c"]), ("d", prompts["a"][:150])):
+        h.submit(rid, p, 6)
+    h.run()
+    assert fed and all(n <= CHUNK for rows, n in fed if rows)
+    for rid, p in (("long", prompts["long"]), ("c", prompts["c"]), ("d", prompts["a"][:150])):
+        assert h.text(rid) == _alone(loaded, p, 6), rid

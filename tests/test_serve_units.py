@@ -45,29 +45,33 @@ def tokenizer():
 
 
 def _msgs(*pairs):
-    return [schemas.Message(role=r, content=c) for r, c in pairs]
+    return [{"role": r, "content": c} for r, c in pairs]
 
 
 def test_plain_chat_prompt_is_mlx_lm_servers_and_boundaries_are_shared_prefixes(tokenizer):
     p = Prompter(tokenizer)
     assert not p.templated
     pairs = [("system", "You write Python."), ("user", "def f(x):"), ("assistant", " return x"), ("user", "def g():")]
-    ids, cuts = p.chat(_msgs(*pairs))
+    prompt = p.chat(_msgs(*pairs))
+    ids, cuts = prompt.ids, prompt.checkpoints
     assert ids == tokenizer.encode(convert_chat([{"role": r, "content": c} for r, c in pairs]))
     sys_end = len(tokenizer.encode("ASSISTANT's RULE: You write Python.\n"))
     last_user = tokenizer.encode("ASSISTANT's RULE: You write Python.\nUSER: def f(x):\nASSISTANT:  return x\n")
-    assert len(cuts) == 2
+    whole = tokenizer.encode(convert_chat([{"role": r, "content": c} for r, c in pairs])[: -len("ASSISTANT:")])
+    assert len(cuts) == 3  # the system prompt's end, the last question's start, the conversation's end
     assert 0 < cuts[0] <= sys_end and ids[: cuts[0]] == tokenizer.encode("ASSISTANT's RULE: You write Python.\n")[: cuts[0]]
     assert 0 < cuts[1] <= len(last_user) and ids[: cuts[1]] == last_user[: cuts[1]]
     assert cuts[1] >= len(last_user) - 2  # at most the merge across the boundary is lost
+    assert ids[: cuts[2]] == whole[: cuts[2]] and cuts[2] >= len(whole) - 2
     # no system prompt, one user message: nothing to checkpoint inside the prompt
-    assert p.chat(_msgs(("user", "hi")))[1] == []
+    assert p.chat(_msgs(("user", "hi"))).checkpoints == []
 
 
 def test_chat_template_is_used_when_given(tokenizer):
     tmpl = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
     p = Prompter(tokenizer, tmpl)
-    ids, cuts = p.chat(_msgs(("system", "S"), ("user", "U")))
+    prompt = p.chat(_msgs(("system", "S"), ("user", "U")))
+    ids, cuts = prompt.ids, prompt.checkpoints
     assert tokenizer.decode(ids) == "<system>S\n<user>U\n<assistant>"
     assert cuts and tokenizer.decode(ids[: cuts[0]]).startswith("<system>S")
 

@@ -104,8 +104,8 @@ def test_the_mget_reader_returns_each_value_exactly_and_stays_in_step(redis_serv
     tier = RemoteTier(redis_server.url, timeout=2.0, max_value=(4 << 20) - 1)
     try:
         for _ in range(2):  # the same pooled connection, twice
-            assert tier.get_many([b"a", b"missing", b"over", b"b"]) == [big, None, None, b"tail\r\n$-1\r\n"]
-        assert tier.get_many([b"b"]) == [b"tail\r\n$-1\r\n"]
+            assert tier.get_values([b"a", b"missing", b"over", b"b"]) == [big, None, None, b"tail\r\n$-1\r\n"]
+        assert tier.get_values([b"b"]) == [b"tail\r\n$-1\r\n"]
         # one reused buffer: each value is right while it is the current one
         assert [(i, bytes(v)) for i, v in tier.stream([b"b", b"a", b"over", b"b"], reuse=True)] == [
             (0, b"tail\r\n$-1\r\n"), (1, big), (3, b"tail\r\n$-1\r\n")]
@@ -124,7 +124,7 @@ def test_a_lookup_abandoned_part_way_does_not_desync_the_connection(redis_server
         it = tier.stream([b"a", b"b", b"c"])
         assert next(it) == (0, bytearray(b"a" * (200 << 10)))
         it.close()  # the caller stopped reading: the rest of the reply must not reach the next lookup
-        assert tier.get_many([b"c", b"a"]) == [b"c" * (200 << 10), b"a" * (200 << 10)]
+        assert tier.get_values([b"c", b"a"]) == [b"c" * (200 << 10), b"a" * (200 << 10)]
     finally:
         tier.close()
 
@@ -181,7 +181,7 @@ def test_the_mget_reader_over_tls(tmp_path):
         tier = RemoteTier(url, timeout=2.0)
         try:
             for _ in range(2):
-                assert tier.get_many([b"a", b"missing", b"b"]) == [big, None, b"yy"]
+                assert tier.get_values([b"a", b"missing", b"b"]) == [big, None, b"yy"]
             assert tier.stats()["remote_errors"] == 0
         finally:
             tier.close()

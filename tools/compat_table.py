@@ -66,6 +66,7 @@ def table(cases: list[tuple[str, str, str]]) -> str:
     columns = _module_constant("COLUMNS")
     kernels = _module_constant("KERNELS")
     refused = _module_constant("REFUSED")
+    not_batched = _module_constant("NOT_BATCHED")
     names = list(dict.fromkeys(columns.values()))
     cells: dict[tuple[str, str], list[str]] = {}
     families = []
@@ -94,9 +95,18 @@ def table(cases: list[tuple[str, str, str]]) -> str:
             c = cell(family, column)
             if column == "kernel kept on the hot path" and c == "yes":
                 c = f"yes (`{kernels[family]}`)"
+            if column == "batched rows" and c == "yes" and family in not_batched:
+                c = "refused (below)"  # the test checked the refusal
             row.append(c)
         lines.append(f"| {family} | " + " | ".join(row) + " |")
     lines.append("")
+    if not_batched:
+        lines.append(
+            "Refused by `BatchRuntime` (continuous batching) with `UnsupportedModelError`, before any module "
+            "is adapted; serve them with `--decode-concurrency 1`: "
+            + "; ".join(f"{family}: {why}" for family, why in not_batched.items()) + "."
+        )
+        lines.append("")
     if not refused:
         lines.append(
             "Refused: none of mlx-lm 0.32.2's recurrent families (the tests check that every model "
@@ -138,7 +148,11 @@ classes:
   to `mlx_lm.stream_generate`;
 - **kernel kept on the hot path**: outside a branch the family's recurrence
   (named) gets exactly the arguments the unpatched model passes, so on Metal
-  the same kernel runs.
+  the same kernel runs;
+- **batched rows**: in a `BatchRuntime`, rows (one of them empty) decode a step,
+  verify drafts in one ragged round and each commit its own count, every row
+  as a single `Runtime` fed its kept tokens (logits allclose at 1e-4, same greedy
+  tokens: batched products round otherwise).
 
 """
 

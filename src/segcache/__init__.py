@@ -10,7 +10,9 @@ BLAS = _blas.preload()  # before anything imports mlx
 
 from .errors import (  # noqa: E402
     BranchError,
+    GrammarError,
     InvariantError,
+    ParamError,
     SegcacheError,
     StoreError,
     StoreFormatError,
@@ -33,6 +35,11 @@ _LAZY = {
     "GenerationStats": "generation",
     "Sampler": "sampling",
     "make_sampler": "sampling",
+    "Keys": "sampling",
+    "Processors": "processors",
+    "make_processors": "processors",
+    "Controls": "controls",
+    "Grammars": "grammar",
     "PromptLookup": "lookup",
     "BatchRuntime": "batch",
     "BatchDecoder": "batch",
@@ -42,7 +49,9 @@ _LAZY = {
 __all__ = [
     "BLAS",
     "BranchError",
+    "GrammarError",
     "InvariantError",
+    "ParamError",
     "SegcacheError",
     "StoreError",
     "StoreFormatError",

@@ -13,6 +13,13 @@ Three rules, chosen by the sampler (`make_acceptor`):
 
 Every rule is exact: an emitted token is distributed as the target's own
 choice (see sampling.py).
+
+Randomness: a rule given `Keys` (sampling.py) draws from that stream only, so
+what a row samples depends on its own seed and nothing else in the process
+(another request, a batch's row order, a request that failed half-way);
+without them it draws from mlx's global state, as mlx-lm does. `Keys(seed)`
+hands out exactly the keys the global state hands out after
+`mx.random.seed(seed)`, so both draw the same tokens.
 """
 
 from __future__ import annotations
@@ -21,7 +28,15 @@ from typing import Optional, Protocol, Sequence
 
 import mlx.core as mx
 
-from .sampling import Sampler, match_accept, speculative_accept
+from .sampling import Keys, Sampler, match_accept, speculative_accept
+
+
+class GlobalKeys:
+    """mlx's global random state as a stream of keys: `next()` is None, so each draw takes
+    the global generator's next key (what mlx-lm's samplers draw from)."""
+
+    def next(self) -> None:
+        return None
 
 
 class Acceptor(Protocol):
@@ -61,7 +76,8 @@ class GreedyMatch:
 
 class SamplerMatch:
     """An opaque mlx-lm sampler: sample the target at every position, accept
-    drafts while they equal those samples."""
+    drafts while they equal those samples. It draws from mlx's global random
+    state (mlx-lm's samplers take no key), so it takes no `Keys`."""
 
     def __init__(self, sampler):
         self.sampler = sampler
@@ -84,27 +100,35 @@ class SamplerMatch:
 class ExactSpeculative:
     """A `Sampler` with a visible distribution: exact speculative sampling."""
 
-    def __init__(self, sampler: Sampler):
+    def __init__(self, sampler: Sampler, keys: Optional[Keys] = None):
         self.sampler = sampler
+        self.keys = keys if keys is not None else GlobalKeys()
 
     def sample(self, logprobs):
-        return mx.random.categorical(mx.log(self.sampler.probs(logprobs).astype(mx.float32)))
+        return self.sampler.sample(logprobs, self.keys)  # mlx-lm's sampler's draw for these keys
 
     def propose(self, logprobs):
-        q = self.sampler.probs(logprobs)
-        return mx.random.categorical(mx.log(q)), q
+        return self.sampler.draw(logprobs, self.keys.next())  # q: what the draft was drawn from
 
     def choices(self, logprobs):
         return ()  # the acceptance draws its own
 
     def accept(self, logprobs, drafts, q, choices):
-        return speculative_accept(self.sampler.probs(logprobs), q, drafts)
+        return speculative_accept(self.sampler.probs(logprobs), q, drafts, key=self.keys.next())
 
 
-def make_acceptor(sampler) -> Acceptor:
-    """The rule for `sampler`: None (greedy), a `Sampler`, or any mlx-lm sampler."""
+def make_acceptor(sampler, keys: Optional[Keys] = None) -> Acceptor:
+    """The rule for `sampler`: None (greedy), a `Sampler` (drawing from `keys` if given), or
+    any mlx-lm sampler (which draws from mlx's global state).
+
+    Raises:
+        ValueError: `keys` with an opaque mlx-lm sampler, which cannot take them.
+    """
     if sampler is None:
         return GreedyMatch()
     if isinstance(sampler, Sampler):
-        return ExactSpeculative(sampler)
+        return ExactSpeculative(sampler, keys)
+    if keys is not None:
+        raise ValueError("an mlx-lm sampler draws from mlx's global random state; pass a segcache Sampler "
+                         "(segcache.make_sampler) to give a generation its own seed")
     return SamplerMatch(sampler)

@@ -136,24 +136,33 @@ def _collect(responses, label: str, total: int):
     return tokens, "".join(text), last
 
 
-def _timed_first_token(rt, ids) -> tuple[float, int]:
-    """Seconds to prefill `ids` through `rt` and pick the greedy next token."""
+def _prefill(rt, ids):
+    """Prefill `ids` through `rt`: (where it resumed from, a `Resume`; the last position's logits)."""
+    steps = rt.prefill_steps(ids)
+    resume = next(steps)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return resume, done.value
+
+
+def _timed_first_token(rt, ids):
+    """Seconds to prefill `ids` through `rt` and pick the greedy next token; the token; the `Resume`."""
     import mlx.core as mx
 
     start = time.perf_counter()
-    logits = rt.prefill(ids)
+    resume, logits = _prefill(rt, ids)
     token = mx.argmax(logits[0]).item()
-    return time.perf_counter() - start, token
+    return time.perf_counter() - start, token, resume
 
 
-def _tier(before: dict, after: dict) -> str:
-    if after["hit_tokens"] == before["hit_tokens"]:
+def _tier(resume) -> str:
+    """Where a prefill resumed from, in words."""
+    if not resume.restored:
         return "nowhere (a miss: computed)"
-    disk = after["disk_reads"] - before["disk_reads"]
-    ram = after["ram_reads"] - before["ram_reads"]
-    if disk and ram:
-        return f"disk ({disk} records) and RAM ({ram})"
-    return f"disk ({disk} records)" if disk else f"RAM ({ram} records)" if ram else "none (miss)"
+    names = {"ram": "RAM", "disk": "disk", "remote": "the remote tier"}
+    return " and ".join(names[t] for t in sorted(resume.tier.split("+"), key=["disk", "ram", "remote"].index))
 
 
 def run(args) -> int:
@@ -212,13 +221,15 @@ def run(args) -> int:
                 if best is None or got[2].generation_tps > best[2].generation_tps:
                     runs[name] = got
 
-        # The first request through the prefix store (it publishes prompt + reply).
-        before = store.stats()
+        # The first request through the prefix store (it publishes prompt + reply): the prompt
+        # but its last token is prefilled here, so the Resume says where it came from.
         rt = Runtime(target, store=store, gdn_prefill="auto")
-        stored = stream_generate(target, tokenizer, prompt_ids, prompt_lookup=True, runtime=rt,
+        tic = time.perf_counter()
+        resume1, _ = _prefill(rt, prompt_ids[:-1])
+        prefill_time = time.perf_counter() - tic
+        stored = stream_generate(target, tokenizer, prompt_ids[-1:], prompt_lookup=True, runtime=rt,
                                  num_draft_tokens=args.lookup_tokens, max_tokens=args.max_tokens)
         stored_run = _collect(stored, "through the store", args.max_tokens)
-        after = store.stats()
         stable &= stored_run[0] == runs["prompt lookup"][0]
 
         reference_tokens, reference_text, reference = runs["plain greedy (mlx-lm)"]
@@ -243,20 +254,18 @@ def run(args) -> int:
             }
         print(f"    all three outputs identical: {'yes' if identical else 'NO'}")
         report["identical"] = identical
-        request1 = {"hit_tokens": after["hit_tokens"] - before["hit_tokens"], "tier": _tier(before, after),
-                    "ttft": stored_run[2].stats.prompt_time}
+        request1 = {"hit_tokens": resume1.restored, "tier": _tier(resume1),
+                    "ttft": prefill_time + stored_run[2].stats.prompt_time}
         report["request1"] = request1
         print(f"    first request through the store: {request1['hit_tokens']} of {len(prompt_ids)} prompt "
               f"tokens resumed, from {request1['tier']}; time to first token {request1['ttft'] * 1e3:.0f} ms")
 
         print("\n[4] a second request continuing the first (prompt + reply + more code)")
         follow_ids = rt.tokens + tokenizer.encode(FOLLOW_UP)
-        cold_time, cold_token = _timed_first_token(Runtime(target, gdn_prefill="auto"), follow_ids)
-        before = store.stats()
-        warm_time, warm_token = _timed_first_token(Runtime(target, store=store, gdn_prefill="auto"), follow_ids)
-        after = store.stats()
-        request2 = {"tokens": len(follow_ids), "hit_tokens": after["hit_tokens"] - before["hit_tokens"],
-                    "tier": _tier(before, after), "cold_ttft": cold_time, "warm_ttft": warm_time,
+        cold_time, cold_token, _ = _timed_first_token(Runtime(target, gdn_prefill="auto"), follow_ids)
+        warm_time, warm_token, resume2 = _timed_first_token(Runtime(target, store=store, gdn_prefill="auto"), follow_ids)
+        request2 = {"tokens": len(follow_ids), "hit_tokens": resume2.restored,
+                    "tier": _tier(resume2), "cold_ttft": cold_time, "warm_ttft": warm_time,
                     "same_first_token": cold_token == warm_token}
         report["request2"] = request2
         print(f"    {len(follow_ids)} tokens; {request2['hit_tokens']} resumed from {request2['tier']}")

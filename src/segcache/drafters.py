@@ -1,32 +1,37 @@
-"""Drafters of a speculative round, behind one small protocol.
+"""Drafters of a speculative round: they propose tokens for rows, behind one small protocol.
 
-    drafter.draft(history, target_offset, pending, width) -> Draft (tokens, q)
-    ... the target verifies [pending] + draft.tokens in one forward ...
-    drafter.extend(emitted tokens)      as each is emitted
-    drafter.settle(keep)                the round is over: keep = target tokens kept
+    drafter.add(row_id, history, runtime, draft_runtime)    a row joins (history ends with its pending token)
+    drafter.offer(states, rooms) -> avail                    how many drafts each row can have this step
+    drafter.draft(states, widths) -> Draft                   the step's drafts, every row at once
+    ... the decoder verifies [pending] + drafts per row in one target forward ...
+    drafter.fill(proposals)                                  the drafts as read with the verify
+    drafter.close(states, keep)                              the round is over: row i kept keep[i] target tokens
+    drafter.extend(row_id, tokens) / remove(row_id)
 
-Two drafters: a draft model on its own Runtime (`DraftModel`) and n-gram
-lookup in prompt + output (`Lookup`). A drafter never touches the target.
+Two drafters: n-gram lookup in each row's prompt + output (`Lookup`), and a
+draft model on rows of its own (`DraftModel`: a `BatchRuntime` of the draft,
+or the draft's `Runtime` as one row). A drafter never touches the target.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence, Union
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
 
 import mlx.core as mx
 
-from .acceptors import Acceptor
+from .acceptors import GreedyMatch
+from .errors import RowError
 from .lookup import PromptLookup
 from .runtime import Runtime
 
-# A gap (tokens the target committed that the draft has not seen) up to this
-# long rides along in the draft's first forward of a round; longer gaps are
-# fed outside the fork first, so a branch never holds a long prefill.
+# A lag (tokens the target holds that the draft has not seen) up to this long
+# rides along in the draft's first forward of a round; longer lags are fed
+# outside the fork first, so a branch never holds a long prefill.
 GAP_IN_FORK = 8
 
 
-def eval_cache(rt: Runtime) -> None:
+def eval_cache(rt) -> None:
     mx.eval([layer.state for layer in rt.cache])
 
 
@@ -44,139 +49,267 @@ def normalize(logits: mx.array) -> mx.array:
 
 @dataclass
 class Draft:
-    """One round's drafts.
+    """One step's drafts for every row.
 
     Attributes:
-        tokens: token ids, or an unevaluated [K] array (a draft model's chain,
-            evaluated together with the verify forward).
-        q: the distributions the drafts were drawn from, [K, V], or None.
+        tokens: per row a list of ids, or an unevaluated [B, J] array (a draft
+            model's chain, evaluated together with the verify forward).
+        widths: drafts row i offers for verification (its first widths[i]; an
+            array row may hold more proposals, computed but never kept).
+        q: per row the distributions its drafts were drawn from, [w_i, V], or None.
     """
 
-    tokens: Union[list, mx.array]
-    q: Optional[mx.array] = None
+    tokens: list | mx.array
+    widths: list[int]
+    q: list = field(default_factory=list)
 
     @property
     def lazy(self) -> bool:
         return isinstance(self.tokens, mx.array)
 
-    def __len__(self) -> int:
-        return self.tokens.shape[0] if self.lazy else len(self.tokens)
+    def __bool__(self) -> bool:
+        return any(self.widths)
 
-    def verify_input(self, pending: int):
-        """The verify forward's input: the pending token, then the drafts."""
+    def verify_input(self, pending: list[int]):
+        """The verify forward's input: each row's pending token, then its drafts."""
         if self.lazy:
-            return mx.concatenate([mx.array([pending], dtype=self.tokens.dtype), self.tokens])
-        return [pending] + self.tokens
+            head = mx.array(pending, dtype=self.tokens.dtype)[:, None]
+            return mx.concatenate([head, self.tokens], axis=1)
+        return [[p] + d for p, d in zip(pending, self.tokens)]
 
-    def ids(self) -> list:
-        """The drafts as ids (evaluates a lazy chain)."""
-        return self.tokens.tolist() if self.lazy else self.tokens
+    def proposals(self) -> list[list[int]]:
+        """Every row's proposals as ids (evaluates a lazy chain)."""
+        return self.tokens.tolist() if self.lazy else [list(d) for d in self.tokens]
 
 
-NO_DRAFT = Draft([])
+def each_row(states: list, fn) -> list:
+    """fn(i, state) for every row, a failure attributed to its row (`RowError`)."""
+    out = []
+    for i, s in enumerate(states):
+        try:
+            out.append(fn(i, s))
+        except Exception as exc:
+            raise RowError(s.row_id, exc) from exc
+    return out
+
+
+def no_draft(rows: int) -> Draft:
+    return Draft([[] for _ in range(rows)], [0] * rows, [None] * rows)
 
 
 class Drafter(Protocol):
-    """Proposes tokens for the target to verify.
+    """Proposes tokens for rows to verify. Per-row state (an n-gram index, a draft
+    model's row) lives here, keyed by row id."""
 
-    `gated` says the drafter sizes its own rounds (then the caller does not
-    adapt the width after each round).
-    """
+    def add(self, row_id, history: list, runtime: Runtime, draft_runtime: Runtime | None) -> None:
+        """A row joins holding `history[:-1]` in `runtime`; raises (changing nothing) if it cannot."""
 
-    gated: bool
+    def remove(self, row_id) -> None:
+        """The row leaves."""
 
-    def catch_up(self, history: list, target_offset: int) -> None:
-        """Bring the drafter up to the target's fed tokens, before the first round."""
+    def offer(self, states: list, rooms: list[int]) -> list[int]:
+        """How many drafts each row can have this step, at most its room."""
 
-    def draft(self, history: list, target_offset: int, pending: int, width: int) -> Draft:
-        """Up to `width` drafts following `history` (whose last token is `pending`)."""
+    def draft(self, states: list, widths: list[int]) -> Draft:
+        """The step's drafts: up to widths[i] for row i (states[i].history ends with its pending token)."""
 
-    def extend(self, tokens: Sequence[int]) -> None:
-        """Tokens emitted after the ones the drafter has seen."""
+    def fill(self, proposals: list[list[int]]) -> None:
+        """The round's drafts as read (every row's proposals, kept or not)."""
 
-    def settle(self, keep: int) -> None:
-        """End the round: the target kept `keep` tokens of it (pending included)."""
+    def close(self, states: list, keep: list[int]) -> None:
+        """End the round: row i kept keep[i] target tokens of it (its pending token included)."""
+
+    def rollback(self) -> None:
+        """Drop the round (a failed step)."""
+
+    def extend(self, row_id, tokens: Sequence[int]) -> None:
+        """Tokens row `row_id` emitted (and kept) after the ones the drafter has seen."""
 
 
 class Lookup:
-    """Prompt lookup: drafts copied from the last earlier match of the history's suffix."""
+    """Prompt lookup: each row's drafts copied from the last earlier match of its history's suffix."""
 
-    gated = False
+    def __init__(self):
+        self.index: dict = {}  # row id -> PromptLookup of its history
+        self._offered: list = []
 
-    def __init__(self, lookup: PromptLookup):
-        self.lookup = lookup
+    def add(self, row_id, history, runtime, draft_runtime):
+        if draft_runtime is not None:
+            raise ValueError(f"add({row_id!r}): a draft runtime without a draft model")
+        lookup = PromptLookup()
+        known = len(history) - history[::-1].index(None) if None in history else 0
+        lookup.extend(history[known:])  # ids fed without forward (None) are never matched
+        self.index[row_id] = lookup
 
-    def catch_up(self, history, target_offset):
+    def remove(self, row_id):
+        self.index.pop(row_id, None)
+
+    def offer(self, states, rooms):
+        self._offered = [self.index[s.row_id].draft(w) if w > 0 else [] for s, w in zip(states, rooms)]
+        return [len(d) for d in self._offered]
+
+    def draft(self, states, widths):
+        return Draft([d[:w] for d, w in zip(self._offered, widths)], list(widths), [None] * len(states))
+
+    def fill(self, proposals):
         pass
 
-    def draft(self, history, target_offset, pending, width):
-        return Draft(self.lookup.draft(width))
-
-    def extend(self, tokens):
-        self.lookup.extend(tokens)
-
-    def settle(self, keep):
+    def close(self, states, keep):
         pass
+
+    def rollback(self):
+        pass
+
+    def extend(self, row_id, tokens):
+        self.index[row_id].extend(tokens)
 
 
 class DraftModel:
-    """A draft model on its own Runtime, forked for each round.
+    """A draft model on rows of its own, forked for each round:
 
-        draft runtime:   fork ─ forward(gap + [y]) ─ forward([d1]) ... ─ commit(gap + kept)
+        draft rows:   fork ─ [lag_i + [y_i]] ─ [d1_i] ... ─ [d(J-1)_i] ─┐      commit [lag_i + kept_i]
+        target rows:                                          fork ─ [y_i, d1_i..dJ_i] ─ commit [1 + n_i]
 
-    With `min_prob` > 0 a round stops drafting after the first draft the
-    draft model itself gives less than `min_prob` (that draft is still
-    verified: even unsure drafts are often right).
+    Every draft forward is one token per row past the first, one read per draft
+    forward for all rows while some row may stop early (`min_prob`), none
+    without (the chain stays lazy and is evaluated with the verify). Row i
+    keeps its first widths[i] proposals, or up to and including the first its
+    draft model gives less than `min_prob`. The last proposals are never fed:
+    a row that accepts all of them lags by one, caught up next round.
+
+    Catching up: rows that lag the target by the same tokens (a lone row
+    always) feed them in the round's first forward, or outside the fork first
+    when longer than GAP_IN_FORK; rows that lag by different tokens (plain
+    steps skipped the draft) feed them in one ragged forward in a branch,
+    each committing what it lacked.
+
+    Args:
+        rows: the draft model's rows (a `BatchRuntime`, or a `OneRow`).
+        min_prob: see above (0: every row drafts its full width).
+        prefill_step: tokens per forward when a joining row's draft runtime is
+            brought up to the target's tokens.
     """
 
-    def __init__(self, runtime: Runtime, acceptor: Acceptor, *, prefill_step: int, min_prob: float = 0.0):
-        self.runtime = runtime
-        self.acceptor = acceptor
-        self.prefill_step = prefill_step
+    def __init__(self, rows, *, min_prob: float = 0.0, prefill_step: int = 2048):
+        self.rows = rows
         self.min_prob = min_prob
-        self.gated = min_prob > 0
-        self._branch = None
-        self._gap_in_fork = 0
+        self.prefill_step = prefill_step
+        # The open round: per row the lag fed before its pending token, and the draft
+        # forwards run (row i's branch holds lag_i + forwards tokens). None: no round.
+        self._round: tuple[list[int], int] | None = None
 
-    def catch_up(self, history, target_offset):
-        feed(self.runtime, history[self.runtime.offset : target_offset], self.prefill_step)
+    @property
+    def model(self):
+        return self.rows.model
 
-    def draft(self, history, target_offset, pending, width):
-        draft = self.runtime
-        gap = history[draft.offset : target_offset]
-        if len(gap) > GAP_IN_FORK:
-            feed(draft, gap, self.prefill_step)
-            gap = []
-        self._gap_in_fork = len(gap)
-        self._branch = draft.fork()
-        tokens, qs = [], []
-        step = gap + [pending]
-        # The drafts stay lazy: each feeds the next forward as an array. Without
-        # the gate the whole chain is evaluated with the verify (one device sync
-        # per round); with it, each draft but the last is read to decide
-        # whether to go on (a sync per draft, cheap next to a wasted draft).
-        for i in range(width):  # the last draft is not fed: the next round's gap holds it if accepted
-            logprobs = normalize(draft.forward(step)[0, -1])
-            tok, q = self.acceptor.propose(logprobs)
-            tokens.append(tok)
-            if q is not None:
-                qs.append(q)
-            if self.gated and i + 1 < width:
-                # How sure the draft is of its token: under the distribution
-                # it was drawn from (a Sampler's), else the model's own.
-                sure = qs[-1][tok] if qs else mx.exp(logprobs[tok])
-                if sure.item() < self.min_prob:
-                    break
-            step = tok.reshape(1)
-        drafts = mx.stack(tokens)
-        # Start on the drafts not read yet while the verify graph is built.
-        mx.async_eval(drafts)
-        return Draft(drafts, mx.stack(qs) if qs else None)
+    def add(self, row_id, history, runtime, draft_runtime):
+        drt = draft_runtime if draft_runtime is not None else Runtime(self.rows.model)
+        if drt.model is not self.rows.model:
+            raise ValueError(f"add({row_id!r}): the draft runtime is not of the draft model")
+        held, want = drt.tokens, history[:-1]
+        # ids fed without forward (None, e.g. both loaded from one prompt cache file) may be held
+        # by both; only those the draft must still be fed need be known
+        if len(held) > len(want) or held != want[: len(held)] or None in want[len(held):]:
+            raise ValueError(
+                f"add({row_id!r}): the draft runtime holds {len(held)} tokens that are not a prefix of "
+                f"the target runtime's {len(want)} tokens, or the target holds tokens fed without "
+                "Runtime.forward (ids unknown) that the draft runtime has not seen"
+            )
+        feed(drt, want[len(held):], self.prefill_step)
+        self.rows.join(row_id, drt)
 
-    def extend(self, tokens):
-        pass  # the next round's gap feeds them
+    def remove(self, row_id):
+        self.rows.leave(row_id)
 
-    def settle(self, keep):
-        branch, self._branch = self._branch, None
-        if branch is not None and branch.open:
-            branch.commit(min(branch.length, self._gap_in_fork + keep))
+    def offer(self, states, rooms):
+        return list(rooms)
+
+    def draft(self, states, widths):
+        J = max(widths, default=0)
+        if J == 0:
+            return no_draft(len(states))
+        lags = self._catch_up(states)
+        self.rows.fork()
+        pending = [s.history[-1] for s in states]
+        greedy = all(isinstance(s.acceptor, GreedyMatch) for s in states)
+        gated = self.min_prob > 0
+        step = [lag + [p] for lag, p in zip(lags, pending)]
+        live = [w > 0 for w in widths]
+        kept = [0] * len(states)
+        chain, qs = [], [[] for _ in states]
+        processed = any(s.processors is not None for s in states)
+        for j in range(J):
+            raw = self.rows.forward(step)[:, -1]  # [B, V]
+            if processed:  # a row's processors shape its drafts as they will shape the verify
+                so_far = mx.stack(chain, axis=1) if chain else None
+                lp = mx.concatenate(each_row(states, lambda i, s: normalize(raw[i : i + 1]) if s.processors is None
+                                             else s.processors.process_next(raw[i], s.history,
+                                                                            () if so_far is None else so_far[i])))
+            else:
+                lp = normalize(raw)
+            if greedy:  # one argmax for the batch instead of one graph per row
+                toks = mx.argmax(lp, axis=-1)
+                dists = None
+            else:
+                props = each_row(states, lambda i, s: s.acceptor.propose(lp[i]))
+                toks = mx.stack([t for t, _ in props])
+                dists = [q for _, q in props]
+            chain.append(toks)
+            for i in range(len(states)):
+                if live[i]:
+                    kept[i] += 1
+                    if dists is not None and dists[i] is not None:
+                        qs[i].append(dists[i])
+                    live[i] = kept[i] < widths[i]
+            if gated and j + 1 < J and any(live):
+                # how sure the draft is of each row's token: under the distribution it was
+                # drawn from (a Sampler's), else the model's own; one read for every row
+                if dists is None:
+                    sure = mx.exp(mx.take_along_axis(lp, toks[:, None], axis=-1)[:, 0])
+                else:
+                    sure = mx.stack([mx.exp(lp[i, t]) if q is None else q[t] for i, (q, t) in enumerate(zip(dists, toks))])
+                for i, p in enumerate(sure.tolist()):
+                    live[i] = live[i] and p >= self.min_prob
+            if not any(live):
+                break
+            step = toks[:, None]
+        self._round = ([len(lag) for lag in lags], len(chain))
+        tokens = mx.stack(chain, axis=1)  # [B, J']
+        mx.async_eval(tokens)  # start on the drafts not read yet while the verify graph is built
+        return Draft(tokens, kept, [mx.stack(q) if q else None for q in qs])
+
+    def fill(self, proposals):
+        forwards = self._round[1]
+        if forwards > 1:  # the proposals fed as arrays (all but the last forward's) get their ids
+            self.rows.fill([p[: forwards - 1] for p in proposals])
+
+    def close(self, states, keep):
+        if self._round is None:  # nothing was drafted: the draft rows lag (caught up when they draft again)
+            return
+        (lags, forwards), self._round = self._round, None
+        self.rows.commit([lag + min(forwards, k) for lag, k in zip(lags, keep)])
+
+    def rollback(self):
+        if self.rows.branch_open:
+            self.rows.rollback()
+        self._round = None
+
+    def extend(self, row_id, tokens):
+        pass  # the next round's catch-up feeds them
+
+    def _catch_up(self, states) -> list[list[int]]:
+        """Feed the draft rows what they lack but what rides along in the first forward."""
+        rows = self.rows
+        lags = [s.history[n:-1] for s, n in zip(states, rows.lengths)]
+        if len({len(lag) for lag in lags}) == 1:
+            if len(lags[0]) <= GAP_IN_FORK:
+                return lags
+            for i in range(0, len(lags[0]), self.prefill_step):  # a long lag: outside the fork, in chunks
+                mx.eval(rows.forward([lag[i : i + self.prefill_step] for lag in lags]))
+            return [[] for _ in lags]
+        # ragged: one forward in a branch, each row committing what it lacked (a row that
+        # lags nothing feeds a token it then drops: rows are never empty)
+        rows.fork()
+        rows.forward([lag or [0] for lag in lags])
+        rows.commit([len(lag) for lag in lags])
+        return [[] for _ in lags]

@@ -1,8 +1,10 @@
-"""Plain and speculative generation on segcache Runtimes.
+"""Plain and speculative generation on segcache Runtimes: one row of the decoder.
 
-Every speculative round, on any mix of dense and hybrid models:
+Every speculative round, on any mix of dense and hybrid models, is the
+decoder's (`batch/decoder.py`), run here on the target's Runtime itself as a
+row of one (and the draft model's Runtime as its draft row):
 
-    draft runtime:   fork ─ forward(gap + [y]) ─ forward([d1]) ... ─┐         commit(gap + kept)
+    draft runtime:   fork ─ forward(lag + [y]) ─ forward([d1]) ... ─┐         commit(lag + kept)
     target runtime:                              fork ─ forward([y, d1..dK]) ─ commit(1 + n)
                                                         one verify forward      y' = t_n
 
@@ -10,113 +12,42 @@ y is the last emitted token (not yet fed), d1..dK the drafts, n the drafts
 accepted, t_n the target's token after them. No code here trims a cache:
 the runtimes' branches drop the rejected tail exactly.
 
-Both forks stay open while the round's accepted drafts are yielded, and are
-committed up to the tokens the caller actually received, so closing the
-generator at any yield leaves the target holding exactly prompt + emitted.
-The token after the last round is fed when the generation ends (as mlx-lm's
-pipelined step does), so `rt.tokens == prompt + emitted`, all fed, and a
-later call with `runtime=rt` continues the conversation. The draft runtime
-always holds a prefix of what the target holds; a later call feeds it the
-difference first.
+A round stays open while its accepted drafts are yielded, and is committed
+up to the tokens the caller actually received, so closing the generator at
+any yield leaves the target holding exactly prompt + emitted. The token after
+the last round is fed when the generation ends (as mlx-lm's pipelined step
+does), so `rt.tokens == prompt + emitted`, all fed, and a later call with
+`runtime=rt` continues the conversation. The draft runtime always holds a
+prefix of what the target holds; a later call feeds it the difference first.
 """
 
 from __future__ import annotations
 
 import operator
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .acceptors import Acceptor, make_acceptor
-from .drafters import NO_DRAFT, Drafter, DraftModel, Lookup
-from .drafters import eval_cache as _eval_cache
-from .drafters import feed as _feed
-from .drafters import normalize as _normalize
+from .acceptors import make_acceptor
+from .batch.decoder import BatchDecoder
+from .drafters import eval_cache, feed
 from .errors import BranchError
 from .kvquant import KVQuantization
-from .lookup import PromptLookup
+from .processors import Processors
 from .runtime import Runtime
+from .sampling import Keys
+from .stats import GenerationStats
+
+__all__ = ["DRAFT_MIN_PROB", "GenerationResponse", "GenerationStats", "generate", "stream_generate"]
 
 # The default `draft_min_prob` (see stream_generate). The shipped draft's
 # greedy token matched the target's 95-100% of the time when it gave it
 # p >= 0.3 and 50-68% below; 0.25 was among the fastest settings on
 # held-out code prompts with 4 drafts per round (docs/benchmarks.md).
 DRAFT_MIN_PROB = 0.25
-
-
-@dataclass
-class GenerationStats:
-    """What one generation did and where the time went.
-
-    Attributes:
-        mode: "plain", "draft" or "lookup".
-        prompt_tokens: tokens in the prompt (new tokens only when continuing a runtime).
-        prompt_time: seconds until the first generated token (prefill included).
-        generation_tokens: tokens emitted (an EOS included).
-        generation_time: seconds from the first token to the last.
-        rounds: target forwards after the prefill (one per round).
-        drafted / accepted: draft tokens proposed / accepted by the target.
-        draft_time / verify_time / commit_time: seconds drafting (building the
-            draft model's graph and evaluating the drafts the gate reads, or
-            n-gram lookup), in the verify forwards and acceptance (for a draft
-            model this includes evaluating the drafts not read yet, which run
-            in the same graph), and committing branches. With the "replay"
-            recurrent strategy part of a commit's work is lazy and lands in
-            the next forward.
-        drafted_per_round / accepted_per_round: per verify round.
-    """
-
-    mode: str = "plain"
-    prompt_tokens: int = 0
-    prompt_time: float = 0.0
-    generation_tokens: int = 0
-    generation_time: float = 0.0
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    draft_time: float = 0.0
-    verify_time: float = 0.0
-    commit_time: float = 0.0
-    drafted_per_round: List[int] = field(default_factory=list)
-    accepted_per_round: List[int] = field(default_factory=list)
-
-    @property
-    def prompt_tps(self) -> float:
-        return self.prompt_tokens / self.prompt_time if self.prompt_time > 0 else 0.0
-
-    @property
-    def generation_tps(self) -> float:
-        return self.generation_tokens / self.generation_time if self.generation_time > 0 else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def mean_accepted(self) -> float:
-        """Mean drafts accepted per round (rounds that drafted nothing count as 0)."""
-        return self.accepted / self.rounds if self.rounds else 0.0
-
-    def summary(self) -> str:
-        """A few human-readable lines, as `generate(verbose=True)` prints them."""
-        lines = [
-            f"Prompt: {self.prompt_tokens} tokens, {self.prompt_tps:.3f} tokens-per-sec",
-            f"Generation: {self.generation_tokens} tokens, {self.generation_tps:.3f} tokens-per-sec",
-        ]
-        if self.mode != "plain":
-            lines.append(
-                f"Speculative ({self.mode}): {self.rounds} rounds, drafted {self.drafted}, "
-                f"accepted {self.accepted} ({self.acceptance_rate:.1%}), "
-                f"{self.mean_accepted:.2f} accepted per round"
-            )
-            lines.append(
-                f"Time: draft {self.draft_time:.3f}s, verify {self.verify_time:.3f}s, "
-                f"commit {self.commit_time:.3f}s"
-            )
-        return "\n".join(lines)
 
 
 @dataclass
@@ -147,172 +78,41 @@ class GenerationResponse:
     stats: Optional[GenerationStats] = None
 
 
-class _Speculator:
-    """The round loop. `tokens()` yields (token, logprobs, from_draft) forever.
-
-    The caller stops by closing the generator; every exit path commits the
-    open branches up to what was emitted (`_settle`).
-    """
-
-    def __init__(self, target: Runtime, drafter: Optional[Drafter], acceptor: Acceptor, prompt, *,
-                 width, max_tokens, prefill_step, stats, adaptive=True, prefill_checkpoints=()):
-        self.target = target
-        self.drafter = drafter
-        self.acceptor = acceptor
-        self.prompt = prompt
-        self.width = width
-        self.max_tokens = max_tokens
-        self.prefill_step = prefill_step
-        self.stats = stats
-        self.prefill_checkpoints = tuple(prefill_checkpoints)
-        # history[i] is the token at position i of the target; its last entry
-        # is `pending`, the last emitted token, not yet fed to the target.
-        self.history: list = target.tokens + list(prompt)
-        self.pending_fed = False
-        # The open round: the target's branch and how many of its tokens were emitted.
-        self._tbr = None
-        self._keep = 0
-        # Unless the drafter sizes its own rounds (a gated draft model), the
-        # width halves after a round that accepted nothing and doubles after
-        # one that accepted everything (1..width): a miss costs a wider
-        # verify, even for free drafts.
-        self.adaptive = adaptive and drafter is not None and not drafter.gated
-        self._cap = width
-
-    def _settle(self) -> None:
-        """Commit the open branches to the emitted tokens (0 if nothing emitted)."""
-        tic = time.perf_counter()
-        try:
-            if self._tbr is not None and self._tbr.open:
-                self._tbr.commit(min(self._keep, self._tbr.length))
-        finally:
-            self._tbr = None
-            if self.drafter is not None:
-                self.drafter.settle(self._keep)
-            self._keep = 0
-            self.stats.commit_time += time.perf_counter() - tic
-
-    def _prefill(self) -> None:
-        target = self.target
-        if len(self.prompt) > 1:
-            if target.store is not None:  # resume from the prefix store, publish the prompt
-                target.prefill(self.history[:-1], step_size=self.prefill_step,
-                               checkpoints=self.prefill_checkpoints)
-            else:
-                _feed(target, self.prompt[:-1], self.prefill_step)
-        if self.drafter is not None:
-            self.drafter.catch_up(self.history, target.offset)
-
-    def _round(self, pending: int, width: int) -> tuple:
-        """Draft, verify in one target forward (in a fork when there are drafts),
-        accept. Returns (drafts, n accepted, next token, logprobs [K+1, V])."""
-        t0 = time.perf_counter()
-        draft = self.drafter.draft(self.history, self.target.offset, pending, width) if width else NO_DRAFT
-        t1 = time.perf_counter()
-        if len(draft):
-            self._tbr = self.target.fork()
-        # A draft model's chain (what its gate has not read) and the verify run as one graph.
-        logprobs = _normalize(self.target.forward(draft.verify_input(pending))[0])
-        choices = self.acceptor.choices(logprobs)
-        mx.eval(draft.tokens if draft.lazy else (), logprobs, *choices)
-        drafts = draft.ids()
-        n, nxt = self.acceptor.accept(logprobs, drafts, draft.q, choices)
-        self.pending_fed = True
-        self._keep = 1
-        s = self.stats
-        s.draft_time += t1 - t0
-        s.verify_time += time.perf_counter() - t1
-        s.rounds += 1
-        s.drafted += len(drafts)
-        s.accepted += n
-        s.drafted_per_round.append(len(drafts))
-        s.accepted_per_round.append(n)
-        if self.adaptive and drafts:
-            if n == 0:
-                self._cap = max(1, self._cap // 2)
-            elif n == len(drafts):
-                self._cap = min(self.width, 2 * self._cap)
-        return drafts, n, nxt, logprobs
-
-    def _emit(self, token: int) -> None:
-        self.history.append(token)
-        if self.drafter is not None:
-            self.drafter.extend([token])
-
-    def tokens(self) -> Iterator[tuple]:
-        emitted = 0
-        clean = False
-        try:
-            self._prefill()
-            pending = self.history[-1]
-            if self.drafter is None:
-                yield from self._plain(pending)
-            while True:
-                remaining = self.width if self.max_tokens < 0 else self.max_tokens - emitted - 1
-                width = max(0, min(self.width, self._cap, remaining))
-                try:
-                    drafts, n, nxt, logprobs = self._round(pending, width)
-                    for i in range(n):
-                        self._keep += 1
-                        emitted += 1
-                        self._emit(drafts[i])
-                        yield drafts[i], logprobs[i], True
-                finally:
-                    self._settle()
-                pending = nxt
-                self.pending_fed = False
-                self._emit(nxt)
-                emitted += 1
-                yield nxt, logprobs[n], False
-        except GeneratorExit:
-            clean = True
-            raise
-        finally:
-            try:
-                self._settle()
-            finally:
-                self._finish(clean)
-
-    def _finish(self, clean: bool) -> None:
-        # Feed the last emitted token only on a normal stop: after an error no
-        # further forward is attempted (the runtime then holds one token less
-        # than was emitted; rt.tokens says so).
-        target = self.target
-        if clean and not self.pending_fed:
-            target.forward([self.history[-1]])
-            _eval_cache(target)
-            self.pending_fed = True
-        if clean and target.store is not None:
-            target.publish()  # the next turn resumes from prompt + reply
-
-    def _plain(self, pending: int) -> Iterator[tuple]:
-        """Plain decoding, pipelined as mlx-lm's generate_step: the forward of
-        token i is queued (async_eval) before token i is read and yielded, so
-        graph building overlaps the device. Token i is then fed when yielded;
-        only the last one (max_tokens) is left for the finish to feed."""
-        target, stats = self.target, self.stats
-
-        def step(tokens: mx.array):
-            logprobs = _normalize(target.forward(tokens)[0, -1])
-            token = self.acceptor.sample(logprobs)
-            mx.async_eval(token, logprobs)
-            return token, logprobs
-
-        token, logprobs = step(mx.array([pending], dtype=mx.uint32))
-        emitted = 0
+def _tokens(decoder: BatchDecoder, runtime: Runtime, draft: Optional[Runtime], ids: list, history: list, *,
+            acceptor, max_tokens: int, prefill_step: int, checkpoints, stats, processors, stops) -> Iterator[tuple]:
+    """Prefill, then the decoder's steps on the runtime as a row of one: yields (token, logprobs,
+    from_draft) until closed. Every exit settles the open round at the tokens yielded."""
+    if len(ids) > 1:
+        if runtime.store is not None:  # resume from the prefix store, publish the prompt
+            runtime.prefill(history[:-1], step_size=prefill_step, checkpoints=checkpoints)
+        else:
+            feed(runtime, ids[:-1], prefill_step)
+    decoder.add(0, runtime, history[-1], acceptor=acceptor, max_tokens=max_tokens, draft_runtime=draft, stats=stats,
+                processors=processors, stop_tokens=stops)
+    clean = False
+    emitted, taken = (), None  # the step whose tokens are being yielded, and how many were
+    try:
         while True:
-            emitted += 1
-            ahead = None
-            if self.max_tokens < 0 or emitted < self.max_tokens:
-                ahead = step(token.reshape(1))
-            value = token.item()
-            self.history.append(value)
-            self.pending_fed = ahead is not None
-            stats.rounds += 1
-            yield value, logprobs, False
-            if ahead is None:
-                return
-            token, logprobs = ahead
+            emitted, taken = decoder.step()[0], 0
+            for token, logprobs, from_draft in emitted:
+                taken += 1
+                yield token, logprobs, from_draft
+            taken = None
+    except GeneratorExit:
+        clean = True
+        raise
+    finally:
+        if 0 in decoder.rows:
+            tic = time.perf_counter()
+            if taken is not None and taken < len(emitted):  # closed mid-round: keep what was yielded
+                decoder.settle({0: taken})
+            # Feed the last emitted token only on a normal stop: after an error no further
+            # forward is attempted (the runtime then holds one token less than was emitted).
+            rt = decoder.release(0, pending=clean)
+            eval_cache(rt)
+            stats.commit_time += time.perf_counter() - tic
+            if clean and rt.store is not None:
+                rt.publish()  # the next turn resumes from prompt + reply
 
 
 def _prompt_ids(tokenizer: TokenizerWrapper, prompt) -> list[int]:
@@ -360,6 +160,8 @@ def stream_generate(
     adaptive: bool = True,
     draft_min_prob: float = DRAFT_MIN_PROB,
     prefill_checkpoints: Sequence[int] = (),
+    seed: Optional[int] = None,
+    processors: Optional[Processors] = None,
     kv_bits: Optional[int] = None,
     kv_group_size: int = 64,
     quantized_kv_start: int = 5000,
@@ -400,6 +202,13 @@ def stream_generate(
         prefill_checkpoints: with a store-backed `runtime`, more positions (in
             runtime tokens + prompt) its prefill checkpoints on the way, e.g.
             chat message boundaries (see `Runtime.prefill`).
+        seed: with a `Sampler`, draw from a random stream of this generation's own,
+            the one mlx's global state gives after `mx.random.seed(seed)` (None:
+            mlx's global state, as mlx-lm).
+        processors: logits processors (`segcache.make_processors`: penalties, logit
+            bias, a grammar), applied at every position the target computes as plain
+            decoding would, drafted positions included; the output equals plain
+            decoding with them.
         kv_bits, kv_group_size, quantized_kv_start: mlx-lm's KV cache
             quantization, for the runtimes made here and set on those given
             (`Runtime.quantize_kv`; both target and draft, as mlx-lm does).
@@ -455,34 +264,24 @@ def stream_generate(
             rt.check_quantize_kv(quantization)
         for rt in filter(None, (runtime, draft)):
             rt.quantize_kv(quantization)
-    lookup = None
-    if prompt_lookup:
-        lookup = PromptLookup()
-        known = len(history) - history[::-1].index(None) if None in history else 0
-        lookup.extend(history[known:])
-
-    mode = "draft" if draft is not None else "lookup" if lookup is not None else "plain"
-    stats = GenerationStats(mode=mode, prompt_tokens=len(ids))
-    acceptor = make_acceptor(sampler)
-    drafter: Optional[Drafter] = None
-    if draft is not None:
-        drafter = DraftModel(draft, acceptor, prefill_step=prefill_step_size,
-                             min_prob=draft_min_prob if adaptive else 0.0)
-    elif lookup is not None:
-        drafter = Lookup(lookup)
-    speculator = _Speculator(
-        runtime, drafter, acceptor, ids,
-        width=num_draft_tokens, max_tokens=max_tokens, prefill_step=prefill_step_size,
-        stats=stats, adaptive=adaptive, prefill_checkpoints=prefill_checkpoints,
+    decoder = BatchDecoder(
+        model, num_draft_tokens=num_draft_tokens if draft is not None or prompt_lookup else 0,
+        draft_model=draft_model if draft is not None else None, prefill_step=prefill_step_size,
+        draft_min_prob=draft_min_prob if adaptive and draft is not None else 0.0,
+        gate=False, one_row=True, adaptive=adaptive,
     )
-    return _responses(speculator, tokenizer, max_tokens, stats)
+    stats = GenerationStats(mode=decoder.mode, prompt_tokens=len(ids))
+    acceptor = make_acceptor(sampler, None if seed is None else Keys(seed))
+    tokens = _tokens(decoder, runtime, draft, ids, history, acceptor=acceptor, max_tokens=max_tokens,
+                     prefill_step=prefill_step_size, checkpoints=prefill_checkpoints, stats=stats,
+                     processors=processors, stops=tokenizer.eos_token_ids)
+    return _responses(tokens, tokenizer, max_tokens, stats)
 
 
-def _responses(speculator: _Speculator, tokenizer, max_tokens: int, stats: GenerationStats):
+def _responses(tokens, tokenizer, max_tokens: int, stats: GenerationStats):
     """mlx-lm's stream_generate loop over our token stream: same stops, same fields."""
     detokenizer = tokenizer.detokenizer
     eos = tokenizer.eos_token_ids
-    tokens = speculator.tokens()
     tic = time.perf_counter()
     prompt_tps = 0.0
 

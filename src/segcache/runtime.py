@@ -9,28 +9,31 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from typing import Generator, Iterable, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import CacheList
 
-from . import adapters
+from . import registry
 from .adapters.chunked import chunked_threshold
+from .distributed.prefix import agree_restored, agree_resume
 from .errors import (
     BranchError,
     InvariantError,
     StoreError,
-    UnsupportedModelError,
     UnsupportedOperationError,
 )
 from .kvquant import DEFAULT_GROUP_SIZE, DEFAULT_START, KVQuantization
-from .layers import registry
 from .layers.compat import QuantizeRefused
 from .layers.kv import KVLayer
+from .layers.offset_branches import OffsetBranches
 from .layers.quantized import QuantizedKVLayer
 from .layers.protocol import PAGES, UNSTORED
 from .layers.recurrent import STRATEGIES, RecurrentLayer
 from .layers.state import default_state_strategy
+from .store import PrefixCache, Resume
 from .tokens import TokenLedger
 
 RECURRENT_STRATEGIES = ("auto",) + STRATEGIES
@@ -98,6 +101,41 @@ class Branch:
         return f"Branch(base={self.base_offset}, {state})"
 
 
+class Savepoint:
+    """What `Runtime.undo` returns to (opaque; see `Runtime.savepoint`)."""
+
+    __slots__ = ("runtime", "offset", "branches", "layers", "buffers", "own")
+
+    def __init__(self, runtime: "Runtime", offset: int, branches: tuple, layers: list, buffers: list, own: tuple):
+        self.runtime, self.offset, self.branches = runtime, offset, branches
+        self.layers, self.buffers = layers, buffers  # each layer's own savepoint; (cache, keys, values) views
+        self.own = own  # the layer objects then (kv_bits may swap some for quantized ones since)
+
+
+def _appended_in_place(layers) -> list:
+    """The caches among `layers` (and their children) that a forward appends to in place.
+
+    An append-only K/V buffer (`OffsetBranches`: full attention, quantized or
+    not) is extended with a slice update, which rebinds the very array object
+    the layer holds, and its own savepoint keeps only the offset. Every other
+    kind keeps its arrays in its savepoint (windows, recurrent slots).
+    """
+    out = []
+    for layer in layers:
+        if isinstance(layer, OffsetBranches):
+            out.append(layer)
+        elif isinstance(layer, CacheList):  # CompositeLayer: its children
+            out.extend(_appended_in_place(layer.caches))
+    return out
+
+
+def _view(a):
+    """A new handle on the same buffer (no copy): it keeps the buffer as it is now."""
+    if a is None:  # no token yet
+        return None
+    return tuple(x[...] for x in a) if isinstance(a, tuple) else a[...]
+
+
 def _build_layers(model, strategy: str, branch_state_bytes: int, state_strategy: str | None = None,
                   max_kv_size: int | None = None) -> list:
     """One layer cache per decoder layer; the model is changed only if every layer is supported.
@@ -105,35 +143,10 @@ def _build_layers(model, strategy: str, branch_state_bytes: int, state_strategy:
     First every layer is matched to a segment kind (raising before anything
     changed), then the recurrent modules are adapted, all or none.
     """
-    native = make_prompt_cache(model, max_kv_size)  # mlx-lm's own rule: the model's make_cache if it has one
-    layers = registry.owners(model, native)
-    if layers is None:
-        raise UnsupportedModelError(
-            f"{type(model).__name__} makes {len(native)} caches for {len(model.layers)} layers, and "
-            "segcache does not know which layer each belongs to (layers/registry.py: OWNERS)"
-        )
-    plan = []  # (kind, native cache, what the kind matched)
-    for i, (cache, layer) in enumerate(zip(native, layers)):
-        found = registry.match(cache, layer)
-        if found is None:
-            inner = adapters.describe_layer(layer)
-            raise UnsupportedModelError(
-                f"layer {i} ({type(layer).__name__}{inner}) uses {type(cache).__name__}, which segcache "
-                f"cannot roll back; supported: {registry.supported()}"
-            )
-        plan.append((found[0], cache, found[1]))
-    recurrent = [m for kind, _, matched in plan for m in kind.modules(matched)]
-    options = registry.Options(
-        strategy, branch_state_bytes // len(recurrent) if recurrent else 0, state_strategy or strategy
-    )
-    classes = [type(module) for module, _ in recurrent]
-    try:
-        for module, base in recurrent:
-            adapters.adapt(module, base)
-    except BaseException:
-        for (module, _), cls in zip(recurrent, classes):
-            module.__class__ = cls
-        raise
+    plan = registry.plan(model, max_kv_size)
+    recurrent = registry.recurrent_count(plan)
+    options = registry.Options(strategy, branch_state_bytes // recurrent if recurrent else 0, state_strategy or strategy)
+    registry.adapt(plan)
     return [kind.build(cache, matched, options) for kind, cache, matched in plan]
 
 
@@ -164,6 +177,11 @@ class Runtime:
         model: an mlx-lm model (dense, sliding-window or Gated DeltaNet hybrid).
         store: a `PrefixStore` (`segcache.open_store`) for `prefill`/`publish`;
             clones share it.
+        cache_salt: the runtime's isolation domain in the store (a non-empty
+            str or bytes; None: the shared domain). Its prefill resumes, and its
+            publish stores, only what runtimes of the same salt see: another
+            salt shares no prefix with it (e.g. one per user or API key, so no
+            one can learn whether another's prompt is cached). Clones keep it.
         recurrent_strategy: "auto", "replay" or "states" (see
             `default_recurrent_strategy`; for the generic recurrent-state
             layers of SSM / short-conv families "auto" is "replay",
@@ -189,13 +207,19 @@ class Runtime:
             model without `make_cache`, every layer is a sliding window of this
             many tokens (keeping the first 4); ignored when the model makes its
             own cache, as in mlx-lm.
+        group: a `segcache.distributed.Channel` when this runtime is one rank's of
+            a sharded model: its prefills then resume only a prefix every rank
+            resumes (docs/distributed.md); clones share it.
 
     Attributes:
         model: the model.
         cache: the layer caches, usable anywhere mlx-lm takes a prompt cache.
+        cache_salt: the isolation domain (see Args); may be set before a prefill
+            or publish, e.g. on a runtime split off a batch.
 
     Raises:
         UnsupportedModelError: a layer's cache cannot be rolled back.
+        ValueError: `cache_salt` is empty or not a str or bytes.
     """
 
     def __init__(
@@ -203,6 +227,7 @@ class Runtime:
         model,
         *,
         store=None,
+        cache_salt: str | bytes | None = None,
         recurrent_strategy: str = "auto",
         branch_state_bytes: int = BRANCH_STATE_BYTES,
         gdn_prefill: str = "native",
@@ -210,11 +235,14 @@ class Runtime:
         kv_group_size: int = DEFAULT_GROUP_SIZE,
         quantized_kv_start: int = DEFAULT_START,
         max_kv_size: int | None = None,
+        group=None,
     ):
         if recurrent_strategy not in RECURRENT_STRATEGIES:
             raise ValueError(f"recurrent_strategy must be one of {RECURRENT_STRATEGIES}")
         if not isinstance(branch_state_bytes, int) or isinstance(branch_state_bytes, bool) or branch_state_bytes < 0:
             raise ValueError(f"branch_state_bytes must be an int >= 0, got {branch_state_bytes!r}")
+        if cache_salt is not None and (not isinstance(cache_salt, (str, bytes)) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty str or bytes (or None), got {cache_salt!r:.40}")
         # StateLayer (SSM, short conv, ...): "auto" is "replay" (layers/state.py)
         state_strategy = default_state_strategy() if recurrent_strategy == "auto" else recurrent_strategy
         chunked_from = chunked_threshold(gdn_prefill)  # raises ValueError on a bad name
@@ -229,6 +257,7 @@ class Runtime:
         # cache[i] is _layers[i]: mlx-lm code may replace entries of the list
         # (kv_bits); every operation checks first (_own_layers).
         self._layers = tuple(self.cache)
+        self._in_place = None  # (_layers, their caches appended in place), for savepoint()
         self.gdn_prefill = "native" if chunked_from is None else "chunked"
         for layer in self.cache:
             if isinstance(layer, RecurrentLayer):
@@ -238,7 +267,9 @@ class Runtime:
         # _branches[i].base_offset == every layer's mark i offset; innermost last.
         self._branches: list[Branch] = []
         self.store = store
-        self._prefix = None  # store.prefix_cache.PrefixCache for `store`, made on first use; shared with clones
+        self.cache_salt = cache_salt
+        self._prefix: PrefixCache | None = None  # for `store`, made on first use; shared with clones
+        self.group = group
         self.kv_quantization = None
         if quantization is not None:
             self.quantize_kv(quantization)
@@ -306,6 +337,55 @@ class Runtime:
             raise
         self._ledger.append(chunk)
         return logits
+
+    def savepoint(self) -> "Savepoint":
+        """A point to undo the forwards that follow, as long as they are not evaluated (`undo`).
+
+        Cheap (offsets and array handles, no copy) and, unlike a branch, it
+        changes no code path: the forwards run as they would without it. `undo`
+        also drops their unevaluated graphs from every layer (the K/V buffers
+        they wrote into included), so nothing of them runs later: in a
+        distributed group an abandoned forward must never reach a collective
+        (`segcache.distributed`). Drop the savepoint before evaluating the
+        forwards: a K/V buffer it still holds is copied by the write instead of
+        being updated in place.
+
+        Raises:
+            UnsupportedOperationError: an entry of `rt.cache` was replaced.
+        """
+        self._own_layers("savepoint")
+        self._sync()
+        if self._in_place is None or self._in_place[0] != self._layers:
+            self._in_place = (self._layers, _appended_in_place(self._layers))
+        # K/V buffers are kept as views (quantized: a tuple of them; None before any token)
+        buffers = [(c, _view(c.keys), _view(c.values)) for c in self._in_place[1]]
+        return Savepoint(self, self.offset, tuple(self._branches), [c.savepoint() for c in self.cache], buffers,
+                         self._layers)
+
+    def undo(self, point: "Savepoint") -> None:
+        """Return to `point`: the forwards (and a `restore`) since are dropped, evaluated or not.
+
+        Raises:
+            BranchError: `point` is another runtime's, or a branch was opened or
+                closed since it was taken; nothing changed.
+        """
+        if point.runtime is not self or tuple(self._branches) != point.branches or self.offset < point.offset:
+            raise BranchError(
+                "undo() to a savepoint of another runtime, or across a fork / commit / rollback since it "
+                "was taken; undo only the forwards of one step"
+            )
+        self._own_layers("undo")
+        if self._layers != point.own:  # kv_bits quantized layers since: the layers then are as they were
+            for layer in point.own:
+                layer.replaced_by = None
+            self.cache[:] = point.own
+            self._layers = point.own
+        self._sync()
+        for layer, own in zip(self.cache, point.layers):
+            layer.restore(own)
+        for cache, keys, values in point.buffers:
+            cache.keys, cache.values = keys, values
+        self._ledger.truncate(point.offset)
 
     # -- branches ---------------------------------------------------------------
 
@@ -488,13 +568,16 @@ class Runtime:
             ValueError: `tokens` is empty or not token ids, or `step_size` is not a
                 positive int; nothing changed.
         """
-        from .store.prefix_cache import drain
-
-        return drain(self.prefill_steps(tokens, step_size=step_size, checkpoints=checkpoints))
+        steps = self.prefill_steps(tokens, step_size=step_size, checkpoints=checkpoints)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
 
     def prefill_steps(
         self, tokens: Sequence[int] | mx.array, *, step_size: int = 2048, checkpoints: Iterable[int] = ()
-    ) -> Generator[int, None, mx.array]:
+    ) -> Generator[Resume | int, None, mx.array]:
         """`prefill` one unit of work at a time, so a caller can run other work in between
         (`segcache serve` decodes its running rows between a joining prompt's chunks).
 
@@ -503,8 +586,10 @@ class Runtime:
         Checkpoints, publishing and the results are `prefill`'s.
 
         Yields:
-            The tokens the runtime holds: once after resuming from the store (what
-            it held before plus the tokens restored), then between two forwards.
+            First a `segcache.store.Resume` (once resumed: `tokens` held, `restored`
+            from the store, the `tier` they came from; without a store, what the
+            runtime held and nothing restored), then between two forwards the
+            tokens the runtime holds (an int).
 
         Returns:
             (as the generator's return value) the logits of the prompt's last position.
@@ -513,54 +598,124 @@ class Runtime:
         ids = _token_ids(tokens)
         if not isinstance(step_size, int) or isinstance(step_size, bool) or step_size <= 0:
             raise ValueError(f"prefill(step_size={step_size!r}): step_size must be a positive int")
-        if self.store is None:
-            from .store.prefix_cache import check_prefill, feed_steps
+        held = self._prefix_of(ids)
+        cache = self.prefix_cache() if self.store is not None else None
+        return self._prefill(ids, held, cache, step_size, checkpoints)
 
-            held = check_prefill(self, ids)
-            return self._fed(held, feed_steps(self, ids, held, [len(ids)], step_size))
-        if self._quantized_prompt(ids):
-            from .store.prefix_cache import check_prefill
+    def _prefix_of(self, ids: list[int]) -> int:
+        """How many tokens of the prompt `ids` the runtime holds; raises unless it may prefill them."""
+        if self._branches:
+            raise BranchError(
+                f"prefill() with {self.depth} open branch(es): commit or roll them back first "
+                "(speculative tokens are never published)"
+            )
+        held = self.tokens
+        if len(held) >= len(ids) or held != ids[: len(held)]:
+            raise BranchError(
+                f"prefill() of {len(ids)} tokens on a runtime holding {len(held)} tokens that are not a "
+                "strict prefix of them; pass the whole prompt (held tokens first, at least one new), "
+                "or use a fresh Runtime (or a clone of one holding a prefix)"
+            )
+        return len(held)
 
-            check_prefill(self, ids)  # raise now, as the store's prefill does
-            return self._quantized_first(ids, step_size, checkpoints)
-        return self.prefix_cache().prefill_steps(self, ids, step_size=step_size, checkpoints=checkpoints)
+    def _prefill(self, ids: list[int], held: int, cache: PrefixCache | None, step_size: int, checkpoints):
+        L = len(ids)
+        if cache is not None and self._quantized_prompt(ids, held):
+            cache, resume = self._quantized_resume(ids, held)
+        else:
+            resume = Resume(held) if cache is None else cache.resume(self, ids, held)
+        if cache is not None and self.group is not None:
+            resume = self._agreed(resume, held)  # then every rank restores, or none (the same tokens)
+        point = self.savepoint() if resume.states is not None and self.group is not None else None
+        restored = True
+        if resume.states is not None:
+            try:
+                self.restore(ids[: resume.tokens], list(resume.states))
+            except Exception as exc:  # states that do not load are a miss, never a failed prefill
+                cache.failed("restoring the resumed prefix", exc)
+                resume, restored = Resume(held), False
+        if point is not None and not agree_restored(self.group, restored):
+            if restored:  # another rank could not: every rank computes
+                self.undo(point)
+            resume = Resume(held)
+        del point
+        # The layers hold the states now. No other reference may stay: the next forward writes
+        # into a KV buffer in place only if nothing else references it (else it copies it whole).
+        last, resume = resume.logits, dataclasses.replace(resume, states=None, logits=None)
+        yield resume  # the caller may run other work first
+        start, stops, snaps, seconds = resume.tokens, [L], [], 0.0
+        if cache is not None:
+            stops = sorted({L, *resume.stops, *(p for p in checkpoints if isinstance(p, int) and start < p < L)})
+        if start < L:
+            take = None if cache is None else (lambda logits: snaps.append(cache.snapshot(self, logits)))
+            last, seconds = yield from self._feed(ids, start, stops, step_size, take)
+        if cache is not None:
+            # this runtime's cache now: kv_bits may have quantized the KV layers on the way (another layout)
+            self.prefix_cache().prefilled(self, ids, resume, snaps, seconds)
+        return last
 
-    def _quantized_prompt(self, ids: list[int]) -> bool:
+    def _quantized_prompt(self, ids: list[int], held: int) -> bool:
         """True if kv_bits will have quantized this fresh runtime's KV layers by the prompt's end."""
         q = self.kv_quantization
-        return (q is not None and len(ids) >= q.start and self.offset == 0 and not self._branches
+        return (q is not None and held == 0 and len(ids) >= q.start
                 and any(type(layer) is KVLayer for layer in self.cache))
 
-    def _quantized_first(self, ids: list[int], step_size: int, checkpoints):
-        """The store's prefill, resuming from quantized pages when the store holds some.
+    def _quantized_resume(self, ids: list[int], held: int) -> tuple[PrefixCache, Resume]:
+        """The store's resume of a prompt that ends quantized: quantized pages first.
 
-        A prompt that ends quantized is looked up under the quantized layout
-        (empty quantized layers swapped in, nothing to convert). On a miss the
-        unquantized layers come back, so the prompt is computed as mlx-lm
-        computes it (at full precision until `quantized_kv_start`) and the
-        store's own prefill looks up the unquantized layout.
+        The prompt is looked up under the quantized layout (empty quantized
+        layers swapped in, nothing to convert). On a miss the unquantized layers
+        come back, so the prompt is computed as mlx-lm computes it (at full
+        precision until `quantized_kv_start`), resuming what the unquantized
+        layout holds (prompts published before they reached the start).
         """
         own = list(self.cache)
         q = self.kv_quantization
         self._quantize_layers({i: (q.group_size, q.bits) for i, layer in enumerate(own) if type(layer) is KVLayer})
-        try:
-            plan = self.prefix_cache().lookup(self, ids, 0)
-        except Exception:  # any store failure is a miss (the store's prefill reports its own)
-            plan = None
-        if plan is None or plan.resume == 0:
-            plan = None
+        cache = self.prefix_cache()
+        resume = cache.resume(self, ids, held)
+        if resume.states is None or resume.tokens < q.start:  # mlx-lm holds those rows unquantized
             for layer in own:
                 layer.replaced_by = None
             self.cache[:] = own
             self._layers = tuple(own)
-        return (yield from self.prefix_cache().prefill_steps(self, ids, step_size=step_size, checkpoints=checkpoints,
-                                                             plan=plan))
-
-    @staticmethod
-    def _fed(held: int, steps) -> Generator[int, None, mx.array]:
-        yield held  # nothing to resume without a store
-        last, _ = yield from steps
+            cache = self.prefix_cache()
+            resume = cache.resume(self, ids, held)
+        return cache, resume
         return last
+
+    def _agreed(self, resume: Resume, held: int) -> Resume:
+        """The resume every rank of the group found, or a miss on every rank (docs/distributed.md)."""
+        tokens, stops = agree_resume(self.group, held, resume.tokens, resume.stops)
+        if tokens != resume.tokens:
+            return Resume(held)
+        return resume if stops == tuple(resume.stops) else dataclasses.replace(resume, stops=())
+
+    def _feed(self, ids: list[int], start: int, stops: list[int], step_size: int, at_stop):
+        """Forward ids[start:] in chunks of `step_size` ending at each stop, calling `at_stop(logits)`
+        at each (if given). Yields the tokens fed so far between two forwards (never after the
+        last); returns (the last position's logits, seconds spent in the forwards)."""
+        pos, last, seconds = start, None, 0.0
+        for stop in stops:
+            while pos < stop:
+                if pos > start:
+                    yield pos
+                tic = time.perf_counter()
+                end = min(pos + step_size, stop)
+                out = self.forward(ids[pos:end])
+                state = [layer.state for layer in self.cache]
+                if end == stop:  # logits only where a checkpoint or the caller needs them
+                    last = out[:, -1, :] * 1  # own buffer: do not pin the [S, vocab] logits
+                    mx.eval(last, state)
+                else:
+                    mx.eval(state)
+                del out, state
+                mx.clear_cache()  # a long prompt's chunks would otherwise keep their buffers cached
+                pos = end
+                if at_stop is not None and pos == stop:
+                    at_stop(last)
+                seconds += time.perf_counter() - tic  # not the time the caller spent between steps
+        return last, seconds
 
     def restore(self, ids: list[int], states: list) -> None:
         """Replace the whole committed state by a stored prefix of `ids`; all or nothing.
@@ -693,8 +848,6 @@ class Runtime:
                 "a kind the store cannot hold; use a Runtime without a store; nothing was changed"
             )
         if self._prefix is None or self._prefix.store is not self.store or self._prefix.layouts != self._layouts():
-            from .store.prefix_cache import PrefixCache
-
             self._prefix = PrefixCache(self)  # layouts change when kv_bits quantizes the KV layers
         return self._prefix
 
@@ -716,9 +869,11 @@ class Runtime:
         other.gdn_prefill = self.gdn_prefill
         other.cache = [layer.clone() for layer in self.cache]
         other._layers = tuple(other.cache)
+        other._in_place = None
         other._ledger = self._ledger.copy(self.committed_offset)
         other._branches = []
-        other.store, other._prefix = self.store, self._prefix
+        other.store, other._prefix, other.cache_salt = self.store, self._prefix, self.cache_salt
+        other.group = self.group
         other.kv_quantization = self.kv_quantization
         return other
 

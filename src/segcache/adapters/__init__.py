@@ -10,7 +10,8 @@ caches, and outside branches under "native" nothing changes.
 
 from __future__ import annotations
 
-from . import qwen3_5, qwen3_next
+from ..layers.recurrent import RecurrentLayer
+from . import qwen3_5, qwen3_next, state
 from .chunked import chunked_forward, takes_chunked
 from .gated_delta import branch_forward
 
@@ -25,8 +26,6 @@ _adapted_classes: dict[type, type] = {}
 
 def _adapted_class(base: type, project) -> type:
     if base not in _adapted_classes:
-        from ..layers.recurrent import RecurrentLayer
-
         original = base.__call__
 
         def __call__(self, inputs, mask=None, cache=None):
@@ -51,9 +50,7 @@ def find_recurrent_module(layer):
 
 def adapt(module, base: type) -> None:
     """Make `module` hand its recurrence inputs to segcache inside branches (idempotent)."""
-    if base not in FAMILIES:
-        from . import state  # SSM / short-conv modules (adapters/state.py)
-
+    if base not in FAMILIES:  # SSM / short-conv modules (adapters/state.py)
         return state.adapt(module, base)
     if not getattr(type(module), "segcache_adapted", False):
         module.__class__ = _adapted_class(base, FAMILIES[base])

@@ -34,7 +34,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx_lm.models import gated_delta as gd
 
-from .gated_delta import conv_inputs, heads
+from .gated_delta import conv_inputs, heads, reduce_shards
 
 CHUNK = 64  # tokens per chunk (flash-linear-attention's choice; the matrices are C x C)
 GROUP = 16  # chunks computed together: bounds the extra memory, keeps the products large
@@ -215,7 +215,6 @@ def takes_chunked(module, inputs: mx.array, cache) -> bool:
         cache.chunked_from is not None
         and inputs.shape[1] >= cache.chunked_from
         and not module.training
-        and getattr(module, "sharding_group", None) is None  # sharded modules keep mlx-lm's path
     )
 
 
@@ -275,4 +274,4 @@ def chunked_forward(module, project, inputs: mx.array, mask, cache) -> mx.array:
     cache.advance(S)
 
     out = module.norm(out, z)
-    return module.out_proj(out.reshape(B, S, -1))
+    return reduce_shards(module, module.out_proj(out.reshape(B, S, -1)))

@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import gated_delta as gd
 
-from ..errors import BranchError, UnsupportedModelError
+from ..errors import BranchError
 from ..layers.recurrent import RecurrentLayer, Steps
 
 
@@ -71,13 +71,21 @@ def heads(module, conv_out: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     return q, k, v
 
 
+def reduce_shards(module, out: mx.array) -> mx.array:
+    """The module's output summed over its tensor-parallel group, as mlx-lm's sharded module does.
+
+    A sharded module (`Model.shard()`: qwen3_5) holds a slice of the heads and
+    of the conv channels; its `out_proj` gives this rank's partial sum, and
+    mlx-lm's `__call__` ends with an `all_sum` over `sharding_group`. The
+    recurrence and everything a branch records stay per rank: each rank's
+    segments hold its slice.
+    """
+    group = getattr(module, "sharding_group", None)
+    return out if group is None else mx.distributed.all_sum(out, group=group)
+
+
 def branch_forward(module, project, inputs: mx.array, mask, cache: RecurrentLayer) -> mx.array:
     """One GDN forward inside a branch; records its `Steps` in `cache`."""
-    if getattr(module, "sharding_group", None) is not None:
-        raise UnsupportedModelError(
-            f"{type(module).__name__}: a tensor-parallel (sharded) Gated DeltaNet cannot be "
-            "forwarded inside a branch; run it unsharded"
-        )
     if cache.lengths is not None or cache.left_padding is not None:
         raise BranchError("batched (padded) recurrent caches cannot be forwarded inside a branch")
     B, S, _ = inputs.shape
@@ -122,4 +130,4 @@ def branch_forward(module, project, inputs: mx.array, mask, cache: RecurrentLaye
     cache.advance(S)
 
     out = module.norm(out, z)
-    return module.out_proj(out.reshape(B, S, -1))
+    return reduce_shards(module, module.out_proj(out.reshape(B, S, -1)))

@@ -13,7 +13,10 @@ the module instance's class for a subclass whose `__call__`:
 
 The module is its own recurrence: a replay calls mlx-lm's `__call__` again on
 the accepted inputs, with a scratch `ArraysCache` holding the slots to start
-from, and keeps only the slots it leaves (its output is never evaluated).
+from, and keeps only the slots it leaves (its output is never evaluated). On a
+batched layer (B rows) a replay may take some rows only: every input with the
+batch's rows on axis 0 is cut to them, so a row's slots are rebuilt from its
+own tokens alone.
 """
 
 from __future__ import annotations
@@ -61,6 +64,9 @@ class Hook:
             tail): commit computes them instead of re-running the module.
         growing: module -> {slot: (axis, most rows)} for slots whose length grows
             up to a bound (the store's spec allows that range).
+        fresh: the module starts from a None slot otherwise than from zeros
+            (recurrent_gemma scales a sequence's first token apart), so a batch,
+            whose empty rows hold zeros beside the others, is not exact: not batched.
         split: the module is a Mamba-2 mixer with mlx-lm's `_conv(conv_input,
             cache, mask)` and `_ssm(x, B, C, dt, cache, mask)` steps: with
             "replay" a branch records what they consumed, and a partial commit
@@ -81,6 +87,7 @@ class Hook:
     tail: Callable | None = None
     split: bool = False
     growing: Callable | None = None
+    fresh: bool = False
 
     @property
     def module_class(self) -> type:
@@ -101,7 +108,7 @@ HOOKS = (
     Hook("plamo2", "Mamba", "hidden_states", **_MAMBA2),
     Hook("kimi_linear", "KimiDeltaAttention", "x", "mask", "cache", True, "gated_delta_update"),
     # its mask argument is the attention mask, unused by the recurrent block: passed as is
-    Hook("recurrent_gemma", "RecurrentBlock", "x", None, "cache", False, "rnn_scan"),
+    Hook("recurrent_gemma", "RecurrentBlock", "x", None, "cache", False, "rnn_scan", fresh=True),
     Hook("bailing_moe_linear", "LinearAttention", "x", "mask", "cache", False, "recurrent_gla", position="offset"),
     # the decoder layer: time mixing (slots 0, 1) and channel mixing (slot 2) share one cache
     Hook("rwkv7", "Rwkv7Layer", "x", None, "cache", False, "Rwkv7TimeMixing._wkv7", sliced=("v_first",)),
@@ -110,7 +117,7 @@ HOOKS = (
     Hook("bailing_hybrid", "LinearAttention", "x", "mask", "cache", True, "recurrent_gla", position="offset"),
     Hook("bailing_moe_v3", "BailingKDA", "x", "mask", "cache", True, "gated_delta_update"),
     Hook("kimi_k3", "KimiK3DeltaAttention", "x", "mask", "cache", True, "gated_delta_update"),
-    # a model-level module: the last n-1 token ids its n-gram embedding needs (layers/registry.py: OWNERS)
+    # a model-level module: the last n-1 token ids its n-gram embedding needs (registry.py: OWNERS)
     Hook("longcat_flash_ngram", "NgramEmbedding", "input_ids", None, "cache", False, "NgramEmbedding._get_ngram_ids",
          growing=lambda module: {0: (1, module.n - 1)}),
     Hook("baichuan_m1", "Attention", "x", None, "cache", False, "Attention._custom_convolution", child=0,
@@ -237,25 +244,26 @@ def _branch_call(module, original, hook: Hook, args, kwargs, layer: StateLayer):
     _cut(mask, 0, S, S)  # a mask that cannot be cut fails here, before anything changed, not at commit
     cache_arg = arguments[hook.cache]
 
+    B = x.shape[0]
     if hook.tail is not None:
         # the state is rows the module computed: run it unchanged, commit recomputes the rows
         out = original(**arguments)
         layer.count(S)
-        layer.record(Call(S, lambda n, slots: hook.tail(module, x, n), None))
+        layer.record(Call(S, lambda n, slots, rows=None: hook.tail(module, _rows(x, rows, B), n), None))
         return out
 
-    def run(start: int, end: int, cache):
+    def run(start: int, end: int, cache, rows=None):
         call = dict(arguments)
         whole = (start, end) == (0, S)
-        call[hook.input] = x if whole else x[:, start:end]
+        call[hook.input] = _rows(x if whole else x[:, start:end], rows, B)
         if hook.mask:
-            call[hook.mask] = mask if whole else _cut(mask, start, end, S)
+            call[hook.mask] = _rows(mask if whole else _cut(mask, start, end, S), rows, B)
         for name in hook.sliced:
             v = arguments.get(name)
-            call[name] = v if whole or v is None else v[:, start:end]
+            call[name] = _rows(v if whole or v is None else v[:, start:end], rows, B)
         call[hook.cache] = cache
         if hook.position:
-            call[hook.position] = arguments.get(hook.position, 0) + start
+            call[hook.position] = _rows(arguments.get(hook.position, 0), rows, B) + start
         out = original(**call)
         if not hook.advances and cache is cache_arg:
             layer.count(end - start)
@@ -263,12 +271,12 @@ def _branch_call(module, original, hook: Hook, args, kwargs, layer: StateLayer):
 
     per_token = layer.strategy == "states"
 
-    def replay(n: int, slots: list) -> list:
+    def replay(n: int, slots: list, rows=None) -> list:
         # the same call boundaries the forward used: the block, or one token at a time
         scratch = ArraysCache(len(slots))
         scratch.cache = list(slots)
         for start, end in ([(t, t + 1) for t in range(n)] if per_token else [(0, n)]):
-            run(start, end, scratch)
+            run(start, end, scratch, rows)
         return scratch.cache
 
     states = None
@@ -299,20 +307,29 @@ def _branch_call(module, original, hook: Hook, args, kwargs, layer: StateLayer):
 
 
 def _split_replay(module, base: type, rec: dict, S: int):
-    """(n, slots) -> slots after n tokens: the conv tail sliced, `_ssm` re-run on n tokens."""
-    rows, (x, B, C, dt, mask) = rec["conv"], rec["ssm"]
+    """(n, slots, rows) -> slots after n tokens: the conv tail sliced, `_ssm` re-run on n tokens."""
+    conv_rows, (x, B, C, dt, mask) = rec["conv"], rec["ssm"]
     keep = module.conv_kernel_size - 1
+    batch = conv_rows.shape[0]
 
-    def replay(n: int, slots: list) -> list:
+    def replay(n: int, slots: list, rows=None) -> list:
+        inputs = _rows(conv_rows, rows, batch)
         tail = slots[0]
         if tail is None:  # as mlx-lm's _conv starts
-            tail = mx.zeros((rows.shape[0], keep, rows.shape[2]), dtype=rows.dtype)
+            tail = mx.zeros((inputs.shape[0], keep, inputs.shape[2]), dtype=inputs.dtype)
         # mlx-lm keeps padded_input[:, -keep:]: the same rows, sliced
-        conv = mx.concatenate([tail, rows[:, :n]], axis=1)[:, -keep:, :]
+        conv = mx.concatenate([tail, inputs[:, :n]], axis=1)[:, -keep:, :]
         scratch = ArraysCache(2)
         scratch.cache = [conv, slots[1]]
-        cut = [a if n == S else a[:, :n] for a in (x, B, C, dt)]
-        base._ssm(module, *cut, scratch, mask if n == S else _cut(mask, 0, n, S))
+        cut = [_rows(a if n == S else a[:, :n], rows, batch) for a in (x, B, C, dt)]
+        base._ssm(module, *cut, scratch, _rows(mask if n == S else _cut(mask, 0, n, S), rows, batch))
         return scratch.cache
 
     return replay
+
+
+def _rows(a, rows, batch: int):
+    """`a` cut to the batch rows `rows` (an index array; None: all) if its axis 0 holds the batch's rows."""
+    if rows is None or not isinstance(a, mx.array) or a.ndim == 0 or a.shape[0] != batch:
+        return a
+    return a[rows]

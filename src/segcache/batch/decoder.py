@@ -1,30 +1,24 @@
-"""Batched decoding on a BatchRuntime: one forward per step for every row, speculative or plain.
+"""The decoder: one forward per step for every row, speculative or plain, for one row or many.
 
-    step():   every row drafts (prompt lookup in its own history, or the batched draft model)
-              no row drafted  -> forward [[y_i]]                        (no branch)
-              else            -> fork, forward [[y_i] + drafts_i] ragged, commit [1 + n_i]
-              each row emits drafts_i[:n_i] + [t_i]; t_i becomes its pending y_i
+    step():  settle the last round ─ every row drafts (its own widths: DraftPolicy)
+             no row drafted -> forward [[y_i]]                          (no branch)
+             else           -> fork, forward [[y_i] + drafts_i], accept per row  (the round stays open)
+             each row emits drafts_i[:n_i] + [t_i]; t_i becomes its pending y_i
+    settle(): the round's branch commits [1 + n_i] (or fewer for a row that took fewer tokens)
 
-With a draft model, a second BatchRuntime holds the same rows of the draft:
+This is the only speculative round in segcache. A single sequence is a batch
+of one: `stream_generate` and the server at `--decode-concurrency 1` run it
+on `OneRow` (the Runtime itself, every layer kind, forwards outside branches
+exactly mlx-lm's), the server's batches on a `BatchRuntime` (batch/rows.py).
+Drafters propose for all rows at once (drafters.py: prompt lookup, a draft
+model on rows of its own); acceptors decide per row (acceptors.py); how far
+each row drafts is decided in one place (`DraftPolicy`, gate.py).
 
-    draft batch:   fork ─ [[y_i]] ─ [[d1_i]] ... ─ [[d(J-1)_i]] (─ [[dJ_i]])  ─ commit [1 + n_i]
-    target batch:                                 fork ─ [[y_i] + drafts_i] ─ commit [1 + n_i]
-
-Every draft forward is one token per row (rows never pad in the draft), one
-sync per draft forward for all rows. Row i keeps its first k_i proposals
-(its room, or up to the first the draft gives less than `draft_min_prob`);
-the proposals past k_i are fed but never committed. The last forward
-([[dJ_i]]) runs only when some row accepted all J drafts, so that row's draft
-holds them. After a step the target batch holds each row's history but the
-pending token, the draft batch a prefix of that: a plain step does not feed
-the draft, whose rows catch up (one ragged forward) when they draft again.
-
-With a gate (the default), each step first picks the batch's draft width K
-(`gate.py`: expected tokens per second of step, 0 for a plain step).
-
-As `generation._Speculator` for one sequence: a row's runtime holds its
-history but the last emitted token (`pending`, fed by the next step). A row
-leaves between steps (`remove`); the others are untouched.
+A row's runtime holds its history but the last emitted token (`pending`, fed
+by the next step). The round stays open after a step until the next step,
+an `add`, or the row's `release`, so a caller that delivers fewer tokens than
+a row emitted (a stop string, a client gone: `settle({row: k})`) keeps
+exactly those: a row holds prompt + what was delivered, never a draft past it.
 
 Plain decoding (no drafter) pipelines one step ahead, as mlx-lm's generate_step:
 
@@ -32,25 +26,27 @@ Plain decoding (no drafter) pipelines one step ahead, as mlx-lm's generate_step:
               forward [[y'_i]] (the lookahead) ─ async_eval ─ read y'_i ─ return them
 
 so the next step's graph is built and queued before this step's tokens are
-read, and the next step only commits the lookahead (its logits are in
-flight). Between steps the batch then holds every row's whole history inside
-a branch of one token per row; a join rolls the lookahead back first (one
-forward wasted), a leaving row simply leaves with its branch.
+read. On a BatchRuntime the lookahead runs in a branch of one token per row
+(a join rolls it back, one forward wasted; a leaving row takes it along); a
+lone row feeds it outside any branch (nothing can join), as mlx-lm does.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Hashable, Optional
+from typing import Hashable
 
 import mlx.core as mx
 
 from ..acceptors import Acceptor, GreedyMatch
-from ..drafters import feed, normalize
-from ..errors import InvariantError
-from ..lookup import PromptLookup
+from ..drafters import DraftModel, Drafter, Lookup, each_row, no_draft, normalize
+from ..errors import InvariantError, RowError
+from ..processors import Processors
 from ..runtime import Runtime
-from .gate import Acceptance, Gate, MeasuredCost
+from ..stats import GenerationStats
+from .gate import Acceptance, DraftPolicy, Gate, MeasuredCost
+from .rows import OneRow
 from .runtime import BatchRuntime
 
 
@@ -58,255 +54,490 @@ from .runtime import BatchRuntime
 class RowState:
     """One row's generation state.
 
-    Invariant: the batch row holds exactly `history[:-1]` (committed); history[-1] is
-    `pending`, which a plain decoder's lookahead (when in flight) holds fed in an open
-    branch of one token; the draft batch row (with a draft model) holds a prefix of `history[:-1]`.
+    Invariant (between steps, the round settled): the row holds exactly `history[:-1]`
+    committed; history[-1] is `pending`, which a plain decoder's lookahead (when in flight)
+    holds fed (in an open branch of one token on a batch, outside any on a lone row).
+    With a draft model, the draft row holds a prefix of `history[:-1]`.
     """
 
+    row_id: Hashable
     acceptor: Acceptor
     history: list
-    lookup: Optional[PromptLookup] = None
-    cap: int = 0  # this row's current draft width (adaptive as stream_generate's)
+    cap: int = 0  # this row's current draft width (DraftPolicy.update)
     remaining: int = -1  # tokens it may still emit (-1: no limit)
-    drafted: int = 0
-    accepted: int = 0
-    rounds: int = 0
-    per_round: list = field(default_factory=list)  # drafts accepted in each round that drafted
+    stats: GenerationStats = field(default_factory=GenerationStats)
     estimate: Acceptance = field(default_factory=Acceptance)  # the gate's view of this row
+    processors: Processors | None = None  # its logits processors (penalties, a grammar), if any
+    stops: frozenset = frozenset()  # tokens that end it (EOS): nothing is emitted past one
+    # It emitted a stop token or its last token, or took fewer tokens than its last step
+    # emitted: it must leave (release or remove) before the next step.
+    finished: bool = False
+
+    @property
+    def drafted(self) -> int:
+        return self.stats.drafted
+
+    @property
+    def accepted(self) -> int:
+        return self.stats.accepted
+
+    @property
+    def per_round(self) -> list:
+        """Drafts accepted in each round in which this row drafted."""
+        return [a for d, a in zip(self.stats.drafted_per_round, self.stats.accepted_per_round) if d]
+
+
+def _logprobs(states: list, logits: mx.array, draft) -> list:
+    """Each row's logprobs over the positions it verifies, [1 + w_i, V]: its processors'
+    output where it has some (position j as plain decoding after history + drafts[:j]),
+    else the model's, normalized once for the batch."""
+    plain = None
+    out = []
+    for i, (s, w) in enumerate(zip(states, draft.widths)):
+        if s.processors is None:
+            if plain is None:
+                plain = normalize(logits)  # [B, S, V]
+            out.append(plain[i, : 1 + w])
+        else:
+            drafts = draft.tokens[i, :w] if draft.lazy else draft.tokens[i]
+            try:
+                out.append(s.processors.process(logits[i, : 1 + w], s.history, drafts))
+            except Exception as exc:
+                raise RowError(s.row_id, exc) from exc
+    return out
+
+
+@dataclass
+class _Round:
+    """A verify round left open by `step`: the target's branch (and the draft's), and per row
+    how many of the branch's tokens it keeps when settled ([y, d1..dn] = 1 + n unless it took
+    fewer). Invariant: open iff the target's branch is open and no lookahead is in flight."""
+
+    keep: dict  # row id -> tokens of its branch it keeps
+    emitted: dict  # row id -> tokens it emitted in the round
 
 
 class BatchDecoder:
-    """Rows of one model generating together.
+    """Rows of one model generating together; one row on its own with `one_row`.
 
     Args:
         model: the target model.
         num_draft_tokens: drafts per row per round (0: plain decoding), by
             prompt lookup, or by `draft_model` when one is given.
-        recurrent_strategy: as for `Runtime` (both batches).
+        recurrent_strategy: as for `Runtime` (both batches; a lone row's runtime has its own).
         draft_model: a draft model sharing the target's vocabulary (dense or
-            hybrid), batched in a BatchRuntime of its own; None: prompt lookup.
+            hybrid), on rows of its own; None: prompt lookup.
         draft_min_prob: with a draft model, a row drafts no further after a
             draft its draft model gives less than this (that draft is still
-            verified), as `stream_generate`'s; the round ends when every row stopped.
+            verified); the round ends when every row stopped.
         prefill_step: tokens per forward when a joining row's draft runtime is
             brought up to the target's tokens.
         gate: True: each step's draft width is chosen by a `Gate` on step
             costs measured online (0 when speculation does not pay); a `Gate`:
             that one (e.g. on a fixed cost table); False: every row drafts its
-            own adaptive width every step (ungated).
+            own width every step (ungated).
         pipeline: plain decoding only (no drafter): build and queue the next
             step's forward before reading this step's tokens (see the module
             docstring). False: one forward per step, synced before the next is built.
+        one_row: hold at most one row, as the Runtime given to `add` itself (any
+            layer kind; forks, commits and plain forwards in place). False: rows in
+            a `BatchRuntime` (full attention, sliding window, Gated DeltaNet).
+        adaptive: without a gate or `draft_min_prob`, halve a row's width after
+            a round that accepted nothing and double it after one that accepted all.
     """
 
     def __init__(self, model, *, num_draft_tokens: int = 0, recurrent_strategy: str = "auto",
                  draft_model=None, draft_min_prob: float = 0.0, prefill_step: int = 2048,
-                 gate: bool | Gate = True, pipeline: bool = True):
+                 gate: bool | Gate = True, pipeline: bool = True, one_row: bool = False, adaptive: bool = True):
         if draft_model is not None and num_draft_tokens < 1:
             raise ValueError(f"a draft model needs num_draft_tokens >= 1, got {num_draft_tokens}")
         if not 0.0 <= draft_min_prob <= 1.0:
             raise ValueError(f"draft_min_prob must be a probability in [0, 1], got {draft_min_prob}")
-        self.batch = BatchRuntime(model, recurrent_strategy=recurrent_strategy)
-        self.draft = None if draft_model is None else BatchRuntime(draft_model, recurrent_strategy=recurrent_strategy)
+        if num_draft_tokens < 0:
+            raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
+        self.model = model
+        self.one_row = one_row
+        self.batch = OneRow(model) if one_row else BatchRuntime(model, recurrent_strategy=recurrent_strategy)
+        self.draft = None
+        self.drafter: Drafter | None = None
+        if draft_model is not None:
+            rows = OneRow(draft_model) if one_row else BatchRuntime(draft_model, recurrent_strategy=recurrent_strategy)
+            self.draft = rows
+            self.drafter = DraftModel(rows, min_prob=draft_min_prob, prefill_step=prefill_step)
+        elif num_draft_tokens:
+            self.drafter = Lookup()
+        self.mode = "draft" if draft_model is not None else "lookup" if num_draft_tokens else "plain"
+        self.gate = None if not num_draft_tokens or gate is False else Gate() if gate is True else gate
+        self.policy = DraftPolicy(num_draft_tokens, gate=self.gate,
+                                  min_prob=draft_min_prob if draft_model is not None else 0.0, adaptive=adaptive)
         self.width = num_draft_tokens
-        self.min_prob = draft_min_prob if draft_model is not None else 0.0
         self.prefill_step = prefill_step
         self.rows: dict[Hashable, RowState] = {}
-        self.gate = None if not num_draft_tokens or gate is False else Gate() if gate is True else gate
         self.pipeline = pipeline and not num_draft_tokens
         # The lookahead in flight: (its logits [B, 1, V], the row ids it was built for, in order),
-        # or None. Invariant: not None iff the batch's branch is open between steps; then every
-        # row (a subset of those ids) has fed exactly its pending token in that branch.
+        # or None. Invariant: on a batch, not None iff the batch's branch is open and no round is;
+        # then every row (a subset of those ids) has fed exactly its pending token in that branch.
         self._ahead: tuple | None = None
+        self._round: _Round | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
 
+    # -- rows come and go -------------------------------------------------------------
+
     def add(self, row_id, runtime: Runtime, pending: int, *, acceptor: Acceptor | None = None,
-            max_tokens: int = -1, draft_runtime: Runtime | None = None) -> None:
+            max_tokens: int = -1, draft_runtime: Runtime | None = None,
+            stats: GenerationStats | None = None, processors: Processors | None = None,
+            stop_tokens=()) -> None:
         """Add a row whose `runtime` holds its prompt but the last token `pending`.
 
         With a draft model, `draft_runtime` (of the draft model) holds a prefix
         of those tokens, e.g. resumed from the prefix store; the rest is fed to
-        it here. None: a fresh draft runtime fed all of them.
+        it here. None: a fresh draft runtime fed all of them. `stats`: where the
+        row's figures are counted (a new `GenerationStats` if None). `processors`:
+        the row's logits processors, applied at every verified position as plain
+        decoding would (the acceptor decides on their output). `stop_tokens`: a
+        step emits nothing past one of them (the row is then finished).
 
         Raises:
-            ValueError: the id is taken, or the draft runtime holds tokens that
-                are not a prefix of the target's or is of another model; nothing
-                changed. (If joining then fails, the draft runtime given has
-                been fed up to the target's tokens, which it may keep.)
+            ValueError: the id is taken, a lone row's decoder holds one already, the
+                runtime is of another model, or the draft runtime holds tokens that are
+                not a prefix of the target's or is of another model; nothing changed.
+                (If joining then fails, the draft runtime given has been fed up to the
+                target's tokens, which it may keep.)
         """
         if row_id in self.rows:
             raise ValueError(f"add({row_id!r}): a row with that id is already in the batch")
-        drt = None
-        if self.draft is not None:
-            drt = draft_runtime if draft_runtime is not None else Runtime(self.draft.model)
-            if drt.model is not self.draft.model:
-                raise ValueError(f"add({row_id!r}): the draft runtime is not of the draft model")
-            held, want = drt.tokens, runtime.tokens
-            if len(held) > len(want) or held != want[: len(held)] or None in want:
-                raise ValueError(
-                    f"add({row_id!r}): the draft runtime holds {len(held)} tokens that are not a prefix of "
-                    f"the target runtime's {len(want)} known tokens"
-                )
-            feed(drt, want[len(held):], self.prefill_step)
-        elif draft_runtime is not None:
-            raise ValueError(f"add({row_id!r}): a draft runtime without a draft model")
-        if runtime.model is not self.batch.model:
+        if self.one_row and self.rows:
+            raise ValueError(f"add({row_id!r}): this decoder holds one row, {next(iter(self.rows))!r}, already")
+        if runtime.model is not self.model:
             raise ValueError(f"add({row_id!r}): the runtime is of another model")
-        self._drop_lookahead()  # a row joins settled rows: theirs hold history[:-1] again
-        self.batch.join(row_id, runtime)
-        if drt is not None:
-            try:
-                self.draft.join(row_id, drt)
-            except BaseException:
-                self.batch.leave(row_id)
-                raise
+        if draft_runtime is not None and self.draft is None:
+            raise ValueError(f"add({row_id!r}): a draft runtime without a draft model")
         history = runtime.tokens + [pending]
-        lookup = None
-        if self.width and self.draft is None:
-            lookup = PromptLookup()
-            lookup.extend(history)
-        self.rows[row_id] = RowState(acceptor or GreedyMatch(), history, lookup, self.width, max_tokens)
+        self._close()  # a row joins settled rows
+        self._drop_lookahead()  # ... that hold history[:-1] again (unless fed ahead outside a branch)
+        if self.drafter is not None:
+            self.drafter.add(row_id, history, runtime, draft_runtime)
+        try:
+            self.batch.join(row_id, runtime)
+        except BaseException:
+            if self.drafter is not None:
+                self.drafter.remove(row_id)
+            raise
+        if stats is None:
+            stats = GenerationStats(mode=self.mode)
+        state = RowState(row_id, acceptor or GreedyMatch(), history, self.width, max_tokens, stats,
+                         processors=processors or None, stops=frozenset(stop_tokens))
+        self.rows[row_id] = state
+        if self._ahead is not None:
+            self._feed_joiner(row_id, pending)
+
+    def _feed_joiner(self, row_id, pending: int) -> None:
+        """The other rows fed their pending tokens outside a branch (after a failed step): feed the
+        joining row's alone (the others feed a token they drop) and add its logits to the lookahead's."""
+        logits, built_for, _ = self._ahead
+        ids = self.batch.ids
+        self.batch.fork()
+        try:
+            out = self.batch.forward([[0]] * (len(ids) - 1) + [[pending]])
+            self.batch.commit([0] * (len(ids) - 1) + [1])
+        except BaseException:
+            if self.batch.branch_open:
+                self.batch.rollback()
+            self.remove(row_id)
+            raise
+        old = logits[mx.array([built_for.index(r) for r in ids[:-1]], dtype=mx.int32)]
+        self._ahead = (mx.concatenate([old, out[-1:, -1:]], axis=0), ids, False)
 
     def remove(self, row_id) -> None:
-        """The row leaves (finished or cancelled); the others keep their state (and lookahead)."""
-        self.batch.leave(row_id)  # with a lookahead, its branch goes with it: never committed
-        if self.draft is not None:
-            self.draft.leave(row_id)
+        """The row leaves (cancelled), its state dropped; the others keep theirs (and the round)."""
+        if row_id not in self.rows:
+            raise KeyError(f"no row {row_id!r} in the decoder (rows: {list(self.rows)})")
+        self.batch.leave(row_id)  # with an open round or lookahead, its branch goes with it
+        if self.drafter is not None:
+            self.drafter.remove(row_id)
         del self.rows[row_id]
-        if self._ahead is not None and not len(self.batch):
-            self._drop_lookahead()
+        self._forget_if_empty()
 
-    def runtime(self, row_id) -> Runtime:
-        """A single-sequence Runtime holding the row's history, all fed (e.g. to publish it)."""
-        if self._ahead is not None:  # the pending token is fed in the lookahead: keep it in a copy
-            one = self.batch.copy_row(row_id)
-            one.commit([1])
-            return one.to_runtime(row_id)
-        rt = self.batch.to_runtime(row_id)
-        rt.forward([self.rows[row_id].history[-1]])
+    def release(self, row_id, *, pending: bool = True) -> Runtime:
+        """The row leaves and comes back as a Runtime holding its history (what it took), all fed;
+        with `pending=False`, without the pending token where no step fed it yet (e.g. to publish
+        a row that ended on its end-of-sequence token; a lone row's plain step fed it already).
+
+        On a lone row that is the Runtime given to `add` itself (with a draft model,
+        the draft runtime given is left committed to a prefix of it); on a batch, a copy.
+        """
+        rt = self._settled(row_id, pending)
+        self.remove(row_id)
         return rt
 
+    def runtime(self, row_id) -> Runtime:
+        """A copy of the row as a single-sequence Runtime holding its history, all fed (e.g. to publish it)."""
+        return self._settled(row_id, True, copy=True)
+
     def held(self, row_id) -> Runtime:
-        """A single-sequence Runtime holding the row's history but the pending token (what a
-        step committed), e.g. to publish a finished row without its end-of-sequence token."""
-        if self._ahead is not None:
+        """A copy of the row as a single-sequence Runtime holding its history but the pending token
+        (what the steps committed), e.g. to publish a finished row without its end-of-sequence token.
+
+        Raises:
+            ValueError: the row fed its pending token ahead outside a branch (a lone row, or a
+                batch after a failed step), so its state without it is gone.
+        """
+        rt = self._settled(row_id, False, copy=True)
+        if rt.offset == len(self.rows[row_id].history):
+            raise ValueError(f"held({row_id!r}): the row fed its pending token ahead, outside a branch")
+        return rt
+
+    def _settled(self, row_id, pending: bool, copy: bool = False) -> Runtime:
+        """The row's settled state as a Runtime (the decoder's rows unchanged unless a lone
+        row's open round is settled in place); fed its pending token if `pending`."""
+        history = self.rows[row_id].history
+        if self.one_row:
+            if self._round is not None:
+                self._close()
+            rt = self.batch.copy_row(row_id).to_runtime(row_id) if copy else self.batch.to_runtime(row_id)
+        else:
             one = self.batch.copy_row(row_id)
-            one.rollback()
-            return one.to_runtime(row_id)
-        return self.batch.to_runtime(row_id)
+            if self._round is not None:
+                one.commit([self._round.keep[row_id]])
+            elif self._ahead is not None and self._ahead[2]:  # the pending token fed in a branch
+                one.commit([1]) if pending else one.rollback()
+            rt = one.to_runtime(row_id)
+        if pending and rt.offset < len(history):
+            rt.forward(history[rt.offset:])  # the pending token, never fed by a step
+        return rt
+
+    def _forget_if_empty(self) -> None:
+        if not self.rows:
+            self._drop_lookahead()
+            self._ahead = None
+            if self._round is not None:
+                self._round = None
+                if self.batch.branch_open:
+                    self.batch.rollback()
+                if self.drafter is not None:
+                    self.drafter.rollback()
+
+    # -- steps ------------------------------------------------------------------------
+
+    def settle(self, taken: dict) -> None:
+        """Say how many of the last step's tokens some rows took (rows not named took all).
+
+        A row that took fewer than it emitted (a stop string, a client gone) keeps
+        exactly those; it is finished and must leave (`release` or `remove`) before the
+        next step. A plain step's token was fed ahead, so it is always taken.
+
+        Raises:
+            ValueError: an unknown row, or a count outside 0..what the row emitted; nothing changed.
+        """
+        for rid, k in taken.items():
+            if rid not in self.rows:
+                raise ValueError(f"settle(): no row {rid!r}")
+            emitted = self._round.emitted.get(rid, 1) if self._round is not None else 1
+            low = 0 if self._round is not None and rid in self._round.emitted else 1
+            if not isinstance(k, int) or not low <= k <= emitted:
+                raise ValueError(f"settle(): row {rid!r} took {k!r} tokens; it emitted {emitted} "
+                                 f"(a count in {low}..{emitted})")
+        for rid, k in taken.items():
+            emitted = self._round.emitted[rid] if self._round is not None else 1
+            if k < emitted:
+                state = self.rows[rid]
+                del state.history[len(state.history) - emitted + k :]
+                if state.processors is not None:
+                    state.processors.rollback(emitted - k)
+                self._round.keep[rid] = k
+                state.finished = True
 
     def step(self) -> dict:
-        """One forward for every row; returns {row id: [(token, logprobs [V], from_draft), ...]}."""
+        """One forward for every row; returns {row id: [(token, logprobs [V], from_draft), ...]}.
+
+        Raises:
+            ValueError: a finished row (one that took fewer tokens than it was given) is still here.
+        """
+        finished = [rid for rid, s in self.rows.items() if s.finished]
+        if finished:
+            raise ValueError(f"step(): rows {finished} are finished (a stop token, their last token, or fewer "
+                             "tokens taken than emitted): release or remove them first")
+        tic = time.perf_counter()
+        self._close()
+        commit_time = time.perf_counter() - tic
         if self.pipeline:
             return self._pipelined_step()
         ids = self.batch.ids
         states = [self.rows[r] for r in ids]
+        if not states:
+            return {}
         pending = [s.history[-1] for s in states]
-        widths = [self._room(s) for s in states]
-        qs, last, branch = [None] * len(states), None, False
-        gate = self.gate
-        t0 = gate.clock() if gate is not None else 0.0
+        gate, drafter = self.gate, self.drafter
+        t0 = time.perf_counter()
+        draft, branch = no_draft(len(states)), False
         try:
-            if self.draft is None:
-                drafts = [s.lookup.draft(w) if s.lookup is not None and w > 0 else [] for s, w in zip(states, widths)]
-                if gate is not None:  # a row can draft what it matched; the batch verifies K + 1
-                    K = gate.choose([len(d) for d in drafts], [s.estimate for s in states])
-                    drafts = [d[:K] for d in drafts]
-            else:
-                if gate is not None:
-                    K = gate.choose(widths, [s.estimate for s in states])
-                    widths = [min(w, K) for w in widths]
-                drafts, qs, last = self._draft_model(states, pending, widths)
-            branch = any(drafts)
+            if drafter is not None:
+                rooms = [self.policy.room(s.cap, s.remaining) for s in states]
+                widths = self.policy.choose(drafter.offer(states, rooms) if any(rooms) else rooms,
+                                            [s.estimate for s in states])
+                if any(widths):
+                    draft = drafter.draft(states, widths)
+            t1 = time.perf_counter()
+            branch = bool(draft)
             if branch:
                 self.batch.fork()
-            logits = self.batch.forward([[p] + d for p, d in zip(pending, drafts)])
-            logprobs = normalize(logits)  # [B, S, V]
-            rows = [logprobs[i, : 1 + len(d)] for i, d in enumerate(drafts)]
-            choices = [s.acceptor.choices(lp) for s, lp in zip(states, rows)]
-            mx.eval(logprobs, *[c for cs in choices for c in cs])  # one sync for every row
+            logits = self.batch.forward(draft.verify_input(pending))  # raw: processors need the model's own
+            rows = _logprobs(states, logits, draft)
+            choices = each_row(states, lambda i, s: s.acceptor.choices(rows[i]))
+            mx.eval(draft.tokens if draft.lazy else (), rows, *[c for cs in choices for c in cs])  # one sync
+            proposals = draft.proposals()
+            drafts = [p[:w] for p, w in zip(proposals, draft.widths)]
             # every row's acceptance before any row's state moves: a failure leaves all as they were
-            accepted = [s.acceptor.accept(lp, d, q, cs) for s, d, q, lp, cs in zip(states, drafts, qs, rows, choices)]
-            keep = [1 + n for n, _ in accepted]
-            if self.draft is not None:
-                self._settle_draft(branch, pending, drafts, keep, last)
+            accepted = each_row(states, lambda i, s: s.acceptor.accept(rows[i], drafts[i], draft.q[i], choices[i]))
+            if branch and draft.lazy:  # the verify input was an unread array: its ids, now read
+                self.batch.fill([[p] + d for p, d in zip(pending, proposals)])
         except BaseException:  # a failed speculative step changes nothing (a plain one has fed y_i)
             if self.batch.branch_open:
                 self.batch.rollback()
-            if self.draft is not None and self.draft.branch_open:
-                self.draft.rollback()
+            if drafter is not None:
+                drafter.rollback()
             raise
-        out = {}
+        t2 = time.perf_counter()
+        out, keep = {}, {}
         for rid, s, d, lp, (n, nxt) in zip(ids, states, drafts, rows, accepted):
-            out[rid] = [(t, lp[j], True) for j, t in enumerate(d[:n])] + [(nxt, lp[n], False)]
-            self._advance(s, d, n, nxt)
+            emitted = self._advance(s, d, n, nxt, branch)
+            out[rid] = [(t, lp[j], j < n) for j, t in enumerate(emitted)]
+            keep[rid] = len(emitted)
+            st = s.stats
+            st.draft_time += t1 - t0
+            st.verify_time += t2 - t1
+            st.commit_time += commit_time
         if branch:
-            self.batch.commit(keep)
+            self._round = _Round(keep=keep, emitted=dict(keep))
+            if drafter is not None:
+                drafter.fill(proposals)
+        elif drafter is not None:
+            drafter.close(states, [keep[r] for r in ids])
         if gate is not None:
-            gate.record(len(states), max(map(len, drafts), default=0), gate.clock() - t0)
+            gate.record(len(states), max(draft.widths, default=0), time.perf_counter() - t0)
         return out
 
+    def _close(self) -> None:
+        """Settle the open round: each row keeps what it took (every token unless `settle` said fewer)."""
+        if self._round is not None:
+            ids = self.batch.ids
+            keep = [self._round.keep[r] for r in ids]
+            self._round = None
+            self.batch.commit(keep)
+            if self.drafter is not None:
+                self.drafter.close([self.rows[r] for r in ids], keep)
+
     def _pipelined_step(self) -> dict:
-        """A plain step: commit the lookahead (or forward the pending tokens), choose, launch the next."""
+        """A plain step: take the lookahead's logits (or forward the pending tokens), choose, launch the next."""
         ids = self.batch.ids
         states = [self.rows[r] for r in ids]
         if not states:
             return {}
+        old = self._ahead
+        launched = False
         try:
-            if self._ahead is None:
+            if old is None:
                 logits = self.batch.forward([[s.history[-1]] for s in states])[:, -1]
             else:
-                logits, launched = self._ahead
-                self._ahead = None
-                self.batch.commit([1] * len(states))  # each row's pending token, fed by the lookahead
+                logits, built_for, in_branch = old
+                if in_branch:  # each row's pending token, fed by the lookahead: committed now
+                    self.batch.commit([1] * len(states))
+                    self._ahead = old = (logits, built_for, False)
                 logits = logits[:, -1]
-                if launched != ids:  # rows left since: their logits rows go too
-                    logits = logits[mx.array([launched.index(r) for r in ids], dtype=mx.int32)]
-            logprobs = normalize(logits)  # [B, V]
+                if built_for != ids:  # rows left since: their logits rows go too
+                    logits = logits[mx.array([built_for.index(r) for r in ids], dtype=mx.int32)]
+            if any(s.processors is not None for s in states):
+                logprobs = mx.concatenate(each_row(states, lambda i, s: normalize(logits[i : i + 1])
+                                                   if s.processors is None
+                                                   else s.processors.process(logits[i : i + 1], s.history)))
+            else:
+                logprobs = normalize(logits)  # [B, V]
             if all(isinstance(s.acceptor, GreedyMatch) for s in states):  # one argmax for the batch
                 chosen = mx.argmax(logprobs, axis=-1)
             else:  # each row's own rule, in row order (a seeded sampler draws as unpipelined)
-                chosen = mx.stack([s.acceptor.sample(logprobs[i]) for i, s in enumerate(states)])
+                chosen = mx.stack(each_row(states, lambda i, s: s.acceptor.sample(logprobs[i])))
             mx.async_eval(chosen, logprobs)
-            self.batch.fork()
-            ahead = self.batch.forward(chosen.reshape(-1, 1))  # built while the GPU works on `chosen`
-            mx.async_eval(ahead)
-            self._ahead = (ahead, ids)
+            in_branch = self.batch.lookahead_in_branch
+            ahead = None
+            # queue the next forward now, unless every row ends here and it could not be dropped
+            if in_branch or any(s.remaining != 1 for s in states):
+                if in_branch:
+                    self.batch.fork()
+                launched = True
+                ahead = self.batch.forward(chosen.reshape(-1, 1))  # built while the device works on `chosen`
+                mx.async_eval(ahead)
             toks = chosen.tolist()
-            self.batch.fill([[t] for t in toks])
-        except BaseException:  # the lookahead (if launched) never reaches committed state
-            self._drop_lookahead()
+            if ahead is not None and in_branch:
+                self.batch.fill([[t] for t in toks])
+        except BaseException:
+            # The new lookahead never reaches committed state; the old one's logits stay valid
+            # for the pending tokens its forward fed (committed by now, or fed outside a branch).
+            if launched and self.batch.branch_open:
+                self.batch.rollback()
+            self._ahead = old
             raise
+        self._ahead = None if ahead is None else (ahead, ids, in_branch)
         out = {}
         for rid, s, t, i in zip(ids, states, toks, range(len(ids))):
             out[rid] = [(t, logprobs[i], False)]
-            self._advance(s, [], 0, t)
+            self._advance(s, [], 0, t, False)
         return out
 
     def _drop_lookahead(self) -> None:
-        """Roll the lookahead back (the rows hold history[:-1] again); its forward is wasted."""
-        self._ahead = None
-        if self.batch.branch_open:
+        """Before a join: roll a lookahead in a branch back (the rows hold history[:-1] again; its
+        forward is wasted). One fed outside a branch (a lone row, or a batch after a failed step
+        committed it) stays: its rows hold their pending tokens and its logits stay valid."""
+        if self._ahead is not None and self._ahead[2]:
+            self._ahead = None
             self.batch.rollback()
+
+    def _advance(self, s: RowState, drafts: list, n: int, nxt: int, branch: bool) -> list:
+        """Move a row past the step: what it emitted (cut after a stop token), its stats, cap
+        and processors; returns the tokens it emitted."""
+        emitted = drafts[:n] + [nxt]
+        stop = next((j for j, t in enumerate(emitted) if t in s.stops), None)
+        if stop is not None:
+            emitted = emitted[: stop + 1]
+        s.history.extend(emitted)
+        if s.processors is not None:
+            s.processors.advance(emitted)
+        if self.drafter is not None:
+            self.drafter.extend(s.row_id, emitted)
+        if s.remaining >= 0:
+            s.remaining -= len(emitted)
+        st = s.stats
+        st.rounds += 1
+        if self.drafter is not None:
+            st.drafted += len(drafts)
+            st.accepted += n
+            st.drafted_per_round.append(len(drafts))
+            st.accepted_per_round.append(n)
+            s.cap = self.policy.update(s.cap, s.estimate, len(drafts), n)
+        if stop is not None or s.remaining == 0:
+            s.finished = True
+        return emitted
+
+    # -- invariants -------------------------------------------------------------------
 
     def check(self) -> None:
         """Both batches' invariants; each row holding its history but the pending token (the draft: a
-        prefix), and with a lookahead in flight, the pending token fed in a branch of one token per row."""
+        prefix), and with a lookahead in flight, the pending token fed (on a batch in a branch of one
+        token per row). An open round: each row's branch holds its pending token and drafts."""
         self.batch.check()
         if set(self.rows) != set(self.batch.ids):
             raise InvariantError(f"decoder rows {list(self.rows)} but batch rows {self.batch.ids}")
-        if (self._ahead is not None) != self.batch.branch_open:
-            raise InvariantError(f"lookahead in flight: {self._ahead is not None}, branch open: {self.batch.branch_open}")
+        if self._ahead is not None and self._round is not None:
+            raise InvariantError("a lookahead and a verify round in flight at once")
+        ahead_open = self._ahead is not None and self._ahead[2]
+        if (self._round is not None or ahead_open) != self.batch.branch_open:
+            raise InvariantError(f"round open: {self._round is not None}, lookahead in a branch: {ahead_open}, "
+                                 f"branch open: {self.batch.branch_open}")
         if self._ahead is not None:
-            logits, launched = self._ahead
+            logits, launched, _ = self._ahead
             if not self.pipeline or logits.shape[0] != len(launched) or any(r not in launched for r in self.batch.ids):
                 raise InvariantError(f"lookahead built for rows {launched}, batch rows {self.batch.ids}")
-            for row in self.batch.rows:
-                if row.base is None or row.tokens[: row.base] != self.rows[row.id].history[:-1] \
-                        or row.tokens[row.base:] != self.rows[row.id].history[-1:]:
-                    raise InvariantError(f"row {row.id!r}: the lookahead branch does not hold exactly its pending token")
         if self.draft is not None:
             self.draft.check()
             if self.draft.ids != self.batch.ids:
@@ -315,100 +546,24 @@ class BatchDecoder:
             s.estimate.check()
         if self.gate is not None and isinstance(self.gate.cost, MeasuredCost):
             self.gate.cost.check()
-        if self.batch.branch_open:
-            return
-        for row in self.batch.rows:
-            if row.tokens != self.rows[row.id].history[:-1]:
-                raise InvariantError(f"row {row.id!r} holds {len(row.tokens)} tokens, not its history but the pending token")
-        for row in self.draft.rows if self.draft is not None else []:
-            if row.tokens != self.rows[row.id].history[: len(row.tokens)] or len(row.tokens) >= len(self.rows[row.id].history):
-                raise InvariantError(f"draft row {row.id!r} holds {len(row.tokens)} tokens, not a prefix of its history "
+        for rid in self.batch.ids:
+            s = self.rows[rid]
+            held = self.batch.tokens(rid)
+            if self._round is not None:
+                keep, emitted = self._round.keep[rid], self._round.emitted[rid]
+                base = len(s.history) - keep - 1  # tokens committed before the round
+                if held[:base] != s.history[:base] or held[base : base + keep] != s.history[base : base + keep]:
+                    raise InvariantError(f"row {rid!r}: its round's branch does not begin with its history")
+                if keep > emitted or (not s.finished and keep != emitted):
+                    raise InvariantError(f"row {rid!r} keeps {keep} of the {emitted} tokens it emitted")
+                continue
+            want = s.history if self._ahead is not None else s.history[:-1]
+            if held != want:
+                raise InvariantError(f"row {rid!r} holds {len(held)} tokens, not its history"
+                                     + (" (its pending token fed ahead)" if self._ahead is not None else
+                                        " but the pending token"))
+        for rid in self.draft.ids if self.draft is not None else []:
+            held, history = self.draft.tokens(rid), self.rows[rid].history
+            if self._round is None and (held != history[: len(held)] or len(held) >= len(history)):
+                raise InvariantError(f"draft row {rid!r} holds {len(held)} tokens, not a prefix of its history "
                                      "but the pending token")
-
-    def _room(self, s: RowState) -> int:
-        """Drafts row s may propose this round (never past its max_tokens)."""
-        if not self.width:
-            return 0
-        return s.cap if s.remaining < 0 else max(0, min(s.cap, s.remaining - 1))
-
-    def _draft_model(self, states: list, pending: list, widths: list) -> tuple:
-        """Every row drafts by one-token forwards of the draft batch, in a fork.
-
-        Returns (drafts per row, q [k_i, V] per row or None, the last forward's
-        proposals per row, not fed: the settle feeds them if a row needs them)."""
-        J = max(widths)
-        drafts = [[] for _ in states]
-        if J == 0:
-            return drafts, [None] * len(states), None
-        self._catch_up(states)
-        qs = [[] for _ in states]
-        live = [w > 0 for w in widths]
-        greedy = all(isinstance(s.acceptor, GreedyMatch) for s in states)
-        self.draft.fork()
-        step = [[p] for p in pending]
-        for j in range(J):
-            lp = normalize(self.draft.forward(step)[:, -1])  # [B, V]
-            if greedy:  # one argmax for the batch (the common case) instead of one graph per row
-                toks = mx.argmax(lp, axis=-1)
-                sure = mx.exp(mx.take_along_axis(lp, toks[:, None], axis=-1)[:, 0])
-                dists = [None] * len(states)
-            else:
-                props = [s.acceptor.propose(lp[i]) for i, s in enumerate(states)]
-                toks = mx.stack([t for t, _ in props])
-                dists = [q for _, q in props]
-                sure = mx.stack([q[t] if q is not None else mx.exp(lp[i, t]) for i, (t, q) in enumerate(props)])
-            mx.eval(toks, sure, *[q for q in dists if q is not None])  # one sync per draft forward, all rows
-            ids, sure = toks.tolist(), sure.tolist()
-            for i in range(len(states)):
-                if live[i]:
-                    drafts[i].append(ids[i])
-                    if dists[i] is not None:
-                        qs[i].append(dists[i])
-                    live[i] = len(drafts[i]) < widths[i] and sure[i] >= self.min_prob
-            step = [[t] for t in ids]
-            if not any(live):
-                break
-        return drafts, [mx.stack(q) if q else None for q in qs], step
-
-    def _catch_up(self, states: list) -> None:
-        """Feed each draft row the history it lags behind (plain steps skip the draft batch).
-
-        One ragged forward in a branch, each row committing what it lacked: a
-        row that lags nothing feeds a token it then drops (rows are never empty).
-        """
-        lags = [s.history[len(row.tokens) : -1] for s, row in zip(states, self.draft.rows)]
-        if not any(lags):
-            return
-        self.draft.fork()
-        self.draft.forward([lag or [0] for lag in lags])
-        self.draft.commit([len(lag) for lag in lags])
-
-    def _settle_draft(self, branch: bool, pending: list, drafts: list, keep: list, last) -> None:
-        """Bring the draft batch to each row's history but the new pending token."""
-        draft = self.draft
-        if not draft.branch_open:  # no row drafted: the draft batch lags (caught up when rows draft again)
-            return
-        fed = draft.rows[0].branch_length  # every row fed as many
-        if any(k > fed for k in keep):  # a row accepted all its drafts, the last of which is not fed yet
-            draft.forward(last)
-        draft.commit(keep)
-
-    def _advance(self, s: RowState, drafts: list, n: int, nxt: int) -> None:
-        emitted = drafts[:n] + [nxt]
-        s.history.extend(emitted)
-        if s.lookup is not None:
-            s.lookup.extend(emitted)
-        if s.remaining >= 0:
-            s.remaining -= len(emitted)
-        s.estimate.update(len(drafts), n, self.gate.decay if self.gate is not None else 1.0)
-        if drafts:
-            s.rounds += 1
-            s.drafted += len(drafts)
-            s.accepted += n
-            s.per_round.append(n)
-            # as stream_generate's adaptive width (a gated draft model sizes its own rounds)
-            if not self.min_prob and self.gate is None:
-                if n == 0:
-                    s.cap = max(1, s.cap // 2)
-                elif n == len(drafts):
-                    s.cap = min(self.width, 2 * s.cap)

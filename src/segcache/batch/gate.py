@@ -194,3 +194,59 @@ class Gate:
 
     def record(self, rows: int, width: int, seconds: float) -> None:
         self.cost.record(rows, width, seconds)
+
+
+class DraftPolicy:
+    """How far each row drafts in a step: the one place that decides, for one row or many.
+
+    Four rules, in this order:
+
+        room_i   = min(cap_i, tokens row i may still emit - 1)       never draft past max_tokens
+        avail_i  = what the drafter offers within room_i              (prompt lookup: its match)
+        width_i  = min(avail_i, K), K = gate.choose(avail, estimates) with a cost `Gate`; else avail_i
+        drafting stops early for row i after a draft its draft model gives less than `min_prob`
+
+    and after each round `update` moves the row's estimate (for the gate) and its
+    cap: with `adaptive` and neither a cost gate nor `min_prob`, the cap halves
+    after a round that accepted nothing and doubles after one that accepted
+    everything (1..width). None of it changes what a row emits, only how fast.
+
+    Args:
+        width: drafts per row per step at most (0: plain decoding).
+        gate: a cost `Gate` choosing each step's width, or None.
+        min_prob: see above (a draft model's own probability; 0: off).
+        adaptive: halve/double each row's cap (when no gate and no min_prob rules).
+    """
+
+    def __init__(self, width: int, *, gate: Optional[Gate] = None, min_prob: float = 0.0, adaptive: bool = True):
+        if width < 0:
+            raise ValueError(f"width must be >= 0, got {width}")
+        if not 0.0 <= min_prob <= 1.0:
+            raise ValueError(f"min_prob must be a probability in [0, 1], got {min_prob}")
+        self.width = width
+        self.gate = gate if width else None
+        self.min_prob = min_prob
+        self.adaptive = adaptive and gate is None and not min_prob
+
+    def room(self, cap: int, remaining: int) -> int:
+        """Drafts a row with this cap may propose when it may still emit `remaining` tokens (-1: no limit)."""
+        if not self.width:
+            return 0
+        return cap if remaining < 0 else max(0, min(cap, remaining - 1))
+
+    def choose(self, avail: list[int], rows: list[Acceptance]) -> list[int]:
+        """Each row's width this step, from what each can draft (`avail`, within its room)."""
+        if self.gate is None:
+            return list(avail)
+        K = self.gate.choose(avail, rows)
+        return [min(a, K) for a in avail]
+
+    def update(self, cap: int, estimate: Acceptance, drafted: int, accepted: int) -> int:
+        """Record a row's round; returns its new cap."""
+        estimate.update(drafted, accepted, self.gate.decay if self.gate is not None else 1.0)
+        if self.adaptive and drafted:
+            if accepted == 0:
+                return max(1, cap // 2)
+            if accepted == drafted:
+                return min(self.width, 2 * cap)
+        return cap

@@ -20,15 +20,15 @@ from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from .. import adapters
+from .. import registry
 from ..errors import BranchError, InvariantError, UnsupportedModelError, UnsupportedOperationError
-from ..layers import registry
+from ..adapters.chunked import chunked_threshold
 from ..layers.quantized import QuantizedKVLayer
+from ..layers.recurrent import RecurrentLayer
+from ..layers.state import default_state_strategy
+from ..layers.window import BatchWindowLayer
 from ..runtime import Runtime, default_recurrent_strategy
-from .layers import BatchKVLayer, BatchRecurrentLayer
-from .window import BatchWindowLayer, temporal_window
 
 
 @dataclass
@@ -49,48 +49,62 @@ class Row:
         return 0 if self.base is None else len(self.tokens) - self.base
 
 
-def _build(model, strategy: str) -> list:
-    native = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
+def _build(model, strategy: str, state_strategy: str) -> list:
+    """One batched layer per cache of the model, each of the kind the registry matched.
+
+    Every layer is matched and its batched layer built before any module is
+    adapted, so a model that cannot be batched is left as it was.
+    """
+    plan = registry.plan(model)
+    options = registry.Options(strategy, 1 << 62, state_strategy)  # no budget: BatchRuntime keeps one branch level
     layers = []
-    for i, (cache, layer) in enumerate(zip(native, model.layers)):
-        if type(cache) is KVCache:
-            layers.append(BatchKVLayer())
-        elif type(cache) is RotatingKVCache and cache.keep == 0:
-            layers.append(BatchWindowLayer(cache.max_size))
-        elif (
-            type(cache) is ArraysCache
-            and (found := registry.match(cache, layer)) is not None
-            and found[0].name == "recurrent"  # other recurrent families (StateLayer) are not batched
-        ):
-            module, base = found[1]
-            adapters.adapt(module, base)
-            layers.append(BatchRecurrentLayer(module.conv_kernel_size - 1, strategy))
-        else:
+    for i, (kind, cache, matched) in enumerate(plan):
+        try:
+            if kind.batched is None:
+                batched = ", ".join(k.name for k in registry.KINDS if k.batched is not None)
+                raise UnsupportedModelError(f"{kind.name} segments are not batched (batched kinds: {batched})")
+            layers.append(kind.batched(cache, matched, options))
+        except UnsupportedModelError as exc:
             raise UnsupportedModelError(
-                f"layer {i} uses {type(cache).__name__}; batching supports KVCache, RotatingKVCache "
-                "(keep=0) and the Gated DeltaNet ArraysCache (serve other models with --decode-concurrency 1)"
-            )
+                f"layer {i} uses {type(cache).__name__}: {exc} (serve such models with --decode-concurrency 1)"
+            ) from None
+    registry.adapt(plan)
     return layers
 
 
 class BatchRuntime:
-    """Rows of one model in shared batched layer caches.
+    """Rows of one model in shared batched layer caches (the rows protocol of batch/rows.py).
 
     Args:
-        model: an mlx-lm model with full-attention, sliding-window and/or Gated DeltaNet layers.
+        model: an mlx-lm model with full-attention, sliding-window, Gated DeltaNet and/or
+            the recurrent layers of `StateLayer` families (SSM, short conv, RWKV-7, ...).
         recurrent_strategy: "auto", "replay" or "states", as for `Runtime`.
+        gdn_prefill: how Gated DeltaNet rows run blocks outside branches, as for
+            `Runtime` ("native", "chunked" or "auto"): a forward where every row feeds
+            the same block (no padding) runs the chunked recurrence over all rows.
 
     Raises:
-        UnsupportedModelError: a layer kind that is not batched (other recurrent
-            families, attention sinks).
+        UnsupportedModelError: a layer kind that is not batched (`CacheList` layers,
+            attention sinks, recurrent_gemma, longcat_flash_ngram: docs/batching.md);
+            the model is left as it was.
     """
 
-    def __init__(self, model, *, recurrent_strategy: str = "auto"):
+    # A plain step's lookahead runs in a branch: a row joining before the next step
+    # (its pending token not fed) rolls it back, so every row holds history[:-1] again.
+    lookahead_in_branch = True
+
+    def __init__(self, model, *, recurrent_strategy: str = "auto", gdn_prefill: str = "native"):
+        chunked_from = chunked_threshold(gdn_prefill)  # raises ValueError on a bad name
+        # StateLayer families (SSM, short conv, ...): "auto" is "replay", as in Runtime
+        state_strategy = default_state_strategy() if recurrent_strategy == "auto" else recurrent_strategy
         if recurrent_strategy == "auto":
             recurrent_strategy = default_recurrent_strategy()
         self.model = model
         self.recurrent_strategy = recurrent_strategy
-        self.cache = _build(model, recurrent_strategy)
+        self.cache = _build(model, recurrent_strategy, state_strategy)
+        for layer in self.cache:
+            if isinstance(layer, RecurrentLayer):
+                layer.chunked_from = chunked_from
         self.rows: list[Row] = []  # row i of every layer is rows[i]
         self.branch_open = False
         self.sealed = False  # a ragged forward ran in the open branch: no more forwards in it
@@ -103,6 +117,11 @@ class BatchRuntime:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens each row holds, its branch included."""
+        return [len(r.tokens) for r in self.rows]
 
     def index(self, row_id) -> int:
         for i, r in enumerate(self.rows):
@@ -138,22 +157,11 @@ class BatchRuntime:
                 )
             tokens = runtime.tokens
             states = [layer.state for layer in runtime.cache]
-        # rings in temporal order first: a ring that cannot join raises before any layer changed
-        windows = {
-            i: (None, None, 0) if state is None else temporal_window(state)
-            for i, (layer, state) in enumerate(zip(self.cache, states))
-            if isinstance(layer, BatchWindowLayer)
-        }
-        B = len(self.rows)
-        for i, (layer, state) in enumerate(zip(self.cache, states)):
-            if isinstance(layer, BatchWindowLayer):
-                layer.add_row(*windows[i])
-            elif isinstance(layer, BatchKVLayer):
-                keys, values = (None, None) if state is None or not state[2] else (state[0][..., : state[2], :], state[1][..., : state[2], :])
-                layer.add_row(keys, values)
-            else:
-                conv, st = (None, None) if state is None else state[:2]
-                layer.add_row(conv, st, B)
+        # every layer's row first (a ring in temporal order, ...): one that cannot join raises
+        # before any layer changed
+        rows = [layer.row_from(state) for layer, state in zip(self.cache, states)]
+        for layer, row in zip(self.cache, rows):
+            layer.add_row(*row)
         self.rows.append(Row(row_id, tokens))
 
     def leave(self, *row_ids) -> None:
@@ -201,19 +209,8 @@ class BatchRuntime:
         i = self.index(row_id)
         rt = Runtime(self.model, recurrent_strategy=self.recurrent_strategy)
         tokens = self.rows[i].tokens
-        states = []
-        for layer in self.cache:
-            if isinstance(layer, BatchWindowLayer):
-                keys, values, length = layer.row_state(i)
-                states.append((keys, values, length, 0 if keys is None else keys.shape[2]))
-                continue
-            a, b = layer.row_state(i)
-            if isinstance(layer, BatchKVLayer):
-                states.append((a, b, len(tokens)) if a is not None else None)
-            else:
-                states.append((a, b, len(tokens)))
         if tokens:
-            rt.restore(tokens, states)
+            rt.restore(tokens, [layer.row_load(i, len(tokens)) for layer in self.cache])
         return rt
 
     # -- forward ------------------------------------------------------------------------
@@ -342,19 +339,10 @@ class BatchRuntime:
         if any((w.max_size, w.starts, w.lengths) != (windows[0].max_size, windows[0].starts, windows[0].lengths)
                for w in windows):
             raise InvariantError("the sliding-window layers disagree on their layout")
+        lengths = [len(r.tokens) for r in self.rows]
+        bases = [r.base for r in self.rows] if self.branch_open else None
         for layer in self.cache:
-            if isinstance(layer, (BatchKVLayer, BatchWindowLayer)):
-                want = [len(r.tokens) for r in self.rows]
-                if not self.sealed and layer.lengths != want:
-                    raise InvariantError(f"attention lengths {layer.lengths} but rows hold {want} tokens")
-                if self.branch_open and layer.marks != [r.base for r in self.rows]:
-                    raise InvariantError(f"marks {layer.marks} but rows branched at {[r.base for r in self.rows]}")
-            else:
-                conv = layer.cache[0]
-                if conv is not None and conv.shape[0] != len(self.rows):
-                    raise InvariantError(f"recurrent layer holds {conv.shape[0]} rows, batch has {len(self.rows)}")
-                if len(layer.marks) != int(self.branch_open):
-                    raise InvariantError("recurrent branch depth disagrees with the batch")
+            layer.check_rows(lengths, bases, self.sealed)
 
     def __repr__(self) -> str:
         return f"BatchRuntime(rows={[(r.id, len(r.tokens)) for r in self.rows]}, branch={self.branch_open})"
@@ -369,12 +357,8 @@ def _known(tokens: list) -> int:
 
 
 def _shallow(layer):
-    """A layer object sharing `layer`'s arrays (arrays are never written through a taken copy)."""
+    """A layer object sharing `layer`'s arrays (arrays are never written through a taken copy,
+    and `take` replaces the branch marks it cuts, never changes them)."""
     clone = type(layer).__new__(type(layer))
     vars(clone).update({k: (list(v) if isinstance(v, list) else v) for k, v in vars(layer).items()})
-    if isinstance(layer, BatchRecurrentLayer):
-        clone.marks = [
-            type(m)(m.offset, m.conv, m.state, list(m.records), m.kept, m.replaying) for m in layer.marks
-        ]
-        clone.cache = list(layer.cache)
     return clone

@@ -22,20 +22,30 @@ keeps at most `states_budget_bytes` of them over its open branches. A branch
 whose next forward would pass the budget keeps no more states from then on
 (its inputs are recorded as always), and its commit replays from the last
 kept state: bounded memory, same bits.
+
+`BatchRecurrentLayer` is the same kind over B rows (layers/rows.py), [B, ...]
+conv tails and states: what `BatchRuntime` builds for a Gated DeltaNet layer
+(registry.py) and what `RecurrentLayer.merge` makes for mlx-lm's
+BatchGenerator. It is a `RecurrentLayer`, so the adapter records a branch
+forward's `Steps` over all rows, and `commit_rows(ns)` rebuilds each row from
+exactly its first n_i tokens as above: the padding of a ragged forward (rows
+padded on the right) never reaches a committed state. An empty row holds
+zeros, what mlx-lm's module starts from when its cache holds None.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
-from ..errors import BranchError, InvariantError
+from ..errors import BranchError, InvariantError, UnsupportedOperationError
 from .compat import BatchingRefused, MlxCompat
 from .kept_states import KeptStates, first_records
 from .protocol import CHECKPOINT
+from .rows import StackedRows, take_rows
 from .snapshots import SnapshotBranches
 
 STRATEGIES = ("replay", "states")
@@ -83,6 +93,27 @@ class _RecurrentMark:
     @property
     def appended(self) -> int:
         return sum(s.length for s in self.records)
+
+
+def _rebuild(conv, state, records: list[Steps], kept: list[Steps], n: int, conv_tail: int) -> list:
+    """[conv tail, state] after the first n > 0 tokens of `records` (`kept`: those tokens'
+    records, `first_records(records, n)`), from the conv tail and state before them.
+
+    The tail is a slice of the conv inputs already computed; the state is the last
+    kept per-token state, or the one before, with the recurrence replayed from it.
+    """
+    rows = [s.conv_rows for s in records]
+    if conv is None:
+        conv = mx.zeros((rows[0].shape[0], conv_tail, rows[0].shape[2]), rows[0].dtype)
+    conv_inputs = mx.concatenate([conv, *rows], axis=1)
+    tail = mx.contiguous(conv_inputs[:, n : n + conv_tail, :])
+    start = 0
+    for i, steps in enumerate(kept):
+        if steps.states:
+            start, state = i + 1, steps.states[-1]
+    for steps in kept[start:]:
+        state = steps.replay(steps.inputs, state)
+    return [tail, state]
 
 
 class RecurrentLayer(MlxCompat, BatchingRefused, KeptStates, SnapshotBranches, ArraysCache):
@@ -136,20 +167,7 @@ class RecurrentLayer(MlxCompat, BatchingRefused, KeptStates, SnapshotBranches, A
             self._restore(mark)
             return
         kept = first_records(mark.records, n)
-        rows = [s.conv_rows for s in mark.records]
-        before = mark.conv
-        if before is None:
-            first = rows[0]
-            before = mx.zeros((first.shape[0], self.conv_tail, first.shape[2]), first.dtype)
-        conv_inputs = mx.concatenate([before, *rows], axis=1)
-        conv = mx.contiguous(conv_inputs[:, n : n + self.conv_tail, :])
-        start, state = 0, mark.state
-        for i, steps in enumerate(kept):
-            if steps.states:
-                start, state = i + 1, steps.states[-1]
-        for steps in kept[start:]:
-            state = steps.replay(steps.inputs, state)
-        self.cache = [conv, state]
+        self.cache = _rebuild(mark.conv, mark.state, mark.records, kept, n, self.conv_tail)
         self.offset = mark.offset + n
         if self.marks:
             self._extend(self.marks[-1], kept)
@@ -197,8 +215,6 @@ class RecurrentLayer(MlxCompat, BatchingRefused, KeptStates, SnapshotBranches, A
     def merge(cls, caches):
         """mlx-lm's `ArraysCache.merge` (BatchGenerator): a `BatchRecurrentLayer`, one row per
         layer, with this conv tail; `extract(i)` gives row i back as a `RecurrentLayer`."""
-        from ..batch.layers import BatchRecurrentLayer
-
         return BatchRecurrentLayer.merge(caches)
 
     # -- persistence protocol (layers.protocol) ------------------------------------
@@ -257,3 +273,163 @@ class RecurrentLayer(MlxCompat, BatchingRefused, KeptStates, SnapshotBranches, A
         self._check_marks(where)
         self._check_kept(where)
 
+
+class BatchRecurrentLayer(StackedRows, RecurrentLayer):
+    """A Gated DeltaNet cache over B rows: conv tails [B, k-1, C], states [B, ...].
+
+    It is a `RecurrentLayer`, so the family adapter records each branch
+    forward's inputs here (`Steps` over all B rows), and `commit_rows` cuts
+    them per row.
+    """
+
+    # -- branches --------------------------------------------------------------------
+
+    def fork(self) -> None:
+        self.marks.append(_RecurrentMark(0, self.cache[0], self.cache[1]))
+
+    def rollback(self) -> None:
+        mark = self.marks.pop()
+        self.cache = [mark.conv, mark.state]
+
+    def commit(self, n: int) -> None:
+        raise BranchError("a batched recurrent layer commits per row: commit_rows(ns)")
+
+    def commit_rows(self, ns: Sequence[int]) -> None:
+        """Keep the first ns[i] recorded tokens of row i and close the branch."""
+        mark = self.marks.pop()
+        if all(n == mark.appended for n in ns):
+            # every row keeps all it fed (none was padded, or it could not commit that many):
+            # the live conv tails and states are those rows' exactly, no slicing nor replay
+            return
+        convs, states = [], []
+        for i, n in enumerate(ns):
+            conv, state = self._row_prefix(mark, i, n)
+            convs.append(conv)
+            states.append(state)
+        if all(c is None for c in convs):
+            self.cache = [None, None]
+            return
+        like = next(c for c in convs if c is not None), next(s for s in states if s is not None)
+        fill = lambda a, ref: mx.zeros((1, *ref.shape[1:]), ref.dtype) if a is None else a
+        self.cache = [
+            mx.concatenate([fill(c, like[0]) for c in convs]),
+            mx.concatenate([fill(s, like[1]) for s in states]),
+        ]
+
+    def _row_prefix(self, mark: _RecurrentMark, i: int, n: int) -> tuple:
+        """Row i's (conv tail, state) after its first n branch tokens, [1, ...] each."""
+        conv0 = None if mark.conv is None else mark.conv[i : i + 1]
+        state = None if mark.state is None else mark.state[i : i + 1]
+        if n == 0:
+            return conv0, state
+        records = [_row_steps(s, i) for s in mark.records]
+        return tuple(_rebuild(conv0, state, records, first_records(records, n), n, self.conv_tail))
+
+    # -- rows -------------------------------------------------------------------------
+
+    def take(self, rows: Sequence[int]) -> None:
+        """Keep `rows` (in that order), their branch records included (in new marks: a
+        shallow copy of this layer may share the old ones)."""
+        rows = list(rows)
+        if not rows:
+            self.cache = [None, None]
+            self.marks = [_RecurrentMark(0, None, None) for _ in self.marks]
+        else:
+            idx = mx.array(rows, dtype=mx.int32)
+            self.cache = [take_rows(a, idx) for a in self.cache]
+            self.marks = [
+                _RecurrentMark(m.offset, take_rows(m.conv, idx), take_rows(m.state, idx),
+                               [_take_steps(s, idx) for s in m.records], m.kept, m.replaying)
+                for m in self.marks
+            ]
+        self.rows = len(rows)
+
+    def row_from(self, state) -> tuple:
+        """The arguments of `add_row` for a row holding a `RecurrentLayer`'s committed `state`
+        (None: an empty row). Changes nothing."""
+        return (None, None) if state is None else tuple(state[:2])
+
+    def add_row(self, conv, state) -> None:
+        """Append a row holding (conv, state), [1, ...] each, or nothing (zeros); outside a branch."""
+        self._append([conv, state], 1)
+
+    def row_load(self, i: int, tokens: int) -> tuple:
+        """The arguments of `RecurrentLayer.load` for row i holding `tokens` tokens."""
+        return (*self.row_state(i), tokens)
+
+    def check(self) -> None:
+        conv, state = self.cache
+        where = f"BatchRecurrentLayer(rows={self.rows}, depth={len(self.marks)})"
+        if (conv is None) != (state is None):
+            raise InvariantError(f"{where}: conv tail and state present together")
+        if conv is not None and (conv.shape[1] != self.conv_tail or not conv.shape[0] == state.shape[0] == self.rows):
+            raise InvariantError(f"{where}: conv {conv.shape} / state {state.shape} do not line up")
+        if len(self.marks) > 1:
+            raise InvariantError(f"{where}: one branch level at most")
+
+    # -- mlx-lm's batch-cache protocol (ArraysCache.merge, BatchGenerator) --------------------
+
+    @classmethod
+    def merge(cls, caches) -> "BatchRecurrentLayer":
+        """One row per `RecurrentLayer`, in order; an empty one is a row of zeros (what
+        mlx-lm's module starts from), as mlx-lm's `ArraysCache.merge` makes it.
+
+        Raises:
+            BranchError: a layer has an open branch; nothing changed.
+            UnsupportedOperationError: not all `RecurrentLayer`s of one conv tail, or a
+                layer holds more than one row.
+        """
+        for c in caches:
+            if type(c) is not RecurrentLayer:
+                raise UnsupportedOperationError(
+                    f"RecurrentLayer.merge() of a {type(c).__name__}: merge RecurrentLayers only"
+                )
+            if c.marks:
+                raise BranchError(
+                    f"merge() of a RecurrentLayer with {len(c.marks)} open branch(es): "
+                    "commit or roll them back first; nothing changed"
+                )
+            if c.cache[0] is not None and c.cache[0].shape[0] != 1:
+                raise UnsupportedOperationError(f"merge() of a layer of {c.cache[0].shape[0]} rows: merge one-row layers")
+        tails = {c.conv_tail for c in caches}
+        if len(tails) != 1:
+            raise UnsupportedOperationError(f"merge() of RecurrentLayers with conv tails {sorted(tails)}: one model's layers")
+        first = caches[0]
+        layer = cls(first.conv_tail, first.strategy, states_budget_bytes=first.states_budget_bytes)
+        for c in caches:
+            layer.add_row(*c.cache)
+        layer.row_offsets = [c.offset for c in caches]
+        layer.offset = max(layer.row_offsets, default=0)
+        return layer
+
+    def extract(self, idx: int) -> RecurrentLayer:
+        """Row `idx` as a `RecurrentLayer` (its conv tail and state, shared: slots are never written)."""
+        self._rows_known("extract")
+        out = RecurrentLayer(self.conv_tail, self.strategy, states_budget_bytes=self.states_budget_bytes)
+        n = self.row_offsets[idx]
+        if n:
+            out.cache, out.offset = self.row_state(idx), n
+        return out
+
+    def extend(self, other: "BatchRecurrentLayer") -> None:
+        """Append `other`'s rows after this layer's (rows without a state are zeros)."""
+        if other.conv_tail != self.conv_tail:
+            raise UnsupportedOperationError(f"extend(): conv tails {self.conv_tail} and {other.conv_tail}")
+        self._extend_rows(other)
+
+    def advance(self, N):
+        self._count_rows(N)
+        super().advance(N)
+
+
+def _row_steps(s: Steps, i: int) -> Steps:
+    sl = slice(i, i + 1)
+    inputs = {k: (None if v is None else v[sl]) for k, v in s.inputs.items()}
+    states = None if s.states is None else [a[sl] for a in s.states]
+    return Steps(s.conv_rows[sl], inputs, s.replay, states)
+
+
+def _take_steps(s: Steps, idx: mx.array) -> Steps:
+    inputs = {k: take_rows(v, idx) for k, v in s.inputs.items()}
+    states = None if s.states is None else [a[idx] for a in s.states]
+    return Steps(s.conv_rows[idx], inputs, s.replay, states)

@@ -22,20 +22,28 @@ to the slots runs). With "states" the module runs one token at a time inside
 a branch and keeps every step's slots (within `states_budget_bytes`); commit
 is a lookup. Either way the committed slots are what the module computes
 from the accepted inputs alone, so they never depend on the rejected tail.
+
+`BatchStateLayer` is the same kind over B rows (layers/rows.py), slots
+stacked on axis 0: what `StateLayer.merge` makes for mlx-lm's BatchGenerator.
+The model runs mlx-lm's own code on it as on a merged `ArraysCache`; it adds
+the count of real tokens per row, so `extract(i)` gives row i back as a
+`StateLayer` holding exactly its slots and its count.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
+import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
-from ..errors import BranchError, InvariantError
+from ..errors import BranchError, InvariantError, UnsupportedOperationError
 from .compat import BatchingRefused, MlxCompat
 from .kept_states import KeptStates, first_records
 from .protocol import CHECKPOINT
 from .recurrent import STRATEGIES
+from .rows import StackedRows, take_rows
 from .snapshots import SnapshotBranches
 
 
@@ -59,18 +67,39 @@ class Call:
 
     Attributes:
         length: tokens the call fed.
-        replay: (n, slots) -> the slots after the call's first n tokens, from `slots`.
+        replay: (n, slots, rows=None) -> the slots after the call's first n tokens, from
+            `slots`; on a batched layer, of the batch rows `rows` only (an index array;
+            `slots` then holds those rows).
         states: the slots after each of the `length` tokens, or None where not kept.
     """
 
     length: int
-    replay: Callable[[int, list], list]
+    replay: Callable[..., list]
     states: list[list] | None = None
 
     def first(self, n: int) -> "Call":
         if n == self.length:
             return self
         return Call(n, self.replay, None if self.states is None else self.states[:n])
+
+    def take(self, idx: mx.array) -> "Call":
+        """This call restricted to the batch rows `idx`, in that order."""
+        replay = self.replay
+        states = None if self.states is None else [[take_rows(a, idx) for a in s] for s in self.states]
+        return Call(self.length, lambda n, slots, rows=None: replay(n, slots, idx if rows is None else idx[rows]), states)
+
+
+def _replayed(slots: list, kept: list[Call], rows: mx.array | None = None) -> list:
+    """The slots after the tokens of `kept` (a branch's calls, cut), from `slots` before them:
+    the last slots a call kept, then the module run again on the calls after it (on a
+    batched layer, of the batch rows `rows` only; `slots` holds those rows)."""
+    start = 0
+    for i, call in enumerate(kept):
+        if call.states:
+            start, slots = i + 1, [take_rows(a, rows) for a in call.states[-1]]
+    for call in kept[start:]:
+        slots = call.replay(call.length, slots, rows)
+    return list(slots)
 
 
 @dataclass
@@ -149,15 +178,8 @@ class StateLayer(MlxCompat, BatchingRefused, KeptStates, SnapshotBranches, Array
         if n == 0:
             self._restore(mark)
             return
-        kept = first_records(mark.records, n)
-        # the last call that kept its slots (cut calls keep the states of their first tokens)
-        start, slots = 0, list(mark.slots)
-        for i, call in enumerate(kept):
-            if call.states:
-                start, slots = i + 1, call.states[-1]
-        for call in kept[start:]:
-            slots = call.replay(call.length, slots)
-        self.cache = list(slots)
+        kept = first_records(mark.records, n)  # cut calls keep the states of their first tokens
+        self.cache = _replayed(list(mark.slots), kept)
         self.offset = mark.offset + n
         if self.marks:
             self._extend(self.marks[-1], kept)
@@ -210,8 +232,6 @@ class StateLayer(MlxCompat, BatchingRefused, KeptStates, SnapshotBranches, Array
     def merge(cls, caches):
         """mlx-lm's `ArraysCache.merge` (BatchGenerator): a `BatchStateLayer`, one row per
         layer; `extract(i)` gives row i back as a `StateLayer` with its token count."""
-        from ..batch.state_rows import BatchStateLayer
-
         return BatchStateLayer.merge(caches)
 
     # -- persistence protocol (layers.protocol) ------------------------------------
@@ -273,3 +293,175 @@ class StateLayer(MlxCompat, BatchingRefused, KeptStates, SnapshotBranches, Array
         self._check_marks(where)
         self._check_kept(where)
 
+
+class BatchStateLayer(StackedRows, StateLayer):
+    """B rows of a `StateLayer`'s slots, stacked on axis 0 (mlx-lm's `ArraysCache` protocol for the model).
+
+    A row that saw nothing holds zeros, what the modules start from when a slot
+    is None. Inside a branch the family hook records each call over all rows
+    (`Call`), and `commit_rows(ns)` rebuilds each row from exactly its first
+    n_i tokens: rows that keep everything they fed keep their live slots; the
+    others, grouped by n_i, run the module again on their own tokens from the
+    slots before the branch (or take the slots kept after token n_i). So the
+    padding of a ragged forward (rows padded on the right) never reaches a
+    committed state. One branch level.
+    """
+
+    # -- branches --------------------------------------------------------------------
+
+    def fork(self) -> None:
+        self.marks.append(_StateMark(0, list(self.cache)))
+
+    def rollback(self) -> None:
+        self.cache = list(self.marks.pop().slots)
+
+    def commit(self, n: int) -> None:
+        raise BranchError("a batched state layer commits per row: commit_rows(ns)")
+
+    def commit_rows(self, ns: Sequence[int]) -> None:
+        """Keep the first ns[i] tokens row i fed in the branch and close it (ns[i] at most
+        what row i really fed: `BatchRuntime.commit` checks it)."""
+        mark = self.marks.pop()
+        fed = mark.appended
+        if all(n == fed for n in ns):
+            return  # no row was padded (a padded row fed fewer than the branch's length)
+        groups = []  # (rows, their slots after n tokens), one per distinct n
+        for n in sorted(set(ns)):
+            rows = [i for i, m in enumerate(ns) if m == n]
+            idx = mx.array(rows, dtype=mx.int32)
+            if n == fed:
+                slots = [take_rows(a, idx) for a in self.cache]
+            else:
+                slots = _replayed([take_rows(a, idx) for a in mark.slots], first_records(mark.records, n), idx)
+            groups.append((rows, slots))
+        self.cache = _gathered(groups, self.size)
+
+    # -- rows -------------------------------------------------------------------------
+
+    def take(self, rows: Sequence[int]) -> None:
+        """Keep `rows` (in that order), their branch records included (in new marks: a
+        shallow copy of this layer may share the old ones)."""
+        rows = list(rows)
+        if not rows:
+            self.cache = [None] * self.size
+            self.marks = [_StateMark(m.offset, [None] * self.size) for m in self.marks]
+        else:
+            idx = mx.array(rows, dtype=mx.int32)
+            self.cache = [take_rows(a, idx) for a in self.cache]
+            self.marks = [
+                _StateMark(m.offset, [take_rows(a, idx) for a in m.slots], [c.take(idx) for c in m.records],
+                           m.kept, m.replaying)
+                for m in self.marks
+            ]
+        self.rows = len(rows)
+
+    def row_from(self, state) -> tuple:
+        """The arguments of `add_row` for a row holding a `StateLayer`'s committed `state`
+        (None: an empty row). Changes nothing.
+
+        Raises:
+            ValueError: the state is of another layout.
+        """
+        if state is None:
+            return (None,)
+        *slots, _, size, family, _, _, _ = state
+        if (size, family) != (self.size, self.family):
+            raise ValueError(f"a row of {size} {family} slots for a batched layer of {self.size} {self.family} slots")
+        return (slots,)
+
+    def add_row(self, slots: list | None) -> None:
+        """Append a row holding `slots` ([1, ...] arrays or None each) or nothing (zeros); outside a branch."""
+        self._append([None] * self.size if slots is None else list(slots), 1)
+
+    def row_load(self, i: int, tokens: int) -> tuple:
+        """The arguments of `StateLayer.load` for row i holding `tokens` tokens."""
+        return (tuple(self.row_state(i)) if tokens else (None,) * self.size), tokens
+
+    def check(self) -> None:
+        where = f"BatchStateLayer({self.family}, rows={self.rows}, depth={len(self.marks)})"
+        if len(self.cache) != self.size or any(len(m.slots) != self.size for m in self.marks):
+            raise InvariantError(f"{where}: slot lists of other sizes than {self.size}")
+        held = [a for slots in (self.cache, *(m.slots for m in self.marks)) for a in slots if a is not None]
+        if any(a.shape[0] != self.rows for a in held):
+            raise InvariantError(f"{where}: slots hold {sorted({a.shape[0] for a in held})} rows")
+        if self.row_offsets is not None and len(self.row_offsets) != self.rows:
+            raise InvariantError(f"{where}: {len(self.row_offsets)} token counts")
+        if len(self.marks) > 1:
+            raise InvariantError(f"{where}: one branch level at most")
+        self._check_kept(where)
+
+    # -- mlx-lm's batch-cache protocol (ArraysCache.merge, BatchGenerator) --------------------
+
+    @classmethod
+    def merge(cls, caches) -> "BatchStateLayer":
+        """One row per `StateLayer` of one family and slot count, in order.
+
+        Raises:
+            BranchError: a layer has an open branch; nothing changed.
+            UnsupportedOperationError: other kinds or layouts, a layer of several rows,
+                or slots whose shapes differ between rows (a context still growing).
+        """
+        first = caches[0]
+        for c in caches:
+            if type(c) is not StateLayer or c.layout() != first.layout():
+                raise UnsupportedOperationError(
+                    f"StateLayer.merge() of a {type(c).__name__} {c.layout()}: merge StateLayers of one layout "
+                    f"({first.layout()})"
+                )
+            if c.marks:
+                raise BranchError(
+                    f"merge() of a StateLayer with {len(c.marks)} open branch(es): commit or roll them back first"
+                )
+            if any(a is not None and a.shape[0] != 1 for a in c.cache):
+                raise UnsupportedOperationError(f"StateLayer.merge() ({first.family}): merge layers of one row each")
+        layer = cls(first.size, first.family, first.strategy, states_budget_bytes=first.states_budget_bytes,
+                    growing=first.growing)
+        for c in caches:
+            layer.add_row(c.cache)
+        layer.row_offsets = [c.offset for c in caches]
+        layer.offset = max(layer.row_offsets, default=0)
+        return layer
+
+    def extract(self, idx: int) -> StateLayer:
+        """Row `idx` as a `StateLayer` (its slots shared: modules replace slots, never write them)."""
+        self._rows_known("extract")
+        out = StateLayer(self.size, self.family, self.strategy, states_budget_bytes=self.states_budget_bytes,
+                         growing=self.growing)
+        n = self.row_offsets[idx]
+        if n:
+            out.cache = self.row_state(idx)
+            out.offset = n
+        return out
+
+    def extend(self, other: "BatchStateLayer") -> None:
+        """Append `other`'s rows after this layer's (rows without a state are zeros)."""
+        if type(other) is not BatchStateLayer or other.layout() != self.layout():
+            raise UnsupportedOperationError(f"extend() with a {type(other).__name__}: extend with rows of one layout")
+        self._extend_rows(other)
+
+    def advance(self, N):
+        self.count(N)
+        ArraysCache.advance(self, N)
+
+    def count(self, N: int) -> None:
+        """Tokens fed through a module that does not call `advance` (the hook counts them)."""
+        self._count_rows(N)
+        self.offset += N
+
+
+def _gathered(groups: list[tuple[list[int], list]], size: int) -> list:
+    """The slots of all rows from groups of rows (rows, their slots), row i back at i."""
+    if len(groups) == 1:
+        return groups[0][1]
+    order = [i for rows, _ in groups for i in rows]
+    back = mx.array(sorted(range(len(order)), key=order.__getitem__), dtype=mx.int32)
+    out = []
+    for e in range(size):
+        like = next((slots[e] for _, slots in groups if slots[e] is not None), None)
+        if like is None:
+            out.append(None)
+            continue
+        parts = [slots[e] if slots[e] is not None else mx.zeros((len(rows), *like.shape[1:]), like.dtype)
+                 for rows, slots in groups]
+        out.append(mx.concatenate(parts)[back])
+    return out

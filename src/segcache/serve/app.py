@@ -1,15 +1,16 @@
-"""The Starlette app: OpenAI's routes over the scheduler, with auth, CORS and a body limit.
+"""The Starlette app: OpenAI's and Anthropic's routes over the scheduler, with auth, CORS and a body limit.
 
 Handlers validate and tokenize (on a tokenizer thread, never the model's),
-submit a `Job`, then relay its events: as SSE chunks ending `data: [DONE]`
-when streaming, as one JSON body otherwise. A client that goes away cancels
-its job; the worker sees it at the next step.
+submit a `Job`, then relay its events: as server-sent events when streaming,
+as one JSON body otherwise. A client that goes away cancels its job; the
+worker sees it at the next step. The chat surfaces (chat completions,
+Anthropic's Messages, Responses) share one pipeline (pipeline.py):
+`start_chat` renders a `ChatTurn` and queues it; each surface shapes the events.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -24,15 +25,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import schemas
-from .chat import Prompter
-from .engine import Chunk, Failure, Finish, GenRequest
+from . import anthropic, isolation, responses, schemas, shapes
+from .chat import Prompt, Prompter
+from .engine import GenRequest
 from .errors import APIError
-from .shapes import Shape, sse
+from .guard import HostPolicy, RequestGuard
+from .pipeline import ChatTurn, ClientGone, Run
+from .shapes import Shape
 from .worker import Job, QueueFull, Scheduler, Worker
 
 DEFAULT_MODEL = "default_model"
-_POLL = 0.25  # seconds between checks that a non-streaming client is still there
 _DRAIN = 8  # bodies up to this many times the limit are read (and dropped) before the 413
 
 
@@ -46,8 +48,12 @@ class Settings:
         context_length: prompt + completion tokens the model takes (None: unknown).
         vocab_size: token ids a prompt may hold are < this.
         max_tokens, temperature, top_p, top_k, min_p: defaults for requests that leave them out.
-        api_key: required as a Bearer token on every route but /health (None: open).
-        allowed_origins: CORS origins (empty: no CORS headers at all).
+        api_keys: one of them required as a Bearer token on every route but /health (empty: open).
+        isolation: "per-key": each API key is a prefix-cache isolation domain of its own
+            (`isolation.domain`); "none": requests share prefixes unless they send `cache_salt`.
+        allowed_origins: origins browsers may call from (CORS; empty: none but the server's own).
+        bind_host: the address bound (--host); its name is one `Host` may carry.
+        allowed_hosts: more names `Host` may carry (see `guard.HostPolicy`).
         max_body_bytes: larger request bodies get a 413.
         ram_bytes, disk_bytes: the prefix store's budgets (reported by /stats).
         adapters: the adapter path(s) a request's `adapters` may name: the one the
@@ -63,8 +69,11 @@ class Settings:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    api_key: Optional[str] = None
+    api_keys: tuple = ()
+    isolation: str = "none"
     allowed_origins: list = field(default_factory=list)
+    bind_host: str = "127.0.0.1"
+    allowed_hosts: list = field(default_factory=list)
     max_body_bytes: int = 8 << 20
     ram_bytes: int = 0  # the store's budgets, for /stats
     disk_bytes: int = 0
@@ -86,15 +95,20 @@ class Server:
 
     # -- guards ---------------------------------------------------------------------
 
-    def _authorize(self, request: Request) -> None:
-        key = self.settings.api_key
-        if key is None:
-            return
+    def _authorize(self, request: Request) -> Optional[str]:
+        """The API key the request authenticated with (None when the server has none)."""
+        keys = self.settings.api_keys
+        if not keys:
+            return None
         auth = request.headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+        if "x-api-key" in request.headers:  # Anthropic's clients send the key so
+            scheme, token = "bearer", request.headers["x-api-key"]
+        key = isolation.match(token.strip(), keys) if scheme.lower() == "bearer" else None
+        if key is None:
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return key
 
     async def _body(self, request: Request) -> bytes:
         limit = self.settings.max_body_bytes
@@ -149,6 +163,15 @@ class Server:
         limit = max_tokens if max_tokens is not None else s.max_tokens
         return min(limit, ctx - len(ids)) if ctx is not None else limit
 
+    def _check_sampling(self, gen: GenRequest, top_k: Optional[int]) -> None:
+        """Refuse what the sampler cannot take (it would fail on the model thread, as a 500);
+        `top_k` is the request's own (None: the server's default was used)."""
+        vocab = self.settings.vocab_size
+        if not 0 <= gen.top_k < vocab:
+            whose = "the server's --top-k" if top_k is None else "'top_k'"
+            raise APIError(400, f"{whose} is {gen.top_k}; it takes 0 (off) or 1..{vocab - 1} (the vocabulary "
+                                f"has {vocab} tokens)", param="top_k", code="invalid_value")
+
     # -- routes -----------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
@@ -175,34 +198,92 @@ class Server:
         return JSONResponse(body)
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, schemas.CompletionRequest)
-
-    async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(request, schemas.ChatRequest)
-
-    async def _generate(self, request: Request, kind) -> Response:
-        self._authorize(request)
-        req = schemas.parse(await self._body(request), kind)
+        key = self._authorize(request)
+        req = schemas.parse(await self._body(request), schemas.CompletionRequest)
         self._check_model(req.model)
         self._check_adapter(req.adapters)
-        chat = kind is schemas.ChatRequest
         loop = asyncio.get_running_loop()
-        if chat:
-            ids, cuts = await loop.run_in_executor(self._tokenize, self.prompter.chat, req.messages)
-            top = req.top_alternatives()
-        else:
-            ids, cuts = await loop.run_in_executor(self._tokenize, self.prompter.completion, req.prompt), []
-            top = req.top_logprobs()
-        max_tokens = self._check_ids(ids, "messages" if chat else "prompt", req.limit())
+        ids = await loop.run_in_executor(self._tokenize, self.prompter.completion, req.prompt)
+        run = self._submit(self._gen("cmpl", ids, [], req.limit(), "prompt", req.temperature, req.top_p, req.top_k,
+                                     req.min_p, req.seed, req.stops(), req.top_logprobs(), key, req.cache_salt))
+        shape = Shape(run.gen.id, self.settings.served_name, self.created, False)
+        if req.stream:
+            return self._sse(shapes.completion_stream(run, shape, req.include_usage()), run)
+        try:
+            return JSONResponse(await shapes.completion_whole(run, shape, request))
+        except ClientGone:
+            return Response(status_code=499)
+
+    async def chat_completions(self, request: Request) -> Response:
+        key = self._authorize(request)
+        req = schemas.parse(await self._body(request), schemas.ChatRequest)
+        self._check_model(req.model)
+        self._check_adapter(req.adapters)
+        run = await self.start_chat(shapes.chat_turn(req), "chatcmpl", key)
+        shape = Shape(run.gen.id, self.settings.served_name, self.created, True)
+        if req.stream:
+            return self._sse(shapes.chat_stream(run, shape, req.include_usage()), run)
+        try:
+            return JSONResponse(await shapes.chat_whole(run, shape, request))
+        except ClientGone:
+            return Response(status_code=499)
+
+    async def messages(self, request: Request) -> Response:
+        """Anthropic's Messages API (serve/anthropic.py); errors in Anthropic's shape."""
+        try:
+            key = self._authorize(request)
+            return await anthropic.messages(self, request, await self._body(request), key)
+        except APIError as exc:
+            return anthropic.error_response(exc)
+
+    async def count_tokens(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+            return await anthropic.count_tokens(self, request, await self._body(request))
+        except APIError as exc:
+            return anthropic.error_response(exc)
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API, stateless (serve/responses.py)."""
+        key = self._authorize(request)
+        return await responses.create(self, request, await self._body(request), key)
+
+    # -- the one pipeline every surface shares --------------------------------------------------
+
+    async def render(self, turn: ChatTurn) -> Prompt:
+        """The turn's prompt, rendered and tokenized on the tokenizer thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize, self.prompter.chat, turn.messages, turn.tools,
+                                          turn.template_kwargs, turn.force_call)
+
+    async def start_chat(self, turn: ChatTurn, kind: str, key: Optional[str]) -> Run:
+        """Render `turn`, validate its prompt and queue its generation (`key`: the API key
+        the request authenticated with, for its isolation domain)."""
+        prompt = await self.render(turn)
+        stops = list(turn.stops)
+        end = self.prompter.markup.tool[1] if self.prompter.markup.tool else ""
+        if turn.calls and not turn.parallel and end:
+            stops.append(end)  # one call at most: the text ends where the first call does
+        gen = self._gen(kind, prompt.ids, prompt.checkpoints, turn.max_tokens, turn.param, turn.temperature,
+                        turn.top_p, turn.top_k, turn.min_p, turn.seed, stops, turn.top_logprobs, key, turn.cache_salt)
+        return self._submit(gen, turn, prompt)
+
+    def _gen(self, kind, ids, cuts, limit, param, temperature, top_p, top_k, min_p, seed, stops, top, key,
+             cache_salt) -> GenRequest:
         s = self.settings
         gen = GenRequest(
-            id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", ids=ids, checkpoints=cuts,
-            max_tokens=max_tokens,
-            temperature=s.temperature if req.temperature is None else req.temperature,
-            top_p=s.top_p if req.top_p is None else req.top_p,
-            top_k=s.top_k if req.top_k is None else req.top_k, min_p=s.min_p if req.min_p is None else req.min_p,
-            seed=req.seed, stops=req.stops(), top_logprobs=top,
+            id=f"{kind}-{uuid.uuid4().hex}", ids=ids, checkpoints=cuts, max_tokens=self._check_ids(ids, param, limit),
+            temperature=s.temperature if temperature is None else temperature,
+            top_p=s.top_p if top_p is None else top_p,
+            top_k=s.top_k if top_k is None else top_k, min_p=s.min_p if min_p is None else min_p,
+            seed=seed, stops=stops, top_logprobs=top,
+            cache_salt=isolation.domain(key, cache_salt, s.isolation == "per-key"),
         )
+        self._check_sampling(gen, top_k)
+        return gen
+
+    def _submit(self, gen: GenRequest, turn: Optional[ChatTurn] = None, prompt: Optional[Prompt] = None) -> Run:
+        loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
         def deliver(event) -> None:  # on the worker thread
@@ -217,56 +298,18 @@ class Server:
         except QueueFull as exc:
             raise APIError(429, f"the server is busy: {exc}; retry shortly", code="rate_limit_exceeded",
                            type="rate_limit_error", headers={"Retry-After": "1"}) from None
-        shape = Shape(gen.id, s.served_name, self.created, chat)
-        if req.stream:
-            return StreamingResponse(self._sse(job, events, shape, req.include_usage()),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await self._whole(request, job, events, shape)
+        return Run(gen, job, events, turn, prompt, self.prompter.markup)
 
-    async def _sse(self, job: Job, events: asyncio.Queue, shape: Shape, usage: bool):
-        try:
-            while True:
-                event = await events.get()
-                if isinstance(event, Chunk):
-                    if event.text or event.logprobs:
-                        yield sse(shape.chunk(event.text, event.logprobs, None))
-                elif isinstance(event, Finish):
-                    yield sse(shape.chunk("", [], event.reason))
-                    if usage:
-                        yield sse(shape.usage_chunk(event.usage))
-                    yield "data: [DONE]\n\n"
-                    return
-                elif isinstance(event, Failure):
-                    yield sse(APIError(500, event.message, type="server_error").body())
-                    yield "data: [DONE]\n\n"
-                    return
-        finally:
-            job.cancel()  # no-op once finished; a client gone stops the job at its next step
+    def _sse(self, body, run: Run, headers: Optional[dict] = None) -> Response:
+        async def guarded():
+            try:
+                async for event in body:
+                    yield event
+            finally:
+                run.job.cancel()  # no-op once finished; a client gone stops the job at its next step
 
-    async def _whole(self, request: Request, job: Job, events: asyncio.Queue, shape: Shape) -> Response:
-        text, logprobs = [], []
-        checked = time.monotonic()
-        try:
-            while True:
-                try:
-                    event = await asyncio.wait_for(events.get(), timeout=_POLL)
-                except asyncio.TimeoutError:
-                    event = None
-                if time.monotonic() - checked >= _POLL:  # events may never pause: poll by the clock
-                    checked = time.monotonic()
-                    if await request.is_disconnected():
-                        return Response(status_code=499)
-                if event is None:
-                    continue
-                if isinstance(event, Chunk):
-                    text.append(event.text)
-                    logprobs.extend(event.logprobs)
-                elif isinstance(event, Finish):
-                    return JSONResponse(shape.whole("".join(text), logprobs, event))
-                elif isinstance(event, Failure):
-                    raise APIError(500, event.message, type="server_error")
-        finally:
-            job.cancel()
+        return StreamingResponse(guarded(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", **(headers or {})})
 
 
 async def _api_error(request: Request, exc: APIError) -> Response:
@@ -280,7 +323,8 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
-    err = APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+    # RequestGuard answers (and logs) the exceptions of the routes; this is the last resort
+    err = APIError(500, "internal error (the server log has the details)", type="server_error")
     return JSONResponse(err.body(), status_code=500)
 
 
@@ -293,11 +337,19 @@ def build_app(server: Server, lifespan=None) -> Starlette:
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/chat/completions", server.chat_completions, methods=["POST"]),  # as mlx_lm.server
+        Route("/v1/responses", server.responses, methods=["POST"]),
+        Route("/v1/messages", server.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"]),
     ]
     middleware = []
     if server.settings.allowed_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=server.settings.allowed_origins,
                                      allow_methods=["GET", "POST", "OPTIONS"],
-                                     allow_headers=["Authorization", "Content-Type"]))
+                                     allow_headers=["Authorization", "Content-Type", "x-api-key",
+                                                    "anthropic-version", "anthropic-beta"]))
+    s = server.settings
+    # outermost: Host, Origin and Content-Type are checked before anything (CORS, auth, routes) runs
+    middleware.insert(0, Middleware(RequestGuard, hosts=HostPolicy(s.bind_host, s.allowed_hosts),
+                                    origins=s.allowed_origins))
     handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _server_error}
     return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers, lifespan=lifespan)

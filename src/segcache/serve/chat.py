@@ -1,28 +1,46 @@
 """Prompts: token ids of a completion or a chat, and the chat's message boundaries.
 
-A chat is rendered with the tokenizer's chat template (or --chat-template). A
-model without one gets the plain template of mlx_lm.server (its `convert_chat`
-with the default role mapping), so both servers feed such a model the same
-tokens:
+A chat is rendered with the tokenizer's chat template (or --chat-template),
+with the request's tools and template arguments, exactly as mlx_lm.server
+renders it (its `process_message_content`, then `apply_chat_template(messages,
+tools=..., add_generation_prompt=True, **chat_template_args)`), so both
+servers feed a model the same tokens. A model without a template gets the
+plain template of mlx_lm.server (its `convert_chat` with the default role
+mapping):
 
     ASSISTANT's RULE: {system}\\n      one line per message, in order
     USER: {user}\\n
     ASSISTANT: {assistant}\\n
     ASSISTANT:                          the generation prompt (trailing space stripped)
 
-Boundaries are positions in the prompt's ids: the end of the leading system
-messages and the start of the last user message. The prefill checkpoints
-them, so a new conversation with a known system prompt, or an edit of the
-last question, resumes there even on a hybrid model. A boundary is the
-longest common prefix of the prompt's ids and the ids of the text before it,
-so a tokenizer that merges across the boundary only moves it earlier.
+Boundaries are positions in the prompt's ids the prefill checkpoints, so a
+later prompt that shares the conversation up to one resumes there even on a
+hybrid model (which can resume only where a state was kept):
+
+    [system + tools][user ... assistant ... tool ...][last user ... tool][generation prompt]
+                   ^ 1                              ^ 2                  ^ 3
+
+1. the end of the leading system messages (and the tool schemas a template
+   puts there): a new conversation with the same system prompt and tools;
+2. the start of the last user message: an edit of the last question;
+3. the end of the conversation, before the generation prompt: the next turn
+   of an agent loop whose template re-renders this turn's answer differently
+   from how the model wrote it (earlier reasoning dropped, arguments
+   re-serialized) resumes here rather than at an earlier checkpoint.
+
+A boundary is the longest common prefix of the prompt's ids and the ids of
+the conversation rendered up to it, so a tokenizer that merges across the
+boundary only moves it earlier.
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from .errors import APIError
+from .output import REASONING, TEXT, TOOL, Markup
 
 PLAIN_ROLES = {
     "system": "ASSISTANT's RULE: ",
@@ -32,6 +50,13 @@ PLAIN_ROLES = {
     "tool": "",
 }
 _SYSTEM = ("system", "developer")
+
+# apply_chat_template's own arguments: a request may not set them as template variables.
+RESERVED_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
+})
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:
@@ -43,18 +68,88 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+@dataclass
+class Prompt:
+    """A rendered chat.
+
+    Attributes:
+        ids: the prompt's token ids.
+        checkpoints: boundary positions to checkpoint (0 < c < len(ids)).
+        start: the state the output starts in (output.TEXT, REASONING when
+            the prompt ends inside a reasoning block, TOOL when it ends with
+            the tool-call marker of a forced call).
+    """
+
+    ids: list[int]
+    checkpoints: list[int] = field(default_factory=list)
+    start: str = TEXT
+
+
 class Prompter:
     """Turns request prompts into token ids.
 
     Args:
         tokenizer: the model's mlx-lm `TokenizerWrapper`.
         chat_template: a Jinja chat template overriding the tokenizer's (or None).
+        template_args: template variables every chat gets (--chat-template-args);
+            a request's `chat_template_kwargs` override them.
     """
 
-    def __init__(self, tokenizer, chat_template: Optional[str] = None):
+    def __init__(self, tokenizer, chat_template: Optional[str] = None, template_args: Optional[dict] = None):
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self.template_args = dict(template_args or {})
         self.templated = chat_template is not None or bool(getattr(tokenizer, "has_chat_template", False))
+        self.markup = Markup.of(tokenizer)
+        self._sources: dict = {}
+
+    # -- what the model can do -----------------------------------------------------------
+
+    def source(self, tools: bool = False) -> Optional[str]:
+        """The Jinja text of the template a chat is rendered with (None: no template, or a
+        Python renderer that cannot be read)."""
+        if tools in self._sources:
+            return self._sources[tools]
+        src = self.chat_template
+        if src is None and self.templated:
+            get = getattr(self.tokenizer, "get_chat_template", None)
+            try:
+                src = get(None, [{}] if tools else None) if get is not None else None
+            except Exception:
+                src = None
+        self._sources[tools] = src if isinstance(src, str) else None
+        return self._sources[tools]
+
+    def reads(self, name: str) -> Optional[bool]:
+        """Whether the chat template reads the variable `name` (None: cannot tell)."""
+        src = self.source()
+        if src is None:
+            return None
+        import jinja2
+        from jinja2 import meta
+
+        try:
+            return name in meta.find_undeclared_variables(jinja2.Environment().parse(src))
+        except jinja2.TemplateError:
+            return None
+
+    def check_tools(self, param: str = "tools") -> None:
+        """Refuse tools this model cannot be given: no template, no tool parser, or a
+        template that never mentions them."""
+        if not self.templated:
+            raise APIError(400, f"'{param}': this model has no chat template, so it cannot be given tools; "
+                                "leave them out (or serve it with a --chat-template that renders tools)",
+                           param=param, code="tools_not_supported")
+        if self.markup.tool is None:
+            raise APIError(400, f"'{param}': this model's tokenizer has no tool calling (mlx-lm finds no tool "
+                                "parser for it), so its calls could not be read; leave the tools out",
+                           param=param, code="tools_not_supported")
+        src = self.source(tools=True)
+        if src is not None and "tools" not in src:
+            raise APIError(400, f"'{param}': this model's chat template does not render tools; leave them out",
+                           param=param, code="tools_not_supported")
+
+    # -- prompts -----------------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
         """Text as mlx_lm.generate encodes a prompt: special tokens unless it starts with BOS."""
@@ -69,23 +164,58 @@ class Prompter:
             return self.encode(prompt[0])
         return list(prompt)
 
-    def chat(self, messages) -> tuple[list[int], list[int]]:
-        """Ids of a chat with the generation prompt, and its boundary positions."""
-        dicts = [{"role": m.role, "content": m.text()} for m in messages]
-        if self.templated:
-            render = self._template
-        else:
-            render = _plain
-        ids = self._ids(render(dicts, True))
+    def chat(self, messages: list[dict], tools: Optional[list] = None, kwargs: Optional[dict] = None,
+             force_call: bool = False) -> Prompt:
+        """Render a chat with the generation prompt, and find its boundaries.
+
+        Args:
+            messages: template-ready message dicts (see `template_messages`).
+            tools: OpenAI function tools for the template, or None.
+            kwargs: template variables of this request (over --chat-template-args).
+            force_call: end the prompt with the tool-call start marker, so the
+                output begins inside a call (tool_choice "required" or a named function).
+
+        Raises:
+            APIError: 400 when the template refuses the messages or cannot render tools.
+        """
+        if tools:
+            self.check_tools()
+        if not self.templated:
+            for i, m in enumerate(messages):
+                if m.get("tool_calls"):
+                    raise APIError(400, f"'messages.{i}.tool_calls': this model has no chat template, so "
+                                        "earlier tool calls cannot be shown to it", param=f"messages.{i}.tool_calls")
+        args = {**self.template_args, **(kwargs or {})}
+
+        def render(dicts: list[dict], generation_prompt: bool) -> str:
+            if not self.templated:
+                return _plain(dicts, generation_prompt)
+            return self._template(dicts, generation_prompt, tools or None, args)
+
+        text = render(messages, True)
+        start = TEXT
+        think = self.markup.think
+        if think is not None and text.rfind(think[0]) > text.rfind(think[1]):
+            start = REASONING
+        if force_call:
+            if self.markup.tool is None:
+                raise APIError(400, "'tool_choice': this model has no tool calling", param="tool_choice")
+            if start == REASONING:  # a forced call does not wait for the reasoning to end
+                text += think[1]
+            text += self.markup.tool[0]
+            start = TOOL
+        ids = self._ids(text)
         cuts = []
-        n_sys = next((i for i, m in enumerate(dicts) if m["role"] not in _SYSTEM), len(dicts))
-        if 0 < n_sys < len(dicts):
-            before = dicts[:n_sys] + ([{"role": "user", "content": ""}] if self.templated else [])
+        n_sys = next((i for i, m in enumerate(messages) if m["role"] not in _SYSTEM), len(messages))
+        if n_sys < len(messages) and (n_sys or tools):
+            before = messages[:n_sys] + ([{"role": "user", "content": ""}] if self.templated else [])
             cuts.append(self._boundary(render, before, ids))
-        last_user = max((i for i, m in enumerate(dicts) if m["role"] == "user"), default=0)
+        last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=0)
         if last_user > n_sys:
-            cuts.append(self._boundary(render, dicts[:last_user], ids))
-        return ids, sorted({c for c in cuts if 0 < c < len(ids)})
+            cuts.append(self._boundary(render, messages[:last_user], ids))
+        if len(messages) > 1:
+            cuts.append(self._boundary(render, messages, ids))
+        return Prompt(ids, sorted({c for c in cuts if 0 < c < len(ids)}), start)
 
     def _ids(self, text: str) -> list[int]:
         if self.templated:  # a template writes its own special tokens
@@ -99,16 +229,52 @@ class Prompter:
             return 0
         return _common(self._ids(text), ids)
 
-    def _template(self, dicts: list[dict], generation_prompt: bool) -> str:
-        kwargs = {"chat_template": self.chat_template} if self.chat_template is not None else {}
+    def _template(self, dicts: list[dict], generation_prompt: bool, tools, args: dict) -> str:
+        kwargs = dict(args)
+        if self.chat_template is not None:
+            kwargs["chat_template"] = self.chat_template
         try:
             return self.tokenizer.apply_chat_template(
-                dicts, add_generation_prompt=generation_prompt, tokenize=False, **kwargs
+                dicts, tools=tools, add_generation_prompt=generation_prompt, tokenize=False, **kwargs
             )
         except Exception as exc:  # a template raising on these messages (jinja's raise_exception)
             if not generation_prompt:
                 raise
             raise APIError(400, f"'messages': the chat template refused them: {exc}", param="messages") from None
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """Message dicts as mlx_lm.server hands them to a template (its `process_message_content`):
+    content parts joined into one string, no content as "", and tool-call arguments
+    (JSON text in OpenAI's API) as objects; `reasoning` is also given as `reasoning_content`.
+
+    Raises:
+        APIError: 400 naming the arguments that are not a JSON object.
+    """
+    out = []
+    for i, m in enumerate(messages):
+        d = dict(m)
+        content = d.get("content")
+        if isinstance(content, list):
+            d["content"] = "".join(p["text"] for p in content)
+        elif content is None:
+            d["content"] = ""
+        if d.get("tool_calls"):
+            calls = []
+            for j, call in enumerate(d["tool_calls"]):
+                fn = dict(call["function"])
+                if isinstance(fn.get("arguments"), str) and fn["arguments"]:
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except json.JSONDecodeError:
+                        param = f"messages.{i}.tool_calls.{j}.function.arguments"
+                        raise APIError(400, f"'{param}' is not JSON text", param=param) from None
+                calls.append({**call, "function": fn})
+            d["tool_calls"] = calls
+        if "reasoning" in d and "reasoning_content" not in d:
+            d["reasoning_content"] = d["reasoning"]
+        out.append(d)
+    return out
 
 
 def _plain(dicts: list[dict], generation_prompt: bool) -> str:

@@ -1,11 +1,12 @@
 """`segcache serve`: flags, loading, the prefix store, uvicorn and an orderly shutdown.
 
-Every flag of mlx_lm.server is taken with its name and meaning (the mlx-lm
-ones segcache does not build yet, --pipeline and --chat-template-args, stop
-with a message; --prompt-cache-size is accepted and ignored: the store is
-bounded by bytes); a few defaults differ on purpose (CORS off, one request
-decoded at a time: tests/test_dropin_help.py lists them). SIGINT/SIGTERM: uvicorn stops accepting, lets requests in flight
-end, then the worker drains and the store is flushed and closed.
+Every flag of mlx_lm.server is taken with its name and meaning (--pipeline,
+not built yet, stops with a message; --prompt-cache-size is accepted and
+ignored: the store is bounded by bytes; with --kv-bits requests decode one at
+a time, as mlx_lm.server serves them); a few defaults differ on purpose (CORS
+off, one request decoded at a time: tests/test_dropin_help.py lists them).
+SIGINT/SIGTERM: uvicorn stops accepting, lets requests in flight end, then the
+worker drains and the store is flushed and closed.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 log = logging.getLogger("segcache.serve")
 
+_BACKLOG = 2048  # uvicorn's default listen queue (asyncio also accepts up to this many at once)
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 
 
@@ -33,12 +35,23 @@ def parse_size(text: str) -> int:
     return int(m.group(1)) << (10 * "_kmgt".index((m.group(2) or "_").lower()))
 
 
+def _template_args(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("a JSON object is needed, e.g. '{\"enable_thinking\": false}'")
+    return value
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register the `serve` subcommand on an argparse `subparsers` object."""
     p = subparsers.add_parser(
         "serve", help="an OpenAI-compatible HTTP server with a persistent prefix cache",
-        description="Serve a local mlx-lm model over OpenAI's API (/v1/completions, /v1/chat/completions, "
-        "/v1/models, /health) on segcache runtimes: every request resumes the longest prefix cached in RAM "
+        description="Serve a local mlx-lm model over OpenAI's API (/v1/completions, /v1/chat/completions with "
+        "tool calls and reasoning, /v1/responses, /v1/models, /health) and Anthropic's (/v1/messages) on segcache "
+        "runtimes: every request resumes the longest prefix cached in RAM "
         "or on disk, and greedy output is token-identical to mlx-lm, speculative or not.",
     )
     p.add_argument("--model", required=True, help="model directory (mlx_lm.load)")
@@ -61,17 +74,40 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--min-p", type=float, default=0.0, help="default min-p sampling (default 0: off)")
     p.add_argument("--chat-template", default=None,
                    help="a chat template (Jinja text, or a file holding it) replacing the tokenizer's")
-    p.add_argument("--api-key", default=os.environ.get("SEGCACHE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
-                        "(default: $SEGCACHE_API_KEY, else no key)")
-    p.add_argument("--allowed-origins", type=lambda x: [o for o in x.split(",") if o], default=[],
-                   help="comma-separated origins allowed by CORS (default: none, CORS off)")
+    p.add_argument("--chat-template-args", type=_template_args, default={}, metavar="JSON",
+                   help="template variables for every chat, as a JSON object, e.g. '{\"enable_thinking\": false}' "
+                        "(as mlx_lm.server); a request's chat_template_kwargs override them")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every endpoint but /health; repeat it for several "
+                        "keys, any of which is accepted (default: $SEGCACHE_API_KEY, else no key)")
+    p.add_argument("--api-key-file", metavar="PATH",
+                   help="more accepted API keys, one per line ('#' starts a comment line)")
+    p.add_argument("--prompt-cache-isolation", choices=("none", "per-key"), default="none",
+                   help="per-key: requests share cached prefixes only with requests of the same API key (so no "
+                        "key can learn whether another's prompt is cached); none (default): all requests share, "
+                        "except across different 'cache_salt' request fields")
+    p.add_argument("--allowed-origins", type=_names, default=[],
+                   help="comma-separated origins browsers may call from (CORS); other origins get 403 "
+                        "(default: none but the server's own; '*': any)")
+    p.add_argument("--allowed-hosts", type=_names, default=[],
+                   help="comma-separated names requests may carry as Host, besides IP addresses, localhost and "
+                        "the --host name: 'name', '.suffix' for names under it, '*' for any (default: none)")
+    p.add_argument("--request-timeout", type=float, default=10.0,
+                   help="seconds a client has to send a whole request, plus 1 s per 16 KiB of body; then 408 "
+                        "and the connection is closed (default 10)")
+    p.add_argument("--max-connections", type=int, default=0,
+                   help="connections open at most; past it the longest idle one is closed, or a 503 when none "
+                        "is idle (default 0: from the descriptor limit, raised to the hard limit at start)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting at most; more get 429 (default 64)")
     p.add_argument("--max-body-bytes", type=parse_size, default=8 << 20, help="largest request body (default 8M)")
     p.add_argument("--decode-concurrency", type=int, default=1,
-                   help="requests decoded together in one batched forward (default 1), with or without a drafter")
-    p.add_argument("--prompt-concurrency", type=int, default=1,
-                   help="prompts being prefilled at once, at most (each in chunks between decode steps; default 1)")
+                   help="requests decoded together in one batched forward (default 1), with or without a drafter; "
+                        "with --kv-bits requests decode one at a time (batched rows hold unquantized KV), as "
+                        "mlx_lm.server serves quantized KV")
+    p.add_argument("--prompt-concurrency", type=int, default=8,
+                   help="prompts being prefilled at once, at most (default 8, as mlx_lm.server): with "
+                        "--decode-concurrency above 1 they advance together, one forward per step for all "
+                        "(a step feeds at most one chunk while other rows decode)")
     p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill forward")
     p.add_argument("--checkpoint-interval", type=int, default=256,
                    help="checkpoint a long prompt every N tokens, so another prompt sharing only its start "
@@ -91,9 +127,6 @@ def _add_mlx_lm_flags(p: argparse.ArgumentParser) -> None:
 
     dropin.add_load_flags(p)
     dropin.add_default_template_flag(p)
-    p.add_argument("--chat-template-args", type=json.loads, default="{}",
-                   help="more arguments of the chat template, as a JSON object, e.g. '{\"enable_thinking\": false}' "
-                        "(not built yet: anything but {} stops the server with a message)")
     p.add_argument("--prompt-cache-bytes", type=parse_decimal_size, default=None,
                    help="the RAM tier's budget (as --ram-bytes) in mlx_lm.server's units: 2G = 2*10^9, "
                         "500MB = 5*10^8 (what leaves RAM goes to the disk tier, --disk-bytes)")
@@ -144,8 +177,10 @@ def _apply_mlx_lm_flags(args, tokenizer, kv) -> None:
         log.info("--prompt-cache-size %d ignored: the prefix store is bounded by bytes (--prompt-cache-bytes, "
                  "--disk-bytes), not by a count of prompts", args.prompt_cache_size)
     if kv is not None and args.decode_concurrency > 1:
-        log.warning("--kv-bits: requests are decoded one at a time (--decode-concurrency %d ignored), as "
-                    "mlx_lm.server does with quantized KV", args.decode_concurrency)
+        # batched rows hold unquantized K/V only; mlx_lm.server too serves kv_bits one request at a time
+        log.warning("--kv-bits: requests are decoded one at a time (--decode-concurrency %d does not apply: "
+                    "batched rows hold unquantized KV), as mlx_lm.server does with quantized KV",
+                    args.decode_concurrency)
         args.decode_concurrency = 1
 
 
@@ -154,14 +189,13 @@ def _mlx_lm_flags_refusal(args) -> str | None:
     if args.pipeline:
         return ("--pipeline: serving across hosts with mx.distributed (pipeline or tensor parallel) is not "
                 "built yet; run one segcache serve per host without --pipeline")
-    if args.chat_template_args != {} and args.chat_template_args is not None:
-        if not isinstance(args.chat_template_args, dict):
-            return "--chat-template-args must be a JSON object of chat template arguments"
-        return ("--chat-template-args: passing extra arguments to the chat template is not built yet; "
-                "run without it (or bake them into a --chat-template)")
     if args.prompt_cache_size is not None and args.prompt_cache_size < 0:
         return "--prompt-cache-size must be >= 0"
     return None
+
+
+def _names(text: str) -> list:
+    return [o.strip() for o in text.split(",") if o.strip()]
 
 
 def default_cache_dir(identity: bytes) -> Path:
@@ -223,7 +257,19 @@ def _open_store(args, model):
     return store, path
 
 
-def _settings(args, model, tokenizer):
+def api_keys(args) -> list[str]:
+    """The accepted API keys: every --api-key (else $SEGCACHE_API_KEY) and the --api-key-file's.
+
+    Raises:
+        ValueError: the keys file cannot be read, or a key is malformed.
+    """
+    from .isolation import read_keys
+
+    given = args.api_key if args.api_key else [os.environ.get("SEGCACHE_API_KEY") or ""]
+    return read_keys(given, args.api_key_file)
+
+
+def _settings(args, model, tokenizer, keys):
     from .app import DEFAULT_MODEL, Settings
 
     cfg = _config(args.model) or _model_args(model)  # a hub id has no local config.json
@@ -234,8 +280,9 @@ def _settings(args, model, tokenizer):
         vocab_size=_lookup(cfg, "vocab_size") or len(tokenizer.vocab),
         context_length=_lookup(cfg, "max_position_embeddings", "max_seq_len", "n_positions", "seq_length"),
         max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, api_key=args.api_key or None,
+        min_p=args.min_p, api_keys=tuple(keys), isolation=args.prompt_cache_isolation,
         allowed_origins=args.allowed_origins, max_body_bytes=args.max_body_bytes,
+        bind_host=args.host, allowed_hosts=args.allowed_hosts,
         ram_bytes=args.ram_bytes, disk_bytes=args.disk_bytes,
         adapters={args.adapter_path, str(Path(args.adapter_path).resolve())} if args.adapter_path else set(),
     )
@@ -245,18 +292,34 @@ def run(args: argparse.Namespace) -> int:
     """Run `segcache serve` until SIGINT/SIGTERM; returns the process exit code."""
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(message)s")
     if (args.num_draft_tokens < 1 or args.max_tokens < 1 or args.prefill_step_size < 1 or args.max_queue < 0
-            or args.checkpoint_interval < 0 or args.decode_concurrency < 1 or args.prompt_concurrency < 1):
+            or args.checkpoint_interval < 0 or args.decode_concurrency < 1 or args.prompt_concurrency < 1
+            or not args.request_timeout > 0 or args.max_connections < 0):
         print("segcache serve: --num-draft-tokens, --max-tokens, --prefill-step-size, --decode-concurrency and "
-              "--prompt-concurrency must be >= 1, "
-              "--max-queue and --checkpoint-interval >= 0", file=sys.stderr)
+              "--prompt-concurrency must be >= 1, --request-timeout > 0, "
+              "--max-queue, --checkpoint-interval and --max-connections >= 0", file=sys.stderr)
+        return 2
+    try:
+        keys = api_keys(args)
+    except ValueError as exc:
+        print(f"segcache serve: {exc}", file=sys.stderr)
+        return 2
+    if args.prompt_cache_isolation == "per-key" and not keys:
+        print("segcache serve: --prompt-cache-isolation per-key needs API keys (--api-key, --api-key-file or "
+              "$SEGCACHE_API_KEY): without them every request is in one domain", file=sys.stderr)
         return 2
     try:
         import uvicorn
 
+        from .guard import connection_protocol, default_max_connections, install_repeats, raise_open_files
+
+        open_files = raise_open_files()  # before mlx-lm loads: its import would lower the hard limit
         from .app import Server, build_app
     except ImportError as exc:
-        print(f"segcache serve: {exc.name or exc} is not installed; pip install 'segcache[serve]'", file=sys.stderr)
+        print(f"segcache serve: {exc.name or exc} is not installed; reinstall segcache (it depends on it)", file=sys.stderr)
         return 1
+    # uvicorn's and asyncio's records reach the root handler too (log_config=None below), so
+    # one filter there holds every repeated warning or error to one line per interval
+    install_repeats()
     from .. import dropin
     from ..demo import shown
     from ..errors import ModelError
@@ -289,26 +352,19 @@ def run(args: argparse.Namespace) -> int:
               "its tokenizer", file=sys.stderr)
         return 2
     store, path = _open_store(args, model)
-    settings = _settings(args, model, tokenizer)
+    settings = _settings(args, model, tokenizer, keys)
     name = settings.served_name
     options = dict(store=store, draft_model=draft, prompt_lookup=args.prompt_lookup,
                    num_draft_tokens=args.num_draft_tokens, prefill_step=args.prefill_step_size,
                    checkpoint_interval=args.checkpoint_interval)
     if kv is not None:
-        options["kv"] = kv  # Engine only: BatchEngine does not take quantized KV (decode-concurrency 1 above)
+        options["kv"] = kv  # one row at a time: batched rows hold unquantized KV (_apply_mlx_lm_flags)
     running = args.decode_concurrency
-    if running > 1:
-        from .batching import BatchEngine
-
-        engine = BatchEngine(model, tokenizer, decode_concurrency=running,
-                             prompt_concurrency=args.prompt_concurrency, **options)
-    else:
-        engine = Engine(model, tokenizer, **options)
-    scheduler = Scheduler(engine, max_queue=args.max_queue, max_running=running)
-    if running > 1:
-        scheduler.begin_step = engine.begin_step
+    engine = Engine(model, tokenizer, decode_concurrency=running, prompt_concurrency=args.prompt_concurrency,
+                    **options)
+    scheduler = Scheduler(engine, max_queue=args.max_queue, max_running=running, begin_step=engine.begin_step)
     worker = Worker(scheduler)
-    server = Server(settings, Prompter(tokenizer, template), scheduler, worker, store)
+    server = Server(settings, Prompter(tokenizer, template, args.chat_template_args), scheduler, worker, store)
 
     def close() -> None:
         worker.stop()  # uvicorn let the requests in flight end: the queue is empty
@@ -330,10 +386,14 @@ def run(args: argparse.Namespace) -> int:
     rows += f", adapter {args.adapter_path}" if args.adapter_path else ""
     log.info("serving %s (%s decoding%s) on http://%s:%d; prefix store: %s", name, mode, rows, args.host,
              args.port, shown(path) if store is not None else "none")
+    max_connections = args.max_connections or default_max_connections(open_files, _BACKLOG)
+    log.info("connections: at most %d open, requests whole within %g s; open files: %s", max_connections,
+             args.request_timeout, open_files or "no limit")
     worker.start()
     try:
         uvicorn.run(build_app(server, lifespan), host=args.host, port=args.port,
-                    log_level=args.log_level.lower(), access_log=False)
+                    log_level=args.log_level.lower(), access_log=False, log_config=None, backlog=_BACKLOG,
+                    http=connection_protocol(args.request_timeout, max_connections))
     finally:
         close()
     return 0

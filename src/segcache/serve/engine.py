@@ -1,28 +1,54 @@
-"""One request's generation: a private store-backed Runtime, resumed, generated, published, dropped.
+"""The request engine: every request a row of one decoder, resumed, generated, published, dropped.
 
-    Runtime(model, store) ── stream_generate(ids, runtime=rt, prefill_checkpoints=boundaries)
-        prefill: resume the longest cached prefix (RAM or disk, copy-on-write),
-                 compute the rest, checkpoint the boundaries and the prompt's end
-        decode:  plain, draft model or prompt lookup (token-identical greedy)
-        close:   publish prompt + completion (stream_generate does it on close)
+    job generators ──next()──> buffer empty? ──> Engine._step(): one decoder step for every row
+         ^                                       (one forward, speculative or plain)
+         └──── tokens of this row ─────────────── per-row buffers
 
-`Engine.generate` is a generator the scheduler advances one token per step, so
-the one model thread can interleave requests (and batch them, later) between
-steps. Everything here runs on that thread.
+Each request is a generator the scheduler advances once per scheduler step
+(worker.py). It resumes its prompt from the prefix store on a private
+Runtime and feeds the rest one chunk per scheduler step (`Runtime.prefill_steps`:
+the store's checkpoints and publish as `Runtime.prefill`), so the running rows
+decode between two chunks; then it joins the decoder as a row and yields one
+`Chunk` per scheduler step with every token its row emitted. The first job of
+a scheduler step whose buffer is empty runs the decoder's step for all.
+
+    scheduler step:  [resume B] [decode A]  |  [chunk 1 of B] [decode A]  |  ...
+                     | [last chunk of B, publish, join] [decode A, B]
+
+One engine for one row and many: with `decode_concurrency` 1 the decoder holds
+the request's Runtime itself (`one_row`: every layer kind mlx-lm has, decode
+steps exactly mlx-lm's code path) and prompts are fed in `prefill_step` chunks;
+above 1 the rows share a `BatchRuntime` and a cost gate sizes speculative steps.
+
+What a request delivered is what it keeps: a row whose client takes fewer
+tokens than a step emitted (a stop string, EOS inside a speculative round)
+settles the decoder's round at what it took, and a finished or cancelled row
+publishes exactly prompt + delivered tokens, all fed (an end-of-sequence token
+only where a step fed it already, a lone row's plain step: the next turn's
+prompt rarely holds it, and a state past it would not prefix that prompt). Closed mid-prefill, a request frees its prefill slot and its
+Runtime and publishes nothing. Everything here runs on the model thread.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Generator, Iterator, Optional
 
 import mlx.core as mx
 
-from ..generation import stream_generate
+from ..acceptors import make_acceptor
+from ..batch.decoder import BatchDecoder
+from ..batch.prefill import PrefillBatch
+from ..errors import RowError
+from ..generation import DRAFT_MIN_PROB
 from ..runtime import Runtime
-from ..sampling import make_sampler
+from ..controls import Controls
+from ..grammar import Grammars
+from ..stats import GenerationStats
+from ..store import Resume
 from .text import StopText
 
 log = logging.getLogger("segcache.serve")
@@ -37,7 +63,13 @@ class GenRequest:
         ids: prompt token ids, all < the vocabulary size, fewer than the context.
         checkpoints: prompt positions to checkpoint (chat message boundaries).
         max_tokens: tokens to generate at most (>= 1).
+        seed: the request's own random stream (None: a fresh secret one); a request
+            never draws from a stream another request can touch.
         top_logprobs: alternatives per token; -1 for no logprobs at all.
+        n: choices: independent samples of one prompt, prefilled once.
+        controls: every sampling control (penalties, logit_bias, XTC, response_format, ...);
+            None: the plain fields above (temperature, top_p, top_k, min_p, seed).
+        cache_salt: the request's prefix-cache isolation domain (`isolation.domain`; None: shared).
         arrival: time.perf_counter() when the request arrived (for TTFT).
     """
 
@@ -52,7 +84,17 @@ class GenRequest:
     seed: Optional[int] = None
     stops: list[str] = field(default_factory=list)
     top_logprobs: int = -1
+    cache_salt: Optional[str] = None
+    n: int = 1
+    controls: Optional[Controls] = None
     arrival: float = field(default_factory=time.perf_counter)
+
+    def settings(self) -> Controls:
+        """Its sampling controls: `controls`, or the plain fields as Controls."""
+        if self.controls is not None:
+            return self.controls
+        return Controls(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                        seed=self.seed)
 
 
 @dataclass
@@ -64,10 +106,11 @@ class TokenLogprob:
 
 @dataclass
 class Chunk:
-    """Text produced by one step (may be empty while a stop string is undecided)."""
+    """Text choice `index` produced in one step (may be empty while a stop string is undecided)."""
 
     text: str
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    index: int = 0
 
 
 @dataclass
@@ -79,10 +122,20 @@ class Usage:
 
 @dataclass
 class Finish:
-    """The request's end: "stop" (EOS or a stop string) or "length"."""
+    """Choice `index` ended: "stop" (EOS or a stop string) or "length".
+
+    Attributes:
+        usage: this choice's completion tokens (the prompt counted once per request).
+        index: the choice (0 .. n-1).
+        last: the request's last event (every choice ended).
+        stop: the stop string that ended the text (None: EOS or length).
+    """
 
     reason: str
     usage: Usage
+    index: int = 0
+    last: bool = True
+    stop: Optional[str] = None
 
 
 @dataclass
@@ -92,14 +145,88 @@ class Failure:
     message: str
 
 
-def hit_tiers(before: dict, after: dict) -> str:
-    ram = after["ram_reads"] - before["ram_reads"]
-    disk = after["disk_reads"] - before["disk_reads"]
-    return "+".join(t for t, n in (("ram", ram), ("disk", disk)) if n) or "-"
+class StepFailed(RuntimeError):
+    """The decoder step this request's row was in failed (every row of it fails: the culprit
+    cannot be told apart); the decoder is as before the step."""
+
+
+class _Choice:
+    """One choice of a request: its row's tokens as text (EOS, max_tokens, stop strings), its
+    logprobs, its end. Invariant: `buffer` holds only tokens of the decoder's last step."""
+
+    def __init__(self, engine: "Engine", req: GenRequest, index: int, cached: int, tier: str):
+        self.engine, self.req, self.index, self.cached, self.tier = engine, req, index, cached, tier
+        self.row = req.id if req.n == 1 else (req.id, index)
+        self.buffer: collections.deque = collections.deque()
+        self.detok = engine.tokenizer.detokenizer
+        self.stop = StopText(req.stops)
+        self.stats = GenerationStats(mode=engine.decoder.mode, prompt_tokens=len(req.ids))
+        self.draft: Optional[Runtime] = None  # its draft runtime, when it has one of its own
+        self.n = 0  # tokens taken, an EOS included
+        self.ttft = 0.0
+        self.finish: Optional[str] = None  # "stop" or "length" once it ended
+        self.on_eos = False
+        self.outcome = "cancelled"  # unless it ends or fails
+
+    def drain(self) -> list:
+        """Every token its row has: a Chunk, and a Finish if it ended (settling the decoder's round
+        at what it took). Raises StepFailed if its step failed."""
+        engine, req, eos = self.engine, self.req, self.engine.tokenizer.eos_token_ids
+        texts, logprobs_out, taken, given = [], [], 0, len(self.buffer)
+        while self.buffer and self.finish is None:
+            item = self.buffer.popleft()
+            if isinstance(item, StepFailed):
+                self.outcome = "failed"
+                raise item
+            token, logprobs, _ = item
+            taken += 1
+            if self.n == 0:
+                self.ttft = time.perf_counter() - req.arrival
+            self.n += 1
+            done = None
+            if token in eos:
+                self.detok.finalize()
+                done, self.on_eos = "stop", True
+            else:
+                self.detok.add_token(token)
+                if self.n == req.max_tokens:
+                    self.detok.finalize()
+                    done = "length"
+            texts.append(self.stop.feed(self.detok.last_segment))
+            if done is not None:
+                texts.append(self.stop.flush())
+            if self.stop.stopped:
+                done = "stop"
+            if req.top_logprobs >= 0 and token not in eos:
+                logprobs_out.append(engine._logprob(token, logprobs, req.top_logprobs))
+            self.finish = done
+        events = [Chunk("".join(texts), logprobs_out, self.index)]
+        if self.finish is not None:
+            if taken < given:  # it ended inside a round: its row keeps what its client got
+                self.buffer.clear()
+                engine.decoder.settle({self.row: taken})
+            self.outcome = self.finish
+            events.append(Finish(self.finish, Usage(len(req.ids), self.n, self.cached), self.index,
+                                 last=False, stop=self.stop.matched))
+        return events
+
+
+@dataclass
+class _Joining:
+    """A prompt the prefill batch is feeding (its row there), until `runtime` holds it whole."""
+
+    ids: list
+    resume: Resume
+    cache: object  # the runtime's PrefixCache, None without a store
+    salt: Optional[str]
+    snaps: list = field(default_factory=list)  # the store's snapshots at its checkpoints so far
+    seconds: float = 0.0  # its share of the forwards that fed it
+    runtime: Optional[Runtime] = None  # the prompt, all fed: set when done
+    failed: Optional[str] = None  # a forward that fed it failed
 
 
 class Engine:
-    """The models, the store and the generation settings shared by every request.
+    """The models, the store, the decoder and the settings shared by every request.
 
     Args:
         model, tokenizer: the target and its mlx-lm TokenizerWrapper.
@@ -111,12 +238,32 @@ class Engine:
         checkpoint_interval: also checkpoint every this many prompt tokens (0: never),
             so a later prompt sharing only part of this one (another session on the
             same long context) resumes within that many tokens of where they part.
+        decode_concurrency: rows decoding together at most (the scheduler's max_running).
+        prompt_concurrency: prompts being prefilled at once, at most (mlx-lm's meaning).
+        vocab_size: the model's vocabulary (its logits' width; default: the tokenizer's).
+        grammars: the model's structured-output compiler, shared with the HTTP side (which
+            compiles a request's schema first, so a bad one is a 400); built here when None.
         kv: mlx-lm's KV quantization (`segcache.kvquant.KVQuantization`) for every
-            request's runtimes, or None.
+            request's runtimes (target and draft), or None. Batched rows hold
+            unquantized KV only, so it needs `decode_concurrency` 1 (mlx_lm.server
+            too serves kv_bits one request at a time).
+
+    Attributes:
+        prefill_chunk: with several rows, prompt tokens a joining request feeds per
+            scheduler step at most (also bounded by `prefill_step`); the running rows
+            decode between two chunks.
     """
 
+    # On the shipped target (2 idle cores, native GDN) prefill ran ~2,950 tok/s
+    # for chunks of 128..512 tokens and 1,920 tok/s at 2,048; a decode step of 8
+    # rows took ~5 ms. 256 keeps the prefill rate, stalls running rows ~86 ms per
+    # chunk, and is the default checkpoint interval, where chunks end anyway.
+    prefill_chunk = 256
+
     def __init__(self, model, tokenizer, *, store=None, draft_model=None, prompt_lookup: bool = False,
-                 num_draft_tokens: int = 4, prefill_step: int = 2048, checkpoint_interval: int = 256, kv=None):
+                 num_draft_tokens: int = 4, prefill_step: int = 2048, checkpoint_interval: int = 256,
+                 decode_concurrency: int = 1, prompt_concurrency: int = 8, vocab_size: Optional[int] = None,
+                 grammars: Optional[Grammars] = None, kv=None):
         self.model = model
         self.tokenizer = tokenizer
         self.store = store
@@ -125,15 +272,34 @@ class Engine:
         self.num_draft_tokens = num_draft_tokens
         self.prefill_step = prefill_step
         self.checkpoint_interval = checkpoint_interval
+        if kv is not None and decode_concurrency != 1:
+            raise ValueError(f"kv quantization ({kv.describe()}) with decode_concurrency={decode_concurrency}: "
+                             "batched rows hold unquantized KV only; decode one row at a time (decode_concurrency 1)")
         self.kv = kv
+        self.vocab_size = vocab_size or len(tokenizer.vocab)
+        self.grammars = grammars
+        self.decode_concurrency = decode_concurrency
+        self.prompt_concurrency = prompt_concurrency
+        drafting = prompt_lookup or draft_model is not None
+        one = decode_concurrency == 1
+        # One row: the speculative width adapts per round, as stream_generate's (the cost gate
+        # is for batches, where a wider verify multiplies over rows).
+        self.decoder = BatchDecoder(model, num_draft_tokens=num_draft_tokens if drafting else 0,
+                                    draft_model=draft_model, prefill_step=prefill_step,
+                                    draft_min_prob=DRAFT_MIN_PROB if draft_model is not None else 0.0,
+                                    gate=not one, one_row=one)
+        self._buffers: dict[str, collections.deque] = {}
+        self._prefilling = 0  # prompts being prefilled (at most prompt_concurrency)
+        # Prompts fed together (several rows only): the batch holds exactly the `_joining` entries
+        # whose runtime is not ready yet.
+        self.prefill_batch = None if one else PrefillBatch(model, gdn_prefill="auto")
+        self._joining: dict[str, _Joining] = {}
+        self._stepped = self._prefilled = False  # the decoder's / prefill batch's step of this scheduler step ran
         self._dirty = False  # published records may still be only in RAM
+        self.decode_steps = 0  # decoder steps run (counters for tests and logs)
+        self.prefill_chunks = 0  # prompt chunks forwarded
 
-    def _stats(self) -> dict:
-        keys = ("hit_tokens", "ram_reads", "disk_reads")
-        if self.store is None or self.store.closed:
-            return dict.fromkeys(keys, 0)
-        st = self.store.stats()
-        return {k: st[k] for k in keys}
+    # -- the model thread's housekeeping -----------------------------------------------
 
     def warm_up(self) -> None:
         """Run each model once on a few tokens, so the first request does not pay for MLX's first calls."""
@@ -152,71 +318,212 @@ class Engine:
                 log.warning("prefix store flush failed: %s", exc)
             self._dirty = False
 
+    def begin_step(self) -> None:
+        self._stepped = self._prefilled = False
+
+    def _step(self) -> None:
+        """The decoder's step for every row, once per scheduler step; its tokens go to the buffers."""
+        if self._stepped or not len(self.decoder):
+            return
+        self._stepped = True
+        self.decode_steps += 1
+        while len(self.decoder):
+            try:
+                out = self.decoder.step()
+                break
+            except RowError as exc:  # one row's own rule failed: that row fails, the others step again
+                log.error("%s: its sampling failed (%s); the other rows go on", exc.row_id, exc)
+                self._buffers[exc.row_id].append(StepFailed(str(exc)))
+                self.decoder.remove(exc.row_id)
+            except Exception as exc:  # the culprit cannot be told apart: every row of the step fails
+                log.exception("a decode step of %d row(s) failed; failing each of them", len(self.decoder))
+                for rid in self.decoder.rows:
+                    self._buffers[rid].append(StepFailed(f"{type(exc).__name__}: {exc}"))
+                return
+        else:
+            return
+        for rid, emitted in out.items():
+            self._buffers[rid].extend(emitted)
+
+    # -- one request --------------------------------------------------------------------
+
     def generate(self, req: GenRequest) -> Iterator[object]:
-        """Yield a `Chunk` per generated token, then one `Finish`. Closing it early cancels
-        the request: the runtime is settled and prompt + emitted tokens are published."""
-        tok = self.tokenizer
-        if req.seed is not None:
-            mx.random.seed(req.seed)
-        sampler = make_sampler(req.temperature, top_p=req.top_p if req.top_p < 1.0 else 0.0,
-                               top_k=req.top_k, min_p=req.min_p)
-        rt = Runtime(self.model, store=self.store, gdn_prefill="auto")
-        draft_rt = None
-        if self.draft_model is not None:
-            draft_rt = Runtime(self.draft_model, store=self.store, gdn_prefill="auto")
-            if self.store is not None and len(req.ids) > 1:
-                draft_rt.prefill(req.ids[:-1], step_size=self.prefill_step)  # its own records, same store
-        before = self._stats()
-        responses = stream_generate(
-            self.model, tok, req.ids, runtime=rt, draft_runtime=draft_rt,
-            draft_model=self.draft_model, prompt_lookup=self.prompt_lookup,
-            num_draft_tokens=self.num_draft_tokens, max_tokens=req.max_tokens, sampler=sampler,
-            prefill_step_size=self.prefill_step, prefill_checkpoints=self._checkpoints(req),
-            **({} if self.kv is None else dict(kv_bits=self.kv.bits, kv_group_size=self.kv.group_size,
-                                                quantized_kv_start=self.kv.start)),
-        )
-        stop = StopText(req.stops)
-        eos = tok.eos_token_ids
-        n = cached = 0
-        ttft = 0.0
-        tier = "-"
-        finish = "length"
-        stats = None
-        outcome = "cancelled"  # unless it ends or fails
+        """Yield None until admitted to the decoder, then per scheduler step the events of its
+        choices: a `Chunk` each (what its row emitted) and a `Finish` for one that ended (the
+        request's last one marked `last`).
+
+        The prompt is resumed and prefilled once; each of the `n` choices is a row of its own on
+        a copy-on-write clone of it (with several rows all at once, else one after another), with
+        its own random stream (`Keys.spawn`) and processors. A choice leaves before its last chunk
+        goes out. Closing the generator cancels the request: its rows leave and each publishes
+        prompt + what its client received.
+        """
+        rt, cached, tier = yield from self._prefill(req)
+        controls = req.settings()
+        sampler = controls.sampler(self.tokenizer)
+        processors = controls.processors(self.vocab_size, self._grammars(controls)) or None
+        keys = controls.keys()
+        drt = self._draft_runtime(req)
+        waiting = list(range(req.n))
+        running: list[_Choice] = []
         try:
-            for r in responses:
-                if n == 0:
-                    ttft = time.perf_counter() - req.arrival
-                    after = self._stats()
-                    cached = after["hit_tokens"] - before["hit_tokens"]
-                    tier = hit_tiers(before, after) if cached else "-"
-                n += 1
-                stats = r.stats
-                text = stop.feed(r.text)
-                if r.finish_reason is not None:
-                    finish = r.finish_reason
-                    text += stop.flush()
-                if stop.stopped:
-                    finish = "stop"
-                logprobs = []
-                if req.top_logprobs >= 0 and r.token not in eos:
-                    logprobs.append(self._logprob(r.token, r.logprobs, req.top_logprobs))
-                yield Chunk(text, logprobs)
-                if stop.stopped or r.finish_reason is not None:
-                    break
-            responses.close()  # publishes prompt + completion before the answer ends
-            outcome = finish
-            if draft_rt is not None and self.store is not None:
-                draft_rt.publish()
-            self._dirty = self.store is not None
-            yield Finish(finish, Usage(len(req.ids), n, cached))
-        except Exception:
-            outcome = "failed"
-            raise
+            while waiting or running:
+                while waiting and not (running and self.decoder.one_row):  # one row: one choice at a time
+                    i = waiting.pop(0)
+                    last = not waiting  # the last choice takes the prefilled runtimes themselves
+                    choice = _Choice(self, req, i, cached, tier)
+                    choice.draft = drt if last or drt is None else drt.clone()
+                    self.decoder.add(choice.row, rt if last else rt.clone(), req.ids[-1],
+                                     acceptor=make_acceptor(sampler, keys.spawn(i)), max_tokens=req.max_tokens,
+                                     draft_runtime=choice.draft, stats=choice.stats,
+                                     processors=processors if last or processors is None else processors.fork(),
+                                     stop_tokens=self.tokenizer.eos_token_ids)
+                    self._buffers[choice.row] = choice.buffer
+                    running.append(choice)
+                if not any(c.buffer for c in running):
+                    self._step()
+                if not any(c.buffer for c in running):
+                    yield None  # this scheduler step's decoder step ran before these rows joined
+                    continue
+                events = []
+                for choice in [c for c in running if c.buffer]:
+                    events += choice.drain()
+                    if choice.finish is not None:  # it ended: it leaves before its last chunk goes out
+                        running.remove(choice)
+                        self._leave(choice, publish=True)
+                if not waiting and not running:
+                    events[-1].last = True
+                yield events
         finally:
-            responses.close()
-            self._dirty = self._dirty or self.store is not None
-            self._log(req, n, cached, tier, ttft, stats, outcome)
+            for choice in running:  # cancelled, or a step failed
+                self._leave(choice, publish=choice.outcome != "failed")
+
+    def _draft_runtime(self, req: GenRequest) -> Runtime | None:
+        """The draft's runtime for a joining row: resumed from the prefix store (its own
+        records) and prefilled to the prompt but its last token; None without a draft model
+        or a store (the decoder feeds a fresh one; with `kv`, a fresh one quantizing as the target's)."""
+        if self.draft_model is None or (self.store is None and self.kv is None):
+            return None
+        drt = Runtime(self.draft_model, store=self.store, cache_salt=req.cache_salt, gdn_prefill="auto",
+                      **self._kv_options())
+        if self.store is not None and len(req.ids) > 1:
+            drt.prefill(req.ids[:-1], step_size=self.prefill_step)
+        return drt
+
+    def _kv_options(self) -> dict:
+        """A request runtime's KV quantization (as mlx-lm's generate_step: after each forward)."""
+        q = self.kv
+        return {} if q is None else dict(kv_bits=q.bits, kv_group_size=q.group_size, quantized_kv_start=q.start)
+
+    def _prefill(self, req: GenRequest) -> Generator[None, None, tuple[Runtime, int, str]]:
+        """Resume the prompt (all but its last token) from the store, then feed the rest, yielding
+        between forwards so the running rows decode meanwhile.
+
+        With several rows, the rest goes through the engine's `PrefillBatch`: every prompt being
+        prefilled advances in one forward per scheduler step. A prompt the store mostly restored
+        is fed alone instead (copying its prefix into the batch would cost more than its rest),
+        one chunk per scheduler step, as is a lone row's (in `prefill_step` chunks, no yield).
+        At most `prompt_concurrency` prompts are being prefilled at once; the others wait.
+        Returns (as the generator's value) the Runtime, the tokens restored from the store and
+        the tiers they came from ("ram", "disk", "ram+disk", "remote" or "-").
+        """
+        while self._prefilling >= self.prompt_concurrency:
+            yield None  # wait for a prefill slot
+        self._prefilling += 1
+        steps = None
+        try:
+            rt = Runtime(self.model, store=self.store, cache_salt=req.cache_salt, gdn_prefill="auto",
+                         **self._kv_options())
+            if len(req.ids) == 1:
+                return rt, 0, "-"
+            ids = req.ids[:-1]
+            one = self.decoder.one_row
+            chunk = self.prefill_step if one else min(self.prefill_step, self.prefill_chunk)
+            steps = rt.prefill_steps(ids, step_size=chunk, checkpoints=self._checkpoints(req))
+            resume = next(steps)  # where the prompt resumed from: this request's own answer
+            left = len(ids) - resume.tokens
+            if one or not left or resume.tokens > left:
+                while True:
+                    if not one:
+                        yield None  # another scheduler step: the running rows decode before the next chunk
+                    try:
+                        next(steps)  # one forward (the last one also publishes)
+                    except StopIteration:
+                        break
+                    self.prefill_chunks += 1
+                return rt, resume.restored, resume.tier
+            steps.close()  # resumed; the batch feeds the rest (and this publishes nothing)
+            stops = [p for p in (*resume.stops, *self._checkpoints(req)) if resume.tokens < p < len(ids)]
+            joining = self._joining[req.id] = _Joining(ids, resume, rt.prefix_cache() if self.store else None,
+                                                       req.cache_salt)
+            self.prefill_batch.add(req.id, rt, ids, stops)
+            while joining.runtime is None:
+                yield None  # the batch's forward for this scheduler step runs once, for every prompt
+                self._prefill_step()
+                if joining.failed is not None:
+                    raise StepFailed(joining.failed)
+            return joining.runtime, resume.restored, resume.tier
+        finally:
+            self._prefilling -= 1
+            if steps is not None:
+                steps.close()  # cancelled mid-prefill: stop there (a finished one is unaffected)
+            if self._joining.pop(req.id, None) is not None and req.id in self.prefill_batch.prompts:
+                self.prefill_batch.remove(req.id)  # cancelled mid-prefill: its row leaves, nothing published
+
+    def _prefill_step(self) -> None:
+        """One forward of the prefill batch per scheduler step: at most `prefill_chunk` tokens
+        while rows decode (their stall stays one chunk), else up to `prefill_step`; snapshots
+        at each prompt's checkpoints, and a finished prompt published as `Runtime.prefill` does."""
+        batch = self.prefill_batch
+        if self._prefilled or not len(batch):
+            return
+        self._prefilled = True
+        rows = len(batch)
+        tic = time.perf_counter()
+        try:
+            reached = batch.step(self.prefill_chunk if len(self.decoder) else self.prefill_step)
+        except Exception as exc:  # every prompt of the forward fails; the batch is dropped whole
+            log.exception("a prefill forward of %d prompt(s) failed; failing each of them", rows)
+            for rid in list(batch.prompts):
+                self._joining[rid].failed = f"{type(exc).__name__}: {exc}"
+                batch.remove(rid)
+            return
+        self.prefill_chunks += 1
+        share = (time.perf_counter() - tic) / rows
+        for joining in self._joining.values():
+            joining.seconds += share
+        for r in reached:
+            joining = self._joining[r.row_id]
+            r.runtime.store, r.runtime.cache_salt = self.store, joining.salt
+            if joining.cache is not None:
+                joining.snaps.append(joining.cache.snapshot(r.runtime, r.logits))
+            if r.done:
+                if joining.cache is not None:
+                    joining.cache.prefilled(r.runtime, joining.ids, joining.resume, joining.snaps, joining.seconds)
+                joining.runtime = r.runtime
+
+    def _leave(self, choice: _Choice, publish: bool) -> None:
+        """Free the choice's row now; publish prompt + what its client received (an EOS only where
+        a step fed it already); log its line."""
+        req = choice.req
+        if self._buffers.pop(choice.row, None) is None:
+            return
+        try:
+            if choice.row not in self.decoder.rows:  # its step failed it out already
+                return
+            if not publish or self.store is None:
+                self.decoder.remove(choice.row)
+                return
+            rt = self.decoder.release(choice.row, pending=not choice.on_eos)  # the row has left
+            rt.store, rt.cache_salt = self.store, req.cache_salt  # a batch row's copy has neither
+            rt.publish()
+            if self.decoder.one_row and choice.draft is not None:
+                choice.draft.publish()  # its draft runtime itself was the draft row: the next turn resumes it
+            self._dirty = True
+        finally:
+            self._log(choice)
+
+    # -- helpers ----------------------------------------------------------------------
 
     def _checkpoints(self, req: GenRequest) -> list[int]:
         """The request's own boundaries, plus every `checkpoint_interval` tokens of its prompt."""
@@ -234,10 +541,25 @@ class Engine:
             alts = [(decode([i]), v) for i, v in zip(idx[order].tolist(), vals[order].tolist())]
         return TokenLogprob(decode([token]), logprobs[token].item(), alts)
 
-    def _log(self, req, n, cached, tier, ttft, stats, outcome) -> None:
-        gen = f"{stats.generation_tps:.1f} tok/s" if stats is not None else "-"
+    def _grammars(self, controls: Controls):
+        """The model's grammar compiler, built on the first structured request."""
+        fmt = controls.response_format
+        if fmt is None or fmt.get("type") == "text":
+            return None
+        if self.grammars is None:
+            self.grammars = Grammars(self.tokenizer, self.vocab_size)
+        return self.grammars
+
+    def _log(self, choice: _Choice) -> None:
+        req, stats, n = choice.req, choice.stats, choice.n
+        stats.generation_tokens = n
+        stats.generation_time = time.perf_counter() - (req.arrival + choice.ttft) if n else 0.0
+        gen = f"{stats.generation_tps:.1f} tok/s" if n else "-"
         acc = ""
-        if stats is not None and stats.mode != "plain":
-            acc = f", {stats.mode} accepted {stats.acceptance_rate:.0%} ({stats.mean_accepted:.2f}/round)"
+        if stats.mode != "plain" and stats.drafted:
+            drafting = sum(1 for d in stats.drafted_per_round if d)
+            acc = (f", {stats.mode} accepted {stats.acceptance_rate:.0%} "
+                   f"({stats.accepted / drafting:.2f}/round)")
+        rid = req.id if req.n == 1 else f"{req.id}[{choice.index}]"
         log.info("%s: prompt %d tok, cached %d (%s), generated %d tok, ttft %.3f s, %s%s, %s",
-                 req.id, len(req.ids), cached, tier, n, ttft, gen, acc, outcome)
+                 rid, len(req.ids), choice.cached, choice.tier, n, choice.ttft, gen, acc, choice.outcome)

@@ -1,42 +1,71 @@
 """Request models (pydantic, strict types) and their validation into `APIError`s.
 
-Fields follow OpenAI's API and mlx_lm.server's extensions (top_k, min_p).
-Unknown fields are ignored, as OpenAI clients send many optional ones;
-fields we cannot honour (n > 1, echo, non-zero penalties, logit_bias, images)
-are refused with a 400 rather than silently ignored.
+One model per route: OpenAI's completions, chat completions and Responses,
+Anthropic's Messages (and its count_tokens). Fields follow those APIs, plus
+mlx_lm.server's extensions (top_k, min_p, chat_template_kwargs).
+
+The field policy: every field a request sends is honoured, refused with a 400
+naming it, or accepted and ignored, and then listed in docs/serve.md; never
+dropped in silence. So a model forbids unknown fields (a typo is a 400 too),
+`refused` maps the fields its API defines that the server cannot honour to
+why (a 400 when sent with a value other than null), and `ignored` lists
+those it takes and ignores (clients send them for OpenAI's or Anthropic's
+own services: `user`, `metadata`, `store`, ...).
 """
 
 from __future__ import annotations
 
 import json
-from typing import List, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+import pydantic_core
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError, model_validator
 
 from .errors import APIError
 
 MAX_STOP = 4  # stop strings per request, as OpenAI
 
+# What a client of OpenAI's or Anthropic's service sends for the service itself:
+# identity, billing, retention, routing. Nothing of it changes what a local model
+# generates, so it is accepted and ignored (docs/serve.md lists it).
+_SERVICE = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+                      "prompt_cache_retention", "prompt_cache_options"})
+_STRUCTURED = "structured output (a JSON schema or JSON mode) is not supported yet; leave it out"
+
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+class _Common(_Strict):
+    """Fields every generating route shares."""
+
+    ignored: ClassVar[frozenset] = frozenset()
+    refused: ClassVar[dict] = {}
+
+    model: Optional[str] = None
+    stream: bool = False
+    cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=1024)  # vLLM's: the prefix-cache domain
+
+    def check(self) -> None:
+        """Refusals that need more than a field's type (400 naming the field)."""
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    include_obfuscation: Optional[bool] = None  # ignored: no obfuscation padding is sent
 
 
-class _Request(_Strict):
-    model: Optional[str] = None
+class _Request(_Common):
+    """Fields OpenAI's completions and chat completions share."""
+
     max_tokens: Optional[int] = Field(default=None, ge=1)
-    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: Optional[float] = Field(default=None, ge=0)
     top_p: Optional[float] = Field(default=None, ge=0, le=1)
     top_k: Optional[int] = Field(default=None, ge=0)
     min_p: Optional[float] = Field(default=None, ge=0, le=1)
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(default=None, ge=0, lt=1 << 64)  # MLX's generator takes a uint64
     stop: Union[str, List[str], None] = None
-    stream: bool = False
     stream_options: Optional[StreamOptions] = None
     n: Optional[int] = Field(default=None, ge=1, le=1)
     presence_penalty: Optional[float] = None
@@ -49,20 +78,37 @@ class _Request(_Strict):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def limit(self) -> Optional[int]:
-        """max_completion_tokens if given, else max_tokens (as mlx_lm.server)."""
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        """The tokens to generate at most, if the request says."""
+        return self.max_tokens
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def check(self) -> None:
+        stops = self.stops()
+        if len(stops) > MAX_STOP or any(not s for s in stops):
+            raise APIError(400, f"'stop' takes up to {MAX_STOP} non-empty strings", param="stop")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise APIError(400, f"'{name}' is not supported by segcache serve; leave it out or 0", param=name)
+        if self.logit_bias:
+            raise APIError(400, "'logit_bias' is not supported by segcache serve", param="logit_bias")
+
+
+# -- POST /v1/completions --------------------------------------------------------------------
 
 
 class CompletionRequest(_Request):
     """POST /v1/completions. `logprobs` is OpenAI's legacy int (top alternatives, 0..5) or a bool."""
 
+    ignored: ClassVar[frozenset] = frozenset({"user"})
+    refused: ClassVar[dict] = {}
+
     prompt: Union[str, List[int], List[str]]
     logprobs: Union[bool, int, None] = None
     echo: bool = False
     suffix: Optional[str] = None
+    best_of: Optional[int] = Field(default=None, ge=1, le=1)
 
     def top_logprobs(self) -> int:
         """Alternatives per token, or -1 for no logprobs at all."""
@@ -70,15 +116,65 @@ class CompletionRequest(_Request):
             return -1
         return 0 if self.logprobs is True else self.logprobs
 
+    def check(self) -> None:
+        super().check()
+        if self.echo:
+            raise APIError(400, "'echo' is not supported by segcache serve", param="echo")
+        if self.suffix:
+            raise APIError(400, "'suffix' is not supported by segcache serve", param="suffix")
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
+            raise APIError(400, "'prompt': one prompt per request (a list of strings must hold exactly one)",
+                           param="prompt")
+        if not self.prompt:
+            raise APIError(400, "'prompt' is empty: give at least one token of text", param="prompt")
+        lp = self.logprobs
+        if isinstance(lp, int) and not isinstance(lp, bool) and not 0 <= lp <= 5:
+            raise APIError(400, f"'logprobs' takes 0..5 alternatives, got {lp}", param="logprobs")
+
+
+# -- POST /v1/chat/completions ---------------------------------------------------------------
+
 
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
+class FunctionDef(_Strict):
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    parameters: Optional[dict] = None
+    strict: Optional[bool] = None  # ignored: arguments are not schema-constrained (docs/serve.md)
+
+
+class FunctionTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class CallFunction(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: CallFunction
+
+
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, List[TextPart], None] = None
+    name: Optional[str] = None
+    tool_calls: Optional[List[ToolCall]] = None
+    tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None  # mlx_lm.server's name for it: rendered as reasoning_content
+    refusal: Optional[str] = None  # ignored: echoed back by clients as they got it
+    annotations: Optional[list] = None  # ignored: as refusal
+    audio: None = None
+    function_call: None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -86,74 +182,476 @@ class Message(_Strict):
         return self.content or ""
 
 
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatRequest(_Request):
     """POST /v1/chat/completions."""
 
+    ignored: ClassVar[frozenset] = _SERVICE | {"verbosity"}
+    refused: ClassVar[dict] = {
+        "response_format": _STRUCTURED,
+        "functions": "the legacy functions API is not supported; send 'tools'",
+        "function_call": "the legacy functions API is not supported; send 'tool_choice'",
+        "audio": "audio output is not supported",
+        "prediction": "predicted outputs are not supported",
+        "web_search_options": "web search is not available",
+        "moderation": "segcache serve runs no moderation",
+    }
+
     messages: List[Message] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    tools: Optional[List[FunctionTool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
+    reasoning_effort: Optional[str] = None
+    modalities: Optional[List[Literal["text"]]] = None
+    _raw: dict = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_raw(cls, data, handler):
+        # Templates render tools (and messages) with tojson, whose text follows the
+        # keys' order: the client's dicts go to the template, as mlx_lm.server hands them.
+        req = handler(data)
+        if isinstance(data, dict):
+            req._raw = data
+        return req
+
+    def limit(self) -> Optional[int]:
+        """max_completion_tokens if given, else max_tokens (as mlx_lm.server)."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def top_alternatives(self) -> int:
         """Alternatives per token, or -1 for no logprobs at all."""
         return (self.top_logprobs or 0) if self.logprobs else -1
 
+    def raw_messages(self) -> list[dict]:
+        """The messages as the client sent them (validated), without the ignored fields."""
+        drop = ("refusal", "annotations", "audio", "function_call")
+        return [{k: v for k, v in m.items() if k not in drop} for m in self._raw.get("messages", [])]
+
+    def raw_tools(self) -> Optional[list[dict]]:
+        return self._raw.get("tools") or None
+
+    def check(self) -> None:
+        super().check()
+        for i, m in enumerate(self.messages):
+            if m.tool_calls and m.role != "assistant":
+                raise APIError(400, f"'messages.{i}.tool_calls': only assistant messages carry tool calls",
+                               param=f"messages.{i}.tool_calls")
+            if m.role == "tool" and m.tool_call_id is None:
+                raise APIError(400, f"'messages.{i}.tool_call_id' is required in a tool message",
+                               param=f"messages.{i}.tool_call_id", code="missing_field")
+        check_tool_choice(self.tool_choice if isinstance(self.tool_choice, str) or self.tool_choice is None
+                          else self.tool_choice.function.name,
+                          [t.function.name for t in self.tools or []], "tool_choice")
+        check_template_kwargs(self.chat_template_kwargs)
+
+
+# -- POST /v1/responses ------------------------------------------------------------------------
+
+
+class InputText(_Strict):
+    type: Literal["input_text"]
+    text: str
+
+
+class OutputText(_Strict):
+    type: Literal["output_text"]
+    text: str
+    annotations: Optional[list] = None  # ignored
+    logprobs: Optional[list] = None  # ignored
+
+
+class InputMessage(_Strict):
+    type: Optional[Literal["message"]] = None
+    role: Literal["user", "system", "developer", "assistant"]
+    content: Union[str, List[Annotated[Union[InputText, OutputText], Field(discriminator="type")]]]
+    id: Optional[str] = None
+    status: Optional[str] = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(_Strict):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: Optional[str] = None
+    status: Optional[str] = None
+
+
+class FunctionCallOutputItem(_Strict):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: Union[str, List[InputText]]
+    id: Optional[str] = None
+    status: Optional[str] = None
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+
+
+class ReasoningText(_Strict):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(_Strict):
+    type: Literal["reasoning"]
+    id: Optional[str] = None
+    summary: List[ReasoningText] = []
+    content: Optional[List[ReasoningText]] = None
+    encrypted_content: Optional[str] = None  # ignored: never produced here
+    status: Optional[str] = None
+
+    def text(self) -> str:
+        return "".join(p.text for p in (self.content or self.summary))
+
+
+def _item_kind(v) -> Optional[str]:
+    return (v.get("type") or "message") if isinstance(v, dict) else None
+
+
+InputItem = Annotated[
+    Union[Annotated[InputMessage, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
+          Annotated[FunctionCallOutputItem, Tag("function_call_output")], Annotated[ReasoningItem, Tag("reasoning")]],
+    Discriminator(_item_kind),
+]
+
+
+class ResponsesTool(_Strict):
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    parameters: Optional[dict] = None
+    strict: Optional[bool] = None  # ignored, as in chat
+
+
+class ResponsesToolChoice(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class ReasoningConfig(_Strict):
+    effort: Optional[str] = None
+    summary: Optional[str] = None  # ignored: the reasoning is returned whole, not summarized
+    generate_summary: Optional[str] = None  # ignored, as summary
+
+
+class TextFormat(_Strict):
+    type: Literal["text"]
+
+
+class TextConfig(_Strict):
+    format: Optional[TextFormat] = None
+    verbosity: Optional[str] = None  # ignored, as chat's
+
+
+class ResponsesRequest(_Common):
+    """POST /v1/responses (stateless: the whole conversation comes in `input`)."""
+
+    ignored: ClassVar[frozenset] = _SERVICE | {"include", "max_tool_calls", "stream_options"}
+    refused: ClassVar[dict] = {
+        "previous_response_id": "this server keeps no responses (store it client-side): send the whole "
+                                "conversation in 'input'; its prefix cache makes resending it cheap",
+        "conversation": "this server keeps no conversations: send the whole conversation in 'input'",
+        "prompt": "stored prompt templates are not available",
+        "top_logprobs": "logprobs are not returned by /v1/responses here; use /v1/chat/completions",
+        "image": "image generation is not available",
+        "background_options": "responses run in the foreground here",
+        "access_programs": "not available",
+        "context_management": "not available",
+        "moderation": "segcache serve runs no moderation",
+    }
+
+    input: Union[str, List[InputItem]]
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[int] = Field(default=None, ge=1)
+    temperature: Optional[float] = Field(default=None, ge=0)
+    top_p: Optional[float] = Field(default=None, ge=0, le=1)
+    tools: Optional[List[ResponsesTool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], ResponsesToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
+    reasoning: Optional[ReasoningConfig] = None
+    text: Optional[TextConfig] = None
+    truncation: Optional[Literal["disabled"]] = None
+    background: Optional[bool] = None
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
+
+    def check(self) -> None:
+        if self.background:
+            raise APIError(400, "'background': responses run in the foreground here; leave it out",
+                           param="background")
+        if isinstance(self.input, list) and not self.input:
+            raise APIError(400, "'input' is empty: give at least one item", param="input")
+        name = self.tool_choice.name if isinstance(self.tool_choice, ResponsesToolChoice) else self.tool_choice
+        check_tool_choice(name, [t.name for t in self.tools or []], "tool_choice")
+        check_template_kwargs(self.chat_template_kwargs)
+
+
+# -- POST /v1/messages (Anthropic) -----------------------------------------------------------
+
+
+class AText(_Strict):
+    type: Literal["text"]
+    text: str
+    cache_control: Optional[dict] = None  # ignored: every prefix is cached
+    citations: Optional[list] = None  # ignored
+
+
+class AToolUse(_Strict):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict
+    cache_control: Optional[dict] = None
+
+
+class AToolResult(_Strict):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: Union[str, List[AText], None] = None
+    is_error: Optional[bool] = None
+    cache_control: Optional[dict] = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class AThinking(_Strict):
+    type: Literal["thinking"]
+    thinking: str
+    signature: Optional[str] = None
+
+
+ABlock = Annotated[Union[AText, AToolUse, AToolResult, AThinking], Field(discriminator="type")]
+
+
+class AMessage(_Strict):
+    role: Literal["user", "assistant"]
+    content: Union[str, List[ABlock]]
+
+
+class ATool(_Strict):
+    name: str = Field(min_length=1)
+    input_schema: dict
+    description: Optional[str] = None
+    type: Optional[Literal["custom"]] = None
+    cache_control: Optional[dict] = None  # ignored
+    strict: Optional[bool] = None  # ignored
+
+
+class AToolChoice(_Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: Optional[str] = None
+    disable_parallel_tool_use: Optional[bool] = None
+
+
+class AThinkingConfig(_Strict):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: Optional[int] = None  # ignored: the reasoning is bounded by max_tokens only
+    display: Optional[str] = None  # ignored: the reasoning is returned whole
+
+
+class AOutputConfig(_Strict):
+    effort: Optional[str] = None
+    format: None = None  # structured output: refused (not null)
+
+
+class _AnthropicBase(_Common):
+    ignored: ClassVar[frozenset] = frozenset({"metadata", "service_tier", "cache_control", "inference_geo",
+                                              "speed", "user_profile_id", "workspace_id"})
+    refused: ClassVar[dict] = {
+        "container": "code-execution containers are not available",
+        "mcp_servers": "MCP servers are not available; give the tools in 'tools'",
+        "context_management": "not available",
+        "diagnostics": "not available",
+    }
+
+    messages: List[AMessage] = Field(min_length=1)
+    system: Union[str, List[AText], None] = None
+    tools: Optional[List[ATool]] = None
+    tool_choice: Optional[AToolChoice] = None
+    thinking: Optional[AThinkingConfig] = None
+    output_config: Optional[AOutputConfig] = None
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
+
+    def check(self) -> None:
+        choice = self.tool_choice
+        name = None
+        if choice is not None:
+            name = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type, choice.name)
+            if choice.type == "tool" and not choice.name:
+                raise APIError(400, "'tool_choice.name' is required with type 'tool'", param="tool_choice.name")
+        check_tool_choice(name, [t.name for t in self.tools or []], "tool_choice")
+        check_template_kwargs(self.chat_template_kwargs)
+
+
+class MessagesRequest(_AnthropicBase):
+    """POST /v1/messages."""
+
+    max_tokens: int = Field(ge=1)
+    stop_sequences: Optional[List[str]] = None
+    temperature: Optional[float] = Field(default=None, ge=0, le=1)
+    top_p: Optional[float] = Field(default=None, ge=0, le=1)
+    top_k: Optional[int] = Field(default=None, ge=0)
+
+    def check(self) -> None:
+        super().check()
+        stops = self.stop_sequences or []
+        if any(not s for s in stops):
+            raise APIError(400, "'stop_sequences' holds an empty string", param="stop_sequences")
+
+
+class CountTokensRequest(_AnthropicBase):
+    """POST /v1/messages/count_tokens."""
+
+
+# -- shared checks -------------------------------------------------------------------------------
+
+
+def check_tool_choice(choice: Optional[str], names: list[str], param: str) -> None:
+    """A named choice must name a given tool; "required" needs tools."""
+    if choice in (None, "auto", "none"):
+        return
+    if not names:
+        raise APIError(400, f"'{param}' asks for a tool call, but the request gives no tools", param=param)
+    if choice != "required" and choice not in names:
+        raise APIError(400, f"'{param}' names '{choice}', which is not among the tools given", param=param)
+
+
+def check_template_kwargs(kwargs: Optional[dict]) -> None:
+    from .chat import RESERVED_KWARGS
+
+    for key in kwargs or {}:
+        if key in RESERVED_KWARGS:
+            raise APIError(400, f"'chat_template_kwargs.{key}' is an argument of the template call itself, "
+                                "not a template variable", param=f"chat_template_kwargs.{key}")
+
+
+# -- parsing ---------------------------------------------------------------------------------------
+
 
 def _param(loc: tuple) -> str:
-    # pydantic puts union member names into the location ("prompt", "str"); keep the field path
-    parts = [str(p) for p in loc if isinstance(p, int) or p not in _TYPE_NAMES]
+    # pydantic puts union member names ("str", "list[TextPart]") and tagged-union tags
+    # ("tool_use") into the location; keep the field path only
+    parts, tag_next = [], False
+    for p in loc:
+        if isinstance(p, int):
+            parts.append(str(p))
+            continue
+        if "[" in p or p in _TYPE_NAMES:
+            tag_next = tag_next or "tagged-union" in p
+            continue
+        if tag_next:
+            tag_next = False
+            continue
+        parts.append(p)
     return ".".join(parts) if parts else "body"
 
 
-_TYPE_NAMES = {"str", "int", "bool", "float", "list[int]", "list[str]", "list[TextPart]", "none",
-               "dict", "TextPart", "function-after"}
+_TYPE_NAMES = {"str", "int", "bool", "float", "none", "dict", "TextPart", "NamedToolChoice", "ResponsesToolChoice",
+               "InputText", "OutputText"}
 
 
-def parse(raw: bytes, kind: type[_Request]) -> _Request:
+def _check_fields(body: dict, kind: type[_Common]) -> dict:
+    """Refuse the fields `kind` refuses; drop the ones it ignores (docs/serve.md lists both)."""
+    for name, why in kind.refused.items():
+        if body.get(name) is not None:
+            raise APIError(400, f"'{name}' is not supported by segcache serve: {why}", param=name,
+                           code="unsupported_field")
+    return {k: v for k, v in body.items() if k not in kind.ignored and k not in kind.refused}
+
+
+def parse(raw: bytes, kind: type[_Common]) -> _Common:
     """Decode and validate a request body.
 
     Raises:
-        APIError: 400 naming the field: malformed JSON, not an object, a missing
-            or mistyped field, a value out of range, or a feature we cannot honour.
+        APIError: 400 naming the field: malformed JSON, not an object, a missing,
+            unknown or mistyped field, a value out of range, or a feature we cannot honour.
     """
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise APIError(400, f"the request body is not valid JSON ({exc})", param="body", code="invalid_json") from None
+    body = _decode(raw)
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", param="body")
+    body = _check_fields(body, kind)
     try:
         req = kind.model_validate(body)
     except ValidationError as exc:
-        err = exc.errors()[0]
+        # the deepest error: a union reports a mismatch for each of its members first
+        err = max(exc.errors(), key=lambda e: (len(_param(e["loc"]).split(".")), e["type"] != "missing"))
         param = _param(err["loc"])
         if err["type"] == "missing":
             raise APIError(400, f"'{param}' is required", param=param, code="missing_field") from None
+        if err["type"] == "extra_forbidden":
+            raise APIError(400, f"'{param}' is not a field segcache serve knows (it refuses what it would "
+                                "otherwise ignore; docs/serve.md lists the fields)", param=param,
+                           code="unknown_field") from None
         got = err.get("input")
         shown = json.dumps(got)[:60] if isinstance(got, (str, int, float, bool, type(None))) else type(got).__name__
         raise APIError(400, f"'{param}': {err['msg']} (got {shown})", param=param, code="invalid_value") from None
-    _refuse_unsupported(req)
+    req.check()
     return req
 
 
-def _refuse_unsupported(req: _Request) -> None:
-    stops = req.stops()
-    if len(stops) > MAX_STOP or any(not s for s in stops):
-        raise APIError(400, f"'stop' takes up to {MAX_STOP} non-empty strings", param="stop")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise APIError(400, f"'{name}' is not supported by segcache serve; leave it out or 0", param=name)
-    if req.logit_bias:
-        raise APIError(400, "'logit_bias' is not supported by segcache serve", param="logit_bias")
-    if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise APIError(400, "'echo' is not supported by segcache serve", param="echo")
-        if req.suffix:
-            raise APIError(400, "'suffix' is not supported by segcache serve", param="suffix")
-        if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str) and len(req.prompt) != 1:
-            raise APIError(400, "'prompt': one prompt per request (a list of strings must hold exactly one)",
-                           param="prompt")
-        if not req.prompt:
-            raise APIError(400, "'prompt' is empty: give at least one token of text", param="prompt")
-        lp = req.logprobs
-        if isinstance(lp, int) and not isinstance(lp, bool) and not 0 <= lp <= 5:
-            raise APIError(400, f"'logprobs' takes 0..5 alternatives, got {lp}", param="logprobs")
+def _decode(raw: bytes):
+    # pydantic-core's parser, not json.loads: it refuses what no field can hold (lone
+    # surrogates, which no tokenizer encodes; NaN and Infinity; invalid UTF-8) and bounds
+    # the nesting, where json.loads recurses until Python's stack limit.
+    try:
+        return pydantic_core.from_json(raw, allow_inf_nan=False)
+    except ValueError as exc:
+        reason = str(exc)
+    if any(w in reason for w in ("surrogate", "escape", "unicode")):
+        param = _lone_surrogate(raw)
+        if param is not None:
+            raise APIError(400, f"'{param}' holds a lone UTF-16 surrogate (such as \\ud800), which is not a "
+                                "character: send valid Unicode text", param=param, code="invalid_value")
+    if "recursion limit" in reason:
+        raise APIError(400, f"the request body nests arrays or objects too deeply ({reason})", param="body",
+                       code="invalid_json")
+    raise APIError(400, f"the request body is not valid JSON ({reason})", param="body", code="invalid_json")
+
+
+def _lone_surrogate(raw: bytes) -> Optional[str]:
+    """The path of the value holding a lone surrogate (up to 6 levels down), or None if there is none."""
+    try:
+        value = json.loads(raw.decode("utf-8", "surrogatepass"))
+    except (ValueError, RecursionError):
+        return None
+
+    def bad(v) -> bool:
+        try:
+            json.dumps(v, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        except (ValueError, RecursionError):
+            return False
+        return False
+
+    if not bad(value):
+        return None
+    path: list = []
+    for _ in range(6):
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        inner = next(((k, v) for k, v in items if bad(v)), None)
+        if inner is None:  # a key, or a string at this level
+            break
+        path.append(inner[0])
+        value = inner[1]
+    return ".".join(str(p) for p in path) or "body"
+

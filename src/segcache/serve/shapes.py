@@ -1,4 +1,11 @@
-"""Response bodies in OpenAI's shapes (completions and chat, whole and streamed)."""
+"""OpenAI's completions and chat completions: requests into turns, events into response bodies.
+
+Chat answers carry the output split by output.py: `content`, `reasoning_content`
+(also as `reasoning`, mlx_lm.server's name for it) and `tool_calls`, with
+`finish_reason` "tool_calls" when the answer ended (not cut by max_tokens) after
+calls. Streams send each piece as it is decided: text and reasoning as deltas,
+each tool call whole in one `delta.tool_calls` entry with its index.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +13,42 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from .chat import template_messages
+from .engine import Chunk, Failure, Finish
+from .errors import APIError
+from .output import Call, Text
+from .pipeline import ChatTurn, failed
+
 if TYPE_CHECKING:
-    from .engine import Finish
+    from .pipeline import Run
+    from .schemas import ChatRequest
 
 
-def sse(obj: dict) -> str:
-    """One server-sent event carrying `obj` as JSON."""
-    return f"data: {json.dumps(obj)}\n\n"
+def sse(obj: dict, event: Optional[str] = None) -> str:
+    """One server-sent event carrying `obj` as JSON (named `event` if given)."""
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(obj)}\n\n"
+
+
+def chat_turn(req: "ChatRequest") -> ChatTurn:
+    """The pipeline's turn for a chat completions request."""
+    choice = req.tool_choice
+    if choice is not None and not isinstance(choice, str):
+        choice = choice.function.name
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)  # gpt-oss templates read it
+    return ChatTurn(
+        messages=template_messages(req.raw_messages()), tools=req.raw_tools(), tool_choice=choice,
+        parallel=req.parallel_tool_calls is not False, template_kwargs=kwargs, max_tokens=req.limit(),
+        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
+        stops=req.stops(), top_logprobs=req.top_alternatives(), cache_salt=req.cache_salt,
+    )
+
+
+def tool_call(call: Call, streaming: bool) -> dict:
+    out = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return {"index": call.index, **out} if streaming else out
 
 
 @dataclass
@@ -45,13 +81,27 @@ class Shape:
                 "text_offset": offsets}
 
     def chunk(self, text: str, entries, finish: Optional[str]) -> dict:
-        body = self._head("chat.completion.chunk" if self.chat else "text_completion")
-        choice = {"index": 0, "finish_reason": finish, "logprobs": self._logprobs(entries)}
-        if self.chat:
-            choice["delta"] = {"role": "assistant", "content": text} if text or finish is None else {}
-        else:
-            choice["text"] = text
-        body["choices"] = [choice]
+        """A completions chunk."""
+        body = self._head("text_completion")
+        body["choices"] = [{"index": 0, "finish_reason": finish, "logprobs": self._logprobs(entries), "text": text}]
+        return body
+
+    def delta(self, pieces, entries, finish: Optional[str]) -> dict:
+        """A chat chunk carrying `pieces`."""
+        body = self._head("chat.completion.chunk")
+        delta: dict = {}
+        if pieces or finish is None:
+            delta["role"] = "assistant"
+        text = "".join(p.text for p in pieces if isinstance(p, Text) and not p.reasoning)
+        reasoning = "".join(p.text for p in pieces if isinstance(p, Text) and p.reasoning)
+        calls = [tool_call(p, True) for p in pieces if isinstance(p, Call)]
+        if text or (finish is None and not reasoning and not calls):
+            delta["content"] = text
+        if reasoning:
+            delta["reasoning_content"] = delta["reasoning"] = reasoning
+        if calls:
+            delta["tool_calls"] = calls
+        body["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": self._logprobs(entries)}]
         return body
 
     def usage_chunk(self, usage) -> dict:
@@ -60,15 +110,28 @@ class Shape:
         body["usage"] = _usage(usage)
         return body
 
-    def whole(self, text: str, entries, finish: "Finish") -> dict:
-        body = self._head("chat.completion" if self.chat else "text_completion")
-        choice = {"index": 0, "finish_reason": finish.reason, "logprobs": self._logprobs(entries)}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        body["choices"] = [choice]
+    def whole(self, text: str, entries, finish: Finish) -> dict:
+        """A completions body."""
+        body = self._head("text_completion")
+        body["choices"] = [{"index": 0, "finish_reason": finish.reason, "logprobs": self._logprobs(entries),
+                            "text": text}]
         body["usage"] = _usage(finish.usage)
+        return body
+
+    def message(self, pieces, entries, reason: str, usage) -> dict:
+        """A chat completion body carrying `pieces`."""
+        body = self._head("chat.completion")
+        text = "".join(p.text for p in pieces if isinstance(p, Text) and not p.reasoning)
+        reasoning = "".join(p.text for p in pieces if isinstance(p, Text) and p.reasoning)
+        calls = [tool_call(p, False) for p in pieces if isinstance(p, Call)]
+        message: dict = {"role": "assistant", "content": text if text.strip() or not calls else None}
+        if reasoning:
+            message["reasoning_content"] = message["reasoning"] = reasoning
+        if calls:
+            message["tool_calls"] = calls
+        body["choices"] = [{"index": 0, "finish_reason": reason, "logprobs": self._logprobs(entries),
+                            "message": message}]
+        body["usage"] = _usage(usage)
         return body
 
 
@@ -76,3 +139,92 @@ def _usage(u) -> dict:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+def finish_reason(finish: Finish, calls: int) -> str:
+    """OpenAI's finish_reason: "tool_calls" for an answer that ended after calls."""
+    return "tool_calls" if calls and finish.reason == "stop" else finish.reason
+
+
+def error_event(run: "Run") -> str:
+    return sse(failed(run.gen.id).body())
+
+
+class _Space:
+    """Holds back an answer's leading whitespace until text follows: a whole answer whose
+    text is only whitespace next to tool calls has content null, so a stream must not
+    send that whitespace early."""
+
+    def __init__(self):
+        self.held = ""
+        self.sent = False  # non-whitespace text went out: nothing is held from then on
+
+    def pass_(self, pieces) -> list:
+        out = []
+        for p in pieces:
+            if isinstance(p, Text) and not p.reasoning and not self.sent:
+                text = self.held + p.text
+                self.sent = bool(text.strip())
+                self.held = "" if self.sent else text
+                if not self.sent:
+                    continue
+                p = Text(text)
+            out.append(p)
+        return out
+
+
+async def chat_stream(run: "Run", shape: Shape, usage: bool):
+    split = run.splitter()
+    space = _Space()
+    async for event in run.events_of():
+        if isinstance(event, Chunk):
+            pieces = space.pass_(split.feed(event.text))
+            if pieces or event.logprobs:
+                yield sse(shape.delta(pieces, event.logprobs, None))
+        elif isinstance(event, Finish):
+            pieces = space.pass_(split.close())
+            if space.held and not split.calls:
+                pieces.append(Text(space.held))
+            if pieces:
+                yield sse(shape.delta(pieces, [], None))
+            yield sse(shape.delta([], [], finish_reason(event, split.calls)))
+            if usage:
+                yield sse(shape.usage_chunk(event.usage))
+            yield "data: [DONE]\n\n"
+        elif isinstance(event, Failure):
+            yield error_event(run)
+            yield "data: [DONE]\n\n"
+
+
+async def chat_whole(run: "Run", shape: Shape, request) -> dict:
+    pieces, logprobs, finish = await run.collect(request)
+    calls = sum(isinstance(p, Call) for p in pieces)
+    return shape.message(pieces, logprobs, finish_reason(finish, calls), finish.usage)
+
+
+async def completion_stream(run: "Run", shape: Shape, usage: bool):
+    async for event in run.events_of():
+        if isinstance(event, Chunk):
+            if event.text or event.logprobs:
+                yield sse(shape.chunk(event.text, event.logprobs, None))
+        elif isinstance(event, Finish):
+            yield sse(shape.chunk("", [], event.reason))
+            if usage:
+                yield sse(shape.usage_chunk(event.usage))
+            yield "data: [DONE]\n\n"
+        elif isinstance(event, Failure):
+            yield error_event(run)
+            yield "data: [DONE]\n\n"
+
+
+async def completion_whole(run: "Run", shape: Shape, request) -> dict:
+    text, logprobs = [], []
+    async for event in run.events_of(request):
+        if isinstance(event, Chunk):
+            text.append(event.text)
+            logprobs.extend(event.logprobs)
+        elif isinstance(event, Finish):
+            return shape.whole("".join(text), logprobs, event)
+        elif isinstance(event, Failure):
+            raise failed(run.gen.id)
+    raise failed(run.gen.id)

@@ -24,6 +24,7 @@ class StopText:
         self.stops = [s for s in stops if s]
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def feed(self, segment: str) -> str:
         """Take the next segment; returns the text now safe to emit (sets `stopped` on a stop)."""
@@ -36,9 +37,11 @@ class StopText:
         # (ties: the longer one); so the result does not depend on the segmentation.
         hits = [(i + len(s), i) for s in self.stops if (i := text.find(s)) >= 0]
         if hits:
+            end, at = min(hits)
             self.stopped = True
+            self.matched = text[at:end]
             self._held = ""
-            return text[: min(hits)[1]]
+            return text[:at]
         keep = 0
         for s in self.stops:
             for n in range(min(len(s) - 1, len(text)), keep, -1):

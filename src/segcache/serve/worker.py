@@ -6,10 +6,10 @@
 
 With `max_running` 1 (the default) a request runs alone from its first step
 to its last, and the next waits in arrival order. With --decode-concurrency N
-it admits N, and a `BatchEngine` (batching.py) makes each step run one
-batched forward over the running rows (`begin_step` marks the step). Cancellation (a client gone) is a
-flag read at the next step: the job's generator is closed there, which
-settles and publishes its runtime and frees it.
+it admits N, and the engine (engine.py) runs one decoder step over the
+running rows per scheduler step (`begin_step` marks the step). Cancellation
+(a client gone) is a flag read at the next step: the job's generator is
+closed there, which publishes what the client received and frees its row.
 """
 
 from __future__ import annotations
@@ -47,16 +47,16 @@ class Job:
 class Scheduler:
     """A bounded FIFO of jobs and the step loop that serves them.
 
-    Invariants: len(waiting) + len(running) <= max_queue + max_running; len(running)
-    <= max_running; a job
-    is in at most one of them; every running job has its generator.
+    Invariants: len(waiting) + len(running) <= max_queue + max_running; the running jobs'
+    rows (a job of n choices: n) <= max_running, or one job runs; a job is in at most one of
+    them; every running job has its generator.
     """
 
     def __init__(self, engine: Engine, max_queue: int = 64, max_running: int = 1,
                  begin_step: Callable[[], None] = lambda: None):
         self.engine = engine
         self.max_queue = max_queue
-        self.max_running = max_running  # > 1 with a BatchEngine (serve/batching.py)
+        self.max_running = max_running  # the engine's decode_concurrency
         self.begin_step = begin_step  # called before each step advances the running jobs
         self.waiting: collections.deque[Job] = collections.deque()
         self.running: list[Job] = []
@@ -91,10 +91,13 @@ class Scheduler:
             True if any job was advanced.
         """
         with self._cond:
-            while len(self.running) < self.max_running and self.waiting:
+            # rows: a request of n choices decodes n rows (always admitted when nothing runs)
+            rows = sum(job.request.n for job in self.running)
+            while self.waiting and (not self.running or rows + self.waiting[0].request.n <= self.max_running):
                 job = self.waiting.popleft()
                 if not job.cancelled:  # a client gone while waiting costs nothing
                     self.running.append(job)
+                    rows += job.request.n
         self.begin_step()
         for job in list(self.running):
             if job.steps is None:
@@ -118,10 +121,12 @@ class Scheduler:
             return
         if event is None:  # no token for this job in this step (it waits to join the batch)
             return
-        if isinstance(event, Finish):
+        events = event if isinstance(event, list) else [event]
+        if any(isinstance(e, Finish) and e.last for e in events):
             self._drop(job)
             self._maybe_flush()  # before the answer ends: a finished request is on disk
-        job.deliver(event)
+        for e in events:
+            job.deliver(e)
 
     def _drop(self, job: Job) -> None:
         try:

@@ -40,7 +40,7 @@ def stats(path: str, remote: str | None = None) -> int:
             c[1] += e.nbytes
             c[2] += e.tokens
     print(f"store   {path}")
-    print(f"entries {st['entries']}   bytes {_mib(st['disk_bytes'])}")
+    print(f"entries {st['entries']}   bytes {_mib(st['disk_bytes'])}   data.mdb {_mib(st['disk_file_bytes'])}")
     for kind, (n, b, t) in sorted(kinds.items()):
         label = f"{kind} ({KINDS[kind]})" if kind in KINDS else kind
         print(f"  {label:<26} {n:>8} entries {_mib(b):>12} {t:>12} tokens")
@@ -74,11 +74,13 @@ def verify(path: str) -> int:
 
 
 def gc(path: str, max_bytes: int) -> int:
-    """Evict oldest-least-useful records until the store holds at most max_bytes."""
+    """Evict oldest-least-useful records until the store (its file too, when no other
+    process has it open) holds at most max_bytes."""
     with _open(path) as s:
-        n = s.gc(max_bytes)
-        left = s.stats()["disk_bytes"]
-    print(f"evicted {n} records; {_mib(left)} left (limit {_mib(max_bytes)})")
+        n = s.gc(max_bytes, file=True)
+        st = s.stats()
+    print(f"evicted {n} records; {_mib(st['disk_bytes'])} left (limit {_mib(max_bytes)}); "
+          f"data.mdb {_mib(st['disk_file_bytes'])}")
     return 0
 
 

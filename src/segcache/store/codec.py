@@ -405,6 +405,17 @@ def decode_many(items: list[tuple[Any, bytes, Expect | None]]) -> list[Record | 
     return out
 
 
+def fits(record: Record, expect: Expect | None) -> bool:
+    """Whether every array of a decoded record is listed in `expect` with exactly its dtype and shape."""
+    if expect is None:
+        return True
+    for name, a in record.arrays.items():
+        want = expect.get(name)
+        if want is None or not conforms(_NAME_OF.get(a.dtype, ""), a.shape, want):
+            return False
+    return True
+
+
 def decode(buf, *, key: bytes, expect: Expect | None = None) -> Record:
     """Validate and decode one value into a Record with fresh `mx.array`s.
 

@@ -11,15 +11,32 @@ snapshots. Read-modify-write (`update`) happens inside one write transaction.
 Nothing here lets a damaged or foreign file kill the process: the directory is
 checked before LMDB sees it, and data.mdb is checked against LMDB's own meta
 pages (a file cut short would otherwise be mapped and fault with SIGBUS).
+
+The budget bounds the file a user sees. LMDB keeps every value in whole pages
+(a large one in a run of overflow pages) and keeps freed pages in the file for
+reuse, so the values' byte total says little about data.mdb's size. Here:
+
+    map cap   = the budget, in whole pages (>= _FLOOR)   the file can never grow past it
+    in use    = the pages the databases hold now          LMDB's own counts (`_in_use`)
+    high      = cap - max(_FREE x cap, _RESERVE)         kept free: copy-on-write needs fresh
+                                                          pages, and a freed one waits two commits
+    low       = high - _HYSTERESIS x cap
+    before a write, if in use + the write > high, evict (its own transaction, whose
+                freed pages the write then reuses) down to low - the write; one write
+                transaction holds at most half the free reserve of values
+    `gc`      evicts, then rewrites the file without its free pages when no other
+              process has the store open (`_compact`)
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+import mmap
 import os
-import stat
+import shutil
 import struct
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -30,6 +47,7 @@ import msgpack
 
 from ..errors import InvariantError, StoreError, StoreFormatError, StoreWarning
 from . import codec
+from .files import STORE_FILES, fsync_dir, no_store, prepare_dir, sole_user
 from .policy import eviction_key, safe_cost
 from .record import Record
 
@@ -44,15 +62,14 @@ META_PARAMS = b"params"  # msgpack {"page_tokens": int, "salt": hex blake2b of t
 MAX_KEY = 511  # LMDB's default maximum key size
 
 _U64 = struct.Struct("<Q")
-_MIN_MAP = 64 << 20
-_LOW_WATER = 0.95  # evict to 95% of the budget so a full store does not scan on every put
-_MIN_FREE = 1 << 20  # LMDB maps its lock file: creating it on a full file system faults (SIGBUS)
-_LMDB_MAGIC = 0xBEEFC0DE
-_LMDB_VERSION = 1
-_META = struct.Struct("<QHHI II QQ I")  # page header, magic, version, address, mapsize, free-db md_pad (page size)
-_META_TAIL = struct.Struct("<QQ")  # mm_last_pg, mm_txnid: after the two 48-byte MDB_db records
-_META_TAIL_AT = 16 + 24 + 2 * 48
-STORE_FILES = ("data.mdb", "lock.mdb")
+_MIN_MAP = 64 << 20  # the map starts here (or at the cap, if smaller) and doubles up to the cap
+_FLOOR = 1 << 20  # the smallest map (a smaller budget bounds the values, and the file by this)
+_FREE = 0.08  # share of the map kept free (at least _RESERVE): room for copy-on-write and for runs
+_RESERVE = 512 << 10  # of free pages long enough for a value, whatever the budget
+_HYSTERESIS = 0.07  # eviction ahead of a write goes this share below the high-water mark
+_FIT_TRIES = 4  # runs freed for one value the map cannot place before it is given up
+_LOW_WATER = 0.95  # evict the values' byte total to 95% of the budget so a full store does not scan on every put
+_BATCH_BYTES = 256 << 20  # encoded bytes per write transaction when writing many records
 
 
 @dataclass(frozen=True)
@@ -84,107 +101,10 @@ class Entry:
         return e
 
 
-def _no_store(path: str, why: str) -> StoreError:
-    return StoreError(f"no store at {path}: {why}")
-
-
-def check_lmdb_file(data: str) -> None:
-    """Raise StoreError unless data.mdb is a whole LMDB file (meta pages valid, long enough).
-
-    LMDB maps the file and would fault (SIGBUS) on a page past its end, so this
-    runs before `lmdb.open`. A 0-byte file is what LMDB itself leaves before its
-    first write and is accepted.
-    """
-    size = os.path.getsize(data)
-    if size == 0:
-        return
-    with open(data, "rb") as f:
-        head = f.read(_META.size)
-        if len(head) < _META.size:
-            raise _no_store(os.path.dirname(data), f"data.mdb is {size} bytes, too short for an LMDB file (cut short?)")
-        psize = _META.unpack(head)[8]
-        if psize < 512 or psize > (1 << 16) or psize & (psize - 1):
-            raise _no_store(os.path.dirname(data), f"data.mdb is not an LMDB file (page size {psize})")
-        last = 0
-        for pg in (0, 1):
-            f.seek(pg * psize)
-            page = f.read(_META_TAIL_AT + _META_TAIL.size)
-            if len(page) < _META_TAIL_AT + _META_TAIL.size:
-                raise _no_store(os.path.dirname(data), f"data.mdb is {size} bytes, shorter than its two meta pages (cut short?)")
-            _, _, _, _, magic, version, _, _, _ = _META.unpack_from(page)
-            if magic != _LMDB_MAGIC or version != _LMDB_VERSION:
-                raise _no_store(os.path.dirname(data), f"data.mdb meta page {pg} is damaged (magic {magic:#x}, version {version})")
-            last = max(last, _META_TAIL.unpack_from(page, _META_TAIL_AT)[0])
-    if size < (last + 1) * psize:
-        raise _no_store(
-            os.path.dirname(data),
-            f"data.mdb is {size} bytes but its meta pages need {(last + 1) * psize}: it was cut short (a partial copy or restore?); "
-            f"delete the directory (it is only a cache) or restore it whole",
-        )
-
-
-def prepare_dir(path: str, *, create: bool) -> bool:
-    """Check (or create) the store directory before LMDB touches it; returns whether it holds a store.
-
-    Never changes the mode of a directory it did not create. Refuses a path that is not a
-    directory, a directory owned by another user, and a non-empty directory without a store.
-    Warns (StoreWarning) when others may read an existing store directory.
-    """
-    if os.path.lexists(path) and not os.path.isdir(path):
-        raise StoreError(f"cannot use {path} as a prefix store: it exists and is not a directory")
-    if not os.path.exists(path):
-        if not create:
-            raise _no_store(path, "the directory does not exist")
-        try:
-            os.makedirs(path, mode=0o700)
-            os.chmod(path, 0o700)  # ours: the cache may hold prompt contents, private to the user
-        except OSError as e:
-            raise StoreError(f"cannot create the prefix store directory {path}: {e}") from None
-        _check_space(path)
-        return False
-    st = os.stat(path)
-    if st.st_uid != os.geteuid():
-        raise StoreError(f"cannot use {path} as a prefix store: it is owned by uid {st.st_uid}, not by this user ({os.geteuid()}); use a directory of your own")
-    try:
-        names = set(os.listdir(path))
-    except OSError as e:
-        raise StoreError(f"cannot read the prefix store directory {path}: {e}") from None
-    has_store = "data.mdb" in names
-    if not has_store:
-        if not create:
-            raise _no_store(path, "the directory holds no data.mdb")
-        if names - {"lock.mdb"}:
-            raise StoreError(
-                f"{path} is not empty and holds no segcache store ({len(names)} entries, e.g. {sorted(names)[0]!r}); "
-                f"refusing to mix a store into it. Choose an empty or new directory."
-            )
-    if st.st_mode & 0o077:
-        warnings.warn(
-            f"segcache store: {path} is accessible to other users (mode {stat.S_IMODE(st.st_mode):o}) and the store may "
-            f"hold prompt contents; left as it is: run chmod 700 {path} if that is not intended",
-            StoreWarning,
-            stacklevel=4,
-        )
-    if has_store:
-        data = os.path.join(path, "data.mdb")
-        if not create and os.path.getsize(data) == 0:  # LMDB would initialize it: that is creating a store
-            raise _no_store(path, "data.mdb is empty")
-        check_lmdb_file(data)
-    _check_space(path)
-    return has_store
-
-
-def _check_space(path: str) -> None:
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return
-    if st.f_bavail * st.f_frsize < _MIN_FREE:
-        raise _no_store(path, f"the file system is full ({st.f_bavail * st.f_frsize} bytes free; LMDB needs {_MIN_FREE}); free space or choose another directory")
-
-
 class DiskTier:
-    """LMDB-backed record storage bounded by ``disk_bytes`` of encoded values."""
+    """LMDB-backed record storage bounded by ``disk_bytes`` of encoded values (the tiers' interface, `tier.py`)."""
+
+    name = "disk"
 
     def __init__(
         self,
@@ -196,37 +116,25 @@ class DiskTier:
         max_readers: int = 126,
     ):
         self.path = os.fspath(path)
-        self.disk_bytes = int(disk_bytes)  # budget on META_BYTES, enforced at every write and at open
+        self.disk_bytes = int(disk_bytes)  # the budget: of the file (the map's cap) and of META_BYTES
         self.compress = compress
-        # LMDB needs room beyond the values: pages, overflow rounding, free pages that
-        # readers still see. The map never grows past this cap (or the file's size).
-        self.map_cap = max(2 * self.disk_bytes + _MIN_MAP, _MIN_MAP)
+        self.max_readers = max_readers
+        # LMDB's page size is the OS's; the map (so the file) never grows past the cap, unless
+        # the file already was larger (a smaller budget than before: `_fit` at open shrinks it).
+        psize = mmap.PAGESIZE
+        self.map_cap = max(_FLOOR, self.disk_bytes // psize * psize)
+        self.high = self.map_cap - max(int(self.map_cap * _FREE), _RESERVE)  # pages in use at most, after a write
+        self.low = self.high - int(self.map_cap * _HYSTERESIS)  # ...down to which eviction ahead of a write goes
         self.evictions = 0  # records removed to respect the budget, since open
         self.corrupt_dropped = 0  # bad records found and deleted, since open
         self.dropped = 0  # writes given up (too large, or the map could not hold them)
+        self.reads = 0  # records read and checked, since open
         self._touched: dict[bytes, float] = {}  # last-use updates not yet written
         self._warned: set[bytes] = set()  # keys already reported as corrupt (one warning per record)
         self._closed = True
         had_store = prepare_dir(self.path, create=create)
-        data = os.path.join(self.path, "data.mdb")
-        size = os.path.getsize(data) if had_store else 0
+        self._open_env(create=create)
         try:
-            self.env = lmdb.open(
-                self.path,
-                map_size=max(min(self.map_cap, max(_MIN_MAP, 2 * size)), size + (16 << 20)),
-                subdir=True,
-                mode=0o600,
-                create=create,
-                lock=True,
-                max_dbs=8,
-                max_readers=max_readers,
-                readahead=False,  # records are read whole and at random
-                meminit=False,
-            )
-        except lmdb.Error as e:
-            raise StoreError(_lmdb_message(self.path, "open", e)) from None
-        try:
-            self.env.reader_check()  # slots of processes that died inside a read transaction
             if not had_store:
                 for f in STORE_FILES:
                     p = os.path.join(self.path, f)
@@ -234,8 +142,8 @@ class DiskTier:
                         os.chmod(p, 0o600)
             self._open_dbs(create=create)
             self._closed = False
-            if self.used_bytes() > self.disk_bytes:  # reopened with a smaller budget: fit it now
-                self.gc(int(self.disk_bytes * _LOW_WATER))
+            if self.used_bytes() > self.disk_bytes or self.file_bytes() > self.map_cap:  # a smaller budget than before
+                self.gc(int(self.disk_bytes * _LOW_WATER), pages=self.low)
         except lmdb.Error as e:
             self.env.close()
             self._closed = True
@@ -244,6 +152,34 @@ class DiskTier:
             self.env.close()
             self._closed = True
             raise
+
+    def _open_env(self, *, create: bool) -> None:
+        data = os.path.join(self.path, "data.mdb")
+        size = os.path.getsize(data) if os.path.exists(data) else 0
+        try:
+            self.env = lmdb.open(
+                self.path,
+                # over the cap (a smaller budget than before): room to evict in, until `gc` compacts
+                map_size=size + _RESERVE if size > self.map_cap else min(self.map_cap, max(_MIN_MAP, 2 * size)),
+                subdir=True,
+                mode=0o600,
+                create=create,
+                lock=True,
+                max_dbs=8,
+                max_readers=self.max_readers,
+                readahead=False,  # records are read whole and at random
+                meminit=False,
+            )
+        except lmdb.Error as e:
+            raise StoreError(_lmdb_message(self.path, "open", e)) from None
+        try:
+            self.psize = self.env.stat()["psize"]
+            # the largest value a leaf holds inline; a larger one takes its own run of overflow pages
+            self._nodemax = (((self.psize - 16) // 2) & ~1) - 2
+            self.env.reader_check()  # slots of processes that died inside a read transaction
+        except lmdb.Error as e:
+            self.env.close()
+            raise StoreError(_lmdb_message(self.path, "open", e)) from None
 
     # -- transactions -------------------------------------------------------
 
@@ -289,7 +225,7 @@ class DiskTier:
                         f"(databases {named[:4]}); choose an empty directory"
                     )
                 if not create:
-                    raise _no_store(self.path, "data.mdb holds no segcache store")
+                    raise no_store(self.path, "data.mdb holds no segcache store")
                 txn.put(META_FORMAT, msgpack.packb({"version": codec.FORMAT_VERSION, "created": time.time()}), db=self.meta)
                 txn.put(META_BYTES, _U64.pack(0), db=self.meta)
             else:
@@ -305,6 +241,7 @@ class DiskTier:
                     )
             self.records = self.env.open_db(DB_RECORDS, txn=txn)
             self.index = self.env.open_db(DB_INDEX, txn=txn)
+            self.main = self.env.open_db(None, txn=txn)
 
     def params(self, mine: dict) -> dict | None:
         """Record ``mine`` as the store's parameters if it has none; return the stored ones (None: just set)."""
@@ -322,14 +259,78 @@ class DiskTier:
 
         return self._run(fn, write=True)
 
+    def _in_use(self, txn) -> int:
+        """Bytes of the pages the databases hold now: what the file holds but its free pages
+        (LMDB's own counts: branch, leaf and overflow pages of every database, and the two meta pages)."""
+        pages = 2
+        for db in (self.main, self.meta, self.records, self.index):
+            st = txn.stat(db)
+            pages += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+        return pages * self.psize
+
+    def _footprint(self, key: bytes, n: int) -> int:
+        """Bytes of pages a record of an n-byte value takes: its overflow run (or its share of a
+        leaf) and its index entry's share of a leaf."""
+        node = 8 + len(key) + n
+        if node > self._nodemax:
+            node = ((16 - 1 + n) // self.psize + 1) * self.psize + 16 + len(key)  # OVPAGES, and the leaf node
+        return node + 2 + (8 + len(key) + 80 + 2)
+
+    def file_bytes(self) -> int:
+        """The size of data.mdb: what the budget bounds."""
+        return os.path.getsize(os.path.join(self.path, "data.mdb"))
+
     def _used(self, txn) -> int:
         raw = txn.get(META_BYTES, db=self.meta)
         return _U64.unpack(raw)[0] if raw is not None and len(raw) == 8 else 0
 
     # -- writes -------------------------------------------------------------
 
+    def put(self, key: bytes, record: Record) -> None:
+        """Encode and write one record (a failure is warned and counted in `dropped`)."""
+        self.write([(key, record)])
+
+    def write(self, items: list[tuple[bytes, Record]]) -> set[bytes]:
+        """Encode records and write them in few transactions; returns the keys now on disk.
+
+        Never raises: a record that cannot be encoded or written (full file system,
+        I/O error, over the budget) is warned about and counted in `dropped`.
+        """
+        written: set[bytes] = set()
+        batch, size = [], 0
+        now = time.time()
+        limit = min(_BATCH_BYTES, max(1, (self.map_cap - self.high) // 2))  # what one write may take of the reserve
+        for key, rec in items:
+            try:
+                value = codec.encode(rec, key=key, compress=self.compress)
+            except StoreError as e:  # validated at put, so this is a bug or a changed array
+                warnings.warn(f"segcache store: not writing {key.hex()[:16]}: {e}", StoreWarning, stacklevel=2)
+                self.dropped += 1
+                continue
+            batch.append((key, value, Entry(key, rec.tokens, len(value), rec.kind, now, safe_cost(rec.cost), now, rec.parent)))
+            size += len(value)
+            if size >= limit:
+                written.update(self._write_batch(batch))
+                batch, size = [], 0
+        if batch:
+            written.update(self._write_batch(batch))
+        return written
+
+    def _write_batch(self, batch) -> list[bytes]:
+        try:
+            return self.put_many(batch)
+        except (lmdb.Error, StoreError, OSError) as e:  # e.g. the file system is full: a cache may lose entries
+            warnings.warn(f"segcache store: {len(batch)} records not written to {self.path}: {e}", StoreWarning, stacklevel=3)
+            self.dropped += len(batch)
+            return []
+
     def put_many(self, items: list[tuple[bytes, bytes, Entry]]) -> list[bytes]:
-        """Store encoded records in one transaction, evicting to the budget; never raises on space.
+        """Store encoded records (key, value, entry) in one transaction, evicting to the budget; never raises on space.
+
+        Pages for the write are made free first (`_room`). If the map still cannot
+        hold it (free pages in runs too short for a value, or held by another
+        process's old reader), the batch is split; a single record gets runs freed
+        for it (`_evict_fit`) a few times, then is given up.
 
         Returns:
             The keys now on disk (a record larger than the budget, or one the map
@@ -338,24 +339,72 @@ class DiskTier:
         Raises:
             lmdb.Error: The write failed for another reason (e.g. the disk is full); nothing was written.
         """
-        keep = [it for it in items if len(it[1]) <= self.disk_bytes * _LOW_WATER]
+        keep = [it for it in items
+                if len(it[1]) <= self.disk_bytes * _LOW_WATER and self._footprint(it[0], len(it[1])) <= self.low]
         self.dropped += len(items) - len(keep)
         if not keep:
             return []
+        need = sum(self._footprint(k, len(v)) for k, v, _ in keep)
+        self._room(need)
         try:
             evicted = self._run(lambda txn: self._put_txn(txn, keep), write=True)
         except lmdb.MapFullError:
-            if len(keep) > 1:  # the map is at its cap: smaller transactions need fewer fresh pages
+            if len(keep) > 1:  # smaller transactions need fewer free pages at once
                 mid = len(keep) // 2
                 return self.put_many(keep[:mid]) + self.put_many(keep[mid:])
-            self.evictions += self._run(lambda txn: self._evict_to(txn, self.disk_bytes // 2), write=True)
-            try:
-                evicted = self._run(lambda txn: self._put_txn(txn, keep), write=True)
-            except lmdb.MapFullError:
-                self.dropped += 1
-                return []
+            # Enough pages are free, but in runs too short for this value (or held by an
+            # old reader): free a run it fits, then try again.
+            for attempt in range(_FIT_TRIES):
+                self.evictions += self._run(lambda txn: self._evict_fit(txn, len(keep[0][1])), write=True)
+                self._release()
+                try:
+                    evicted = self._run(lambda txn: self._put_txn(txn, keep), write=True)
+                    break
+                except lmdb.MapFullError:
+                    if attempt == _FIT_TRIES - 1:
+                        self.dropped += 1
+                        return []
         self.evictions += evicted
         return [k for k, _, _ in keep]
+
+    def _evict_fit(self, txn, nbytes: int) -> int:
+        """Evict so that a value of nbytes finds a run of free pages; returns the count."""
+        self._flush_touched(txn)
+        used, n = self._evict_txn(txn, self._used(txn), None, fits=nbytes)
+        if not n:  # no record that large: free twice its size by the usual order, hoping runs join
+            used, n = self._evict_txn(txn, used, None, pages=max(self._in_use(txn) - 2 * nbytes, 0))
+        txn.put(META_BYTES, _U64.pack(max(used, 0)), db=self.meta)
+        return n
+
+    def _room(self, need: int, force: bool = False) -> None:
+        """Evict, in a transaction of its own, until `need` more bytes of pages fit under the
+        high-water mark (with `force`, down to the low-water mark less `need` in any case).
+
+        The write that follows reuses the pages this frees (`_release`).
+        """
+        if not force and self._run(self._in_use) + need <= self.high:
+            return
+        target = max(self.low - need, 0)
+
+        def fn(txn):
+            self._flush_touched(txn)
+            used, n = self._evict_txn(txn, self._used(txn), None, pages=target)
+            txn.put(META_BYTES, _U64.pack(max(used, 0)), db=self.meta)
+            return n
+
+        n = self._run(fn, write=True)
+        self.evictions += n
+        if n:
+            self._release()
+
+    def _release(self) -> None:
+        """Commit one more (trivial) write, so the pages the last one freed can be reused.
+
+        LMDB keeps the last two snapshots (its two meta pages): pages freed by
+        transaction N belong to snapshot N-1 and are handed out from transaction N+2 on
+        (when no reader still sees them).
+        """
+        self._run(lambda txn: txn.put(META_BYTES, _U64.pack(self._used(txn)), db=self.meta), write=True)
 
     def _put_txn(self, txn, items) -> int:
         self._flush_touched(txn)
@@ -410,7 +459,7 @@ class DiskTier:
             if new is None:
                 return current, False, bad
             value = encode(new)
-            if len(value) > self.disk_bytes * _LOW_WATER:
+            if len(value) > self.disk_bytes * _LOW_WATER or self._footprint(key, len(value)) > self.low:
                 raise StoreError(f"record of {len(value)} bytes for {key.hex()[:16]} exceeds the disk budget {self.disk_bytes}; nothing was written")
             now = time.time()
             used = self._used(txn) + self._put_one(txn, key, value, Entry(key, new.tokens, len(value), new.kind, now, safe_cost(new.cost), now, new.parent))
@@ -420,7 +469,12 @@ class DiskTier:
             txn.put(META_BYTES, _U64.pack(max(used, 0)), db=self.meta)
             return new, evicted, bad
 
-        rec, evicted, bad = self._run(txn_fn, write=True)
+        self._room(4 * self.psize)  # a node: a few pages
+        try:
+            rec, evicted, bad = self._run(txn_fn, write=True)
+        except lmdb.MapFullError:
+            self._room(16 * self.psize, force=True)
+            rec, evicted, bad = self._run(txn_fn, write=True)
         written = evicted is not False
         if bad:
             self._report(key, bad)
@@ -436,8 +490,11 @@ class DiskTier:
         except codec.CorruptRecordError:
             return default
 
-    def _evict_txn(self, txn, used: int, target: int, keep: set[bytes] = frozenset()) -> tuple[int, int]:
-        """Delete records until used <= target, leaves first; returns (used, count).
+    def _evict_txn(self, txn, used: int, target: int | None, keep: set[bytes] = frozenset(),
+                   pages: int | None = None, fits: int | None = None) -> tuple[int, int]:
+        """Delete records until used <= target and the pages in use <= pages (None: no bound),
+        leaves first; returns (used, count). With ``fits``, delete one record only, the first
+        leaf whose value is at least ``fits`` bytes: its run of pages then holds such a value.
 
         Only records that no stored record names as parent are candidates, so eviction
         never strands the records below one; among leaves the least useful per byte and
@@ -445,6 +502,12 @@ class DiskTier:
         its last child is gone. ``keep`` (the keys being written) goes last. The caller
         writes ``used`` back to META_BYTES in the same transaction.
         """
+
+        def over(used: int) -> bool:
+            if fits is not None:
+                return n == 0
+            return (target is not None and used > target) or (pages is not None and self._in_use(txn) > pages)
+
         info: dict[bytes, tuple[tuple, int, bytes | None]] = {}
         for k, raw in txn.cursor(db=self.index):
             k = bytes(k)
@@ -458,12 +521,14 @@ class DiskTier:
         for _, _, p in info.values():
             if p is not None and p in info:
                 children[p] = children.get(p, 0) + 1
-        heap = [(rank, k) for k, (rank, _, _) in info.items() if not children.get(k)]
+        heap = [(rank, k) for k, (rank, nb, _) in info.items() if not children.get(k) and (fits is None or nb >= fits)]
         heapq.heapify(heap)
         n = 0
-        while used > target and info:
+        while info and over(used):
             if heap:
                 _, k = heapq.heappop(heap)
+            elif fits is not None:
+                break
             else:  # only a parent cycle is left (a damaged store): break it at its cheapest record
                 k = min(info, key=lambda x: info[x][0])
             _, nb, p = info.pop(k)
@@ -478,8 +543,8 @@ class DiskTier:
                     heapq.heappush(heap, (info[p][0], p))
         return used, n
 
-    def _evict_to(self, txn, target: int) -> int:
-        used, n = self._evict_txn(txn, self._used(txn), target)
+    def _evict_to(self, txn, target: int, pages: int | None = None) -> int:
+        used, n = self._evict_txn(txn, self._used(txn), target, pages=pages)
         txn.put(META_BYTES, _U64.pack(max(used, 0)), db=self.meta)
         return n
 
@@ -516,13 +581,52 @@ class DiskTier:
         self._touched.pop(key, None)
         return self._run(fn, write=True)
 
-    def gc(self, max_bytes: int) -> int:
-        """Evict records, leaves first, until the store holds <= max_bytes; returns the count."""
+    def gc(self, max_bytes: int, pages: int | None = None) -> int:
+        """Evict records, leaves first, until their values hold <= max_bytes (and the pages in use
+        are <= pages, if given), then give the file's free pages back if it is larger than
+        max_bytes (`_compact`); returns the count."""
         if max_bytes < 0:
             raise StoreError(f"gc needs max_bytes >= 0, got {max_bytes}; nothing was evicted")
-        n = self._run(lambda txn: self._evict_to(txn, int(max_bytes)), write=True)
+        n = self._run(lambda txn: self._evict_to(txn, int(max_bytes), pages), write=True)
         self.evictions += n
+        if self.file_bytes() > max_bytes:
+            self._compact()
         return n
+
+    def _compact(self) -> bool:
+        """Rewrite data.mdb without its free pages, if no other process has the store open.
+
+        LMDB never shrinks its file: freed pages stay for reuse. A copy of the live
+        pages replaces it, under the lock LMDB itself checks at open (an exclusive
+        fcntl lock on byte 0 of lock.mdb; every process with the store open holds a
+        shared one, and one opening it meanwhile waits). Returns whether it did; the
+        environment is open again either way.
+        """
+        self.flush()
+        self.env.close()
+        done = False
+        try:
+            with sole_user(self.path) as sole:
+                if sole:
+                    tmp = tempfile.mkdtemp(prefix=".compact-", dir=self.path)
+                    try:
+                        src = lmdb.open(self.path, readonly=True, lock=False, subdir=True, max_dbs=8)
+                        try:
+                            src.copy(tmp, compact=True)
+                        finally:
+                            src.close()
+                        os.chmod(os.path.join(tmp, "data.mdb"), 0o600)
+                        os.replace(os.path.join(tmp, "data.mdb"), os.path.join(self.path, "data.mdb"))
+                        fsync_dir(self.path)
+                        done = True
+                    finally:
+                        shutil.rmtree(tmp, ignore_errors=True)
+        except (lmdb.Error, OSError) as e:  # e.g. no room for the copy: the store stays as it was
+            warnings.warn(f"segcache store: could not compact {self.path}: {e}", StoreWarning, stacklevel=3)
+        finally:
+            self._open_env(create=False)
+            self._open_dbs(create=False)
+        return done
 
     def flush(self) -> None:
         """Write pending last-use updates."""
@@ -530,10 +634,6 @@ class DiskTier:
             self._run(self._flush_touched, write=True)
 
     # -- reads --------------------------------------------------------------
-
-    def renew(self, key: bytes) -> None:
-        """A new record was put under key: a corruption found in it later warns again."""
-        self._warned.discard(key)
 
     def _report(self, key: bytes, err: Exception) -> None:
         if key not in self._warned:
@@ -569,6 +669,7 @@ class DiskTier:
             if not isinstance(r, Exception):
                 out[i] = r
                 self._touched[keys[i]] = now
+                self.reads += 1
         for k, v, err in bad:
             if self.delete(k, only_if=v):
                 self.corrupt_dropped += 1
@@ -592,6 +693,12 @@ class DiskTier:
 
     def used_bytes(self) -> int:
         return self._run(self._used)
+
+    def stats(self) -> dict[str, int]:
+        used, pages, entries = self._run(lambda txn: (self._used(txn), self._in_use(txn), txn.stat(self.records)["entries"]))
+        return {"disk_reads": self.reads, "disk_evictions": self.evictions, "disk_corrupt": self.corrupt_dropped,
+                "disk_dropped": self.dropped, "disk_bytes": used, "disk_entries": entries,
+                "disk_page_bytes": pages, "disk_file_bytes": self.file_bytes()}
 
     def count(self) -> int:
         return self._run(lambda txn: txn.stat(self.records)["entries"])

@@ -8,7 +8,9 @@ fixed strided sample of its elements (a few hundred per tensor, gathered by
 MLX), so it costs milliseconds for a multi-GB model. It tells apart models
 whose weights differ broadly (other checkpoints, other seeds); two models that
 differ only in elements the sample misses would share an identity; pass a salt
-for such cases.
+for such cases. One rank of a sharded model (tensor or pipeline parallel) adds
+its `Shard`: the world size, its rank, the kind of parallelism and the layers it
+runs, so no rank ever hits another rank's or a single process's records.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .. import lora
+from ..distributed.shard import shard_of
 from .codec import FORMAT_VERSION
 
 SAMPLES_PER_TENSOR = 256
@@ -80,7 +83,8 @@ def weights_fingerprint(model, samples: int = SAMPLES_PER_TENSOR) -> bytes:
 
 
 def model_identity(model, *, page_tokens: int = 256, salt: bytes | str | None = None) -> bytes:
-    """32-byte identity of (config, dtypes, cache layout, page size, format, salt, weights, adapters).
+    """32-byte identity of (config, dtypes, cache layout, page size, format, salt, weights, adapters),
+    and for one rank of a sharded model its `Shard` (segcache.distributed.shard_of).
 
     Args:
         model: An mlx-lm model (``nn.Module`` with ``args`` or ``config``).
@@ -96,6 +100,9 @@ def model_identity(model, *, page_tokens: int = 256, salt: bytes | str | None = 
         "cache": cache_layout(model),
         "page_tokens": int(page_tokens),
     }
+    shard = shard_of(model)
+    if shard is not None:  # a rank's slice: world size, rank, kind of parallelism, its layers
+        desc["shard"] = shard.describe()
     h = hashlib.blake2b(digest_size=32, person=_PERSON)
     h.update(json.dumps(desc, sort_keys=True, separators=(",", ":")).encode())
     salt_b = salt.encode() if isinstance(salt, str) else (salt or b"")

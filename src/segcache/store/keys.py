@@ -14,6 +14,22 @@ import numpy as np
 KEY_BYTES = 32  # blake2b-256
 _PERSON_ROOT = b"segcache.root.1"  # blake2b personalization (<= 16 bytes): keeps domains apart
 _PERSON_CHAIN = b"segcache.key.1"
+_PERSON_DOMAIN = b"segcache.dom.1"
+
+
+def domain_identity(identity: bytes, salt: bytes | str | None) -> bytes:
+    """The identity of one isolation domain: `identity` itself without a salt, else a hash of both.
+
+    Every key of a prompt chains from ``root_key`` of this, so two salts share no key
+    (pages, checkpoints and the index nodes alike) and the salt itself is stored nowhere.
+    """
+    if salt is None:
+        return identity
+    raw = salt.encode() if isinstance(salt, str) else bytes(salt)
+    h = hashlib.blake2b(digest_size=KEY_BYTES, person=_PERSON_DOMAIN)
+    h.update(len(identity).to_bytes(2, "little") + identity)
+    h.update(raw)
+    return h.digest()
 
 
 def root_key(identity: bytes) -> bytes:

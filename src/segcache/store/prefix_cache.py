@@ -1,5 +1,12 @@
 """Automatic prefix cache: how a Runtime's state maps onto prefix-store records.
 
+The cache answers and the runtime computes (as SGLang's `match_prefix` and
+vLLM's `get_computed_blocks`): `resume` says how much of a prompt the store can
+restore, with the layers' states, the tier they came from and where the
+prefill should checkpoint on its way; `Runtime.prefill_steps` restores, feeds
+the model and hands back `Snapshot`s, which `prefilled` / `publish` store.
+Nothing here changes a runtime or runs the model.
+
 P = page_tokens, t = the prompt, I = the identity (model, layer layout, page size, salt):
 
     c_0 = root_key(I)                  c_j = chain_key(c_{j-1}, t[(j-1)P : jP], I)
@@ -22,12 +29,13 @@ P = page_tokens, t = the prompt, I = the identity (model, layer layout, page siz
     nd(c_2) = conts [A[2P:LA]]  ckpts [A[2P:LA]]        after A
             = conts [B[2P:3P], A[2P:LA]]  ckpts [A[2P:b], B[2P:..], A[2P:LA]]  after B
 
-A prefill walks the pages it has, then reads the nodes from the deepest boundary
+A lookup walks the pages the store has, then reads the nodes from the deepest boundary
 down for the longest prefix it can resume: where some layer resumes only from a
 checkpoint ("stateful"), a checkpoint; where every layer resumes from pages, any
 position whose rows a page or a checkpoint tail holds. The deepest node also
 tells where the prompt leaves a published one (b above): a stateful prefill stops
-there once to take a checkpoint, so every later prompt through b resumes from it.
+there once to take a checkpoint (`Resume.stops`), so every later prompt through b
+resumes from it.
 
 The cache never looks at a layer's kind: each layer answers the persistence
 protocol of `segcache.layers.protocol` (how it resumes, what it exports, the
@@ -36,7 +44,7 @@ is checked against that spec, which the store applies to the record's header
 before it decodes anything. Each record names the record it extends (`parent`),
 so the store evicts from the deep end and never strands a record.
 
-Every store failure inside `prefill`/`publish` (budget, corrupt record, LMDB
+Every store failure inside `resume`/`publish` (budget, corrupt record, LMDB
 error, a record that does not fit the runtime) becomes a miss or a skipped
 publish, counted in `stats()["errors"]` and reported as a `StoreWarning`;
 generation never fails because of the store.
@@ -44,20 +52,50 @@ generation never fails because of the store.
 
 from __future__ import annotations
 
-import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Iterable
 
 import mlx.core as mx
 
-from ..errors import BranchError, StoreError, StoreWarning
+from ..errors import StoreError, StoreWarning
 from ..layers.protocol import CHECKPOINT, PAGES
 from ..spec import conforms
 from .keys import chain_key
 from .layout import layout_of
 from .prompt_index import CKPT, PAGE, Node, PromptKeys, common_prefix
 from .record import Record
+from .tier import joined
+
+
+@dataclass(frozen=True)
+class Resume:
+    """What a prefill resumes from: the prefix cache's answer, and the first thing
+    `Runtime.prefill_steps` yields.
+
+    Attributes:
+        tokens: prompt tokens the runtime holds once resumed (what it held before,
+            or the tokens restored when the store has more).
+        restored: tokens restored from the store (0: nothing was restored).
+        tier: where the restored records came from: "ram", "disk", "remote", joined
+            with "+" when several ("ram+disk"); "-" when nothing was restored.
+        stops: positions past `tokens` and short of the prompt's end where the
+            prefill takes a checkpoint on its way (where the prompt leaves a
+            published one), besides the caller's own.
+        states: per layer, the `load` arguments of the restored prefix; None when
+            nothing is restored, and in what `prefill_steps` yields (the runtime
+            consumed them).
+        logits: the last position's logits [1, vocab] when the whole prompt was
+            restored (nothing left to compute); else None, and None in what
+            `prefill_steps` yields.
+    """
+
+    tokens: int
+    restored: int = 0
+    tier: str = "-"
+    stops: tuple[int, ...] = ()
+    states: tuple | None = field(default=None, compare=False, repr=False)
+    logits: mx.array | None = field(default=None, compare=False, repr=False)
 
 
 class _Miss(Exception):
@@ -73,12 +111,14 @@ class Plan:
         rows: the sources of "pages" layers in position order: (record, its first n tokens).
         ckpt: the checkpoint "checkpoint" layers (and the logits, at resume == len) come from.
         branch: a position to checkpoint on the way (resume < branch < len), or None.
+        sources: the keys of the records in `rows` and `ckpt` (where the resume reads from).
     """
 
     resume: int = 0
     rows: list[tuple[Record, int]] = field(default_factory=list)
     ckpt: Record | None = None
     branch: int | None = None
+    sources: list[bytes] = field(default_factory=list)
 
 
 class _Unfit(_Miss):
@@ -111,12 +151,12 @@ def _require(rec: Record | None, spec: dict, names: Iterable[str], what: str) ->
 
 
 def _warn(store, what: str, exc: BaseException) -> None:
-    if store is not None and not store.closed:
+    if not store.closed:
         store.note_error()
     warnings.warn(
         f"segcache prefix store: {what} failed ({type(exc).__name__}: {exc}); continuing without it",
         StoreWarning,
-        stacklevel=4,
+        stacklevel=5,
     )
 
 
@@ -124,8 +164,9 @@ class PrefixCache:
     """The automatic prefix cache of one runtime (shared by its clones) over its store.
 
     It reads the runtime only through its public surface: `store`, `model`,
-    `cache` (the layers' persistence protocol), `tokens`, `committed_tokens`,
-    `offset`, `committed_offset`, `depth`, `forward` and `restore`.
+    `recurrent_strategy`, `cache_salt` (its isolation domain), `cache` (the
+    layers' persistence protocol), `committed_tokens` and `committed_offset`;
+    it never changes it.
     """
 
     def __init__(self, rt):
@@ -134,19 +175,24 @@ class PrefixCache:
         self.layouts = [layer.layout() for layer in rt.cache]  # the layers this cache was made for
 
     def _prompt(self, rt, ids: list[int]) -> PromptKeys:
-        return PromptKeys(self.store, self.layout, ids, rt.cache)
+        return PromptKeys(self.store, self.layout, ids, rt.cache, rt.cache_salt)
 
     # -- lookup and load --
 
-    def lookup(self, rt, ids: list[int], held: int) -> Plan:
-        """The longest prefix of `ids` the store can restore (longer than `held`), and a branch point.
+    def lookup(self, rt, ids: list[int], held: int) -> tuple[Plan, str]:
+        """The longest prefix of `ids` the store can restore (longer than `held`), and a branch
+        point; and the tiers its records came from ("ram+disk", "-" when it restores nothing).
 
         Raises:
             _Miss, StoreError, lmdb.Error: the caller treats any failure as a miss.
         """
-        lay, store = self.layout, self.store
-        L, P = len(ids), lay.page_tokens
         ix = self._prompt(rt, ids)
+        plan = self._plan(ix, held)
+        return plan, joined(ix.tiers[k] for k in plan.sources)
+
+    def _plan(self, ix: PromptKeys, held: int) -> Plan:
+        lay, store, ids = self.layout, self.store, ix.ids
+        L, P = len(ids), lay.page_tokens
         m = L // P
         # A remote tier answers the prompt's pages and nodes in one round trip; what
         # follows then reads the local tiers (a checkpoint past them may take one more).
@@ -154,8 +200,8 @@ class PrefixCache:
         # a second host) needs it, and otherwise it costs one absent key in the same reply.
         pages = list(range(1, m + 1)) if lay.paged else []
         end = [L] if L > held else []
-        store.prefetch([ix.page_key(j) for j in pages] + [ix.node_key(j) for j in range(m + 1)] + [ix.ckpt_key(r) for r in end],
-                       [ix.rows_spec(P)] * len(pages) + [ix.node_spec()] * (m + 1) + [ix.ckpt_spec(r) for r in end])
+        ix.prefetch([ix.page_key(j) for j in pages] + [ix.node_key(j) for j in range(m + 1)] + [ix.ckpt_key(r) for r in end],
+                    [ix.rows_spec(P)] * len(pages) + [ix.node_spec()] * (m + 1) + [ix.ckpt_spec(r) for r in end])
         j_max = 0
         if lay.paged:
             while j_max < m and store.contains(ix.page_key(j_max + 1)):
@@ -177,7 +223,7 @@ class PrefixCache:
                     continue
                 try:
                     plan.ckpt = self._ckpt(ix, r, need_logits=r == L)
-                    plan.resume = r
+                    plan.resume, plan.sources = r, [ix.ckpt_key(r)]
                     break
                 except _Miss:
                     continue
@@ -191,22 +237,25 @@ class PrefixCache:
                 n = common_prefix(c, rem)
                 if n > d:
                     d, src = n, c
-            tail = None
+            tail, key = None, None
             if d:
-                key = (PAGE if len(src) == P else CKPT) + chain_key(ix.chain[j_max], src, lay.identity)
+                key = (PAGE if len(src) == P else CKPT) + chain_key(ix.chain[j_max], src, ix.identity)
                 spec = ix.rows_spec(len(src)) if len(src) == P else ix.ckpt_spec(j_max * P + len(src))
                 try:
-                    tail = self._fetch(key, spec, (), "the rows' tail")
+                    tail = self._fetch(ix, key, spec, (), "the rows' tail")
                 except _Miss:  # evicted or dropped: the pages alone still serve
                     d = 0
             r = min(j_max * P + d, L - 1)
             if r > max(plan.resume, held):
+                use_tail = tail is not None and r > j_max * P
                 plan.ckpt, plan.resume = None, r
-                plan.rows = self._rows(ix, r, tail if r > j_max * P else None)
+                plan.rows, plan.sources = self._rows(ix, r, tail if use_tail else None)
+                plan.sources += [key] if use_tail else []
                 return plan
 
         if plan.resume:
-            plan.rows = self._rows(ix, plan.resume, plan.ckpt)
+            plan.rows, pages = self._rows(ix, plan.resume, plan.ckpt)
+            plan.sources += pages
 
         if lay.stateful:
             # Where this prompt leaves a published one inside the page after the last shared one.
@@ -221,13 +270,13 @@ class PrefixCache:
 
     def _ckpt(self, ix: PromptKeys, r: int, need_logits: bool) -> Record:
         spec = ix.ckpt_spec(r)
-        rec = self._fetch(ix.ckpt_key(r), spec, [n for n in spec if n != "logits" or need_logits], f"checkpoint at {r}")
+        rec = self._fetch(ix, ix.ckpt_key(r), spec, [n for n in spec if n != "logits" or need_logits], f"checkpoint at {r}")
         if rec.kind != "ckpt" or rec.tokens != r or rec.meta.get("length") != r:
             raise _Miss(f"record at the checkpoint key of {r} is not that checkpoint")
         return rec
 
-    def _fetch(self, key: bytes, spec: dict, names, what: str) -> Record:
-        return self._fit(key, self.store.get(key, count=False, expect=spec), spec, names, what)
+    def _fetch(self, ix: PromptKeys, key: bytes, spec: dict, names, what: str) -> Record:
+        return self._fit(key, ix.find_many([key], [spec])[0], spec, names, what)
 
     def _fit(self, key: bytes, rec: Record | None, spec: dict, names, what: str) -> Record:
         """`_require`, dropping (and reporting) a record that does not fit."""
@@ -238,10 +287,10 @@ class PrefixCache:
             _warn(self.store, "a record check", exc)
             raise
 
-    def _rows(self, ix: PromptKeys, r: int, tail: Record | None) -> list[tuple[Record, int]]:
-        """Pages 1..r//P whole, then r % P tokens from `tail` (or from page r//P + 1)."""
+    def _rows(self, ix: PromptKeys, r: int, tail: Record | None) -> tuple[list[tuple[Record, int]], list[bytes]]:
+        """Pages 1..r//P whole, then r % P tokens from `tail` (or from page r//P + 1); and the pages' keys."""
         if not self.layout.paged:
-            return []
+            return [], []
         P = ix.P
         pages = list(range(1, r // P + 1))
         n = r % P
@@ -251,7 +300,7 @@ class PrefixCache:
             pages.append(r // P + 1)
         spec = ix.rows_spec(P)
         keys = [ix.page_key(j) for j in pages]
-        recs = self.store.get_many(keys, expects=[spec] * len(pages))
+        recs = ix.find_many(keys, [spec] * len(pages))
         out = []
         for j, key, rec in zip(pages, keys, recs):
             self._fit(key, rec, spec, spec, f"page {j}")
@@ -268,7 +317,7 @@ class PrefixCache:
                     if a is None or a.shape[2] < n:
                         raise _Miss(f"the rows' tail lacks {n} tokens of {name}")
                 out.append((tail, n))
-        return out
+        return out, keys
 
     def states(self, rt, plan: Plan) -> list[tuple]:
         """Every layer's `load` arguments for the plan's prefix (validated; nothing changes).
@@ -368,57 +417,56 @@ class PrefixCache:
 
     # -- the runtime's entry points --
 
-    def prefill(self, rt, ids: list[int], *, step_size: int, checkpoints: Iterable[int] = ()) -> mx.array:
-        """`Runtime.prefill`: resume from the store, compute the rest, publish. See there."""
-        return drain(self.prefill_steps(rt, ids, step_size=step_size, checkpoints=checkpoints))
+    def resume(self, rt, ids: list[int], held: int) -> Resume:
+        """How far the store can take a prefill of `ids` on `rt`, which holds ids[:held].
 
-    def prefill_steps(self, rt, ids: list[int], *, step_size: int, checkpoints: Iterable[int] = (),
-                      plan: Plan | None = None):
-        """`Runtime.prefill_steps`: `prefill` as a generator (validated now, run as it is iterated).
-
-        `plan`: what `lookup(rt, ids, held)` returned just before, if the caller looked already.
+        Looks the prompt up and validates every layer's state (nothing in `rt`
+        changes): the longest prefix the store restores past `held`, its states and
+        tier, and the positions to checkpoint on the way. Any store failure is a
+        miss (warned, counted in `errors`), never an error.
         """
-        return self._prefill(rt, ids, check_prefill(rt, ids), step_size, checkpoints, plan)
+        store, L = self.store, len(ids)
+        if store.closed:
+            return Resume(held)
+        try:
+            plan, tier = self.lookup(rt, ids, held)
+            start = max(plan.resume, held)
+            stops = tuple(p for p in self.stops(plan, start, L) if start < p < L)
+            if plan.resume <= held:
+                return Resume(held, stops=stops)
+            logits = plan.ckpt.arrays["logits"][...] if plan.resume == L else None  # own array object
+            return Resume(plan.resume, plan.resume, tier, stops, tuple(self.states(rt, plan)), logits)
+        except Exception as exc:
+            if not isinstance(exc, _Miss):
+                _warn(store, "lookup", exc)
+            return Resume(held)
 
-    def _prefill(self, rt, ids: list[int], held: int, step_size: int, checkpoints: Iterable[int], plan=None):
-        store = self.store if not self.store.closed else None
-        L, lay = len(ids), self.layout
-        resumed = 0  # tokens restored from the store
-        if store is not None:
-            try:
-                plan = self.lookup(rt, ids, held) if plan is None else plan
-                if plan.resume > held:
-                    rt.restore(ids[: plan.resume], self.states(rt, plan))
-                    resumed = plan.resume
-            except Exception as exc:  # any store failure is a miss, never a failed prefill
-                if not isinstance(exc, _Miss):
-                    _warn(store, "lookup", exc)
-                plan = None
-        start = rt.offset
-        yield start  # resumed: the caller may run other work before the first forward
-        stops = {L} | {p for p in self.stops(plan, start, L, checkpoints)}
-        snaps: list[Snapshot] = []
-        if start == L:  # whole prompt restored from a checkpoint
-            last = plan.ckpt.arrays["logits"][...]
-        else:
-            take = None if store is None else (lambda logits: snaps.append(self.snapshot(rt, logits)))
-            last, seconds = yield from feed_steps(rt, ids, start, sorted(stops), step_size, take)
-            lay.spt = seconds / (L - start)
-        if store is not None:
-            store.note_prefill(L, resumed)
-            if start < L:
-                try:  # rt's own cache: kv_bits may have quantized its KV layers on the way (another layout)
-                    rt.prefix_cache().publish(rt, ids, self.chosen(snaps + [self.snapshot(rt, last)]))
-                except Exception as exc:
-                    _warn(store, "publish", exc)
-        return last
+    def failed(self, what: str, exc: BaseException) -> None:
+        """A step of a prefill with this cache failed on the store's account: warn, count, go on without it."""
+        _warn(self.store, what, exc)
 
-    def stops(self, plan: Plan | None, start: int, length: int, checkpoints: Iterable[int]) -> list[int]:
-        """Positions short of the prompt's end where a prefill takes a checkpoint."""
-        out = [p for p in checkpoints if isinstance(p, int) and start < p < length]
-        if plan is not None and plan.branch is not None:
-            out.append(plan.branch)
-        return out
+    def stops(self, plan: Plan, start: int, length: int) -> list[int]:
+        """Positions short of the prompt's end where a prefill takes a checkpoint (the branch point)."""
+        return [] if plan.branch is None else [plan.branch]
+
+    def prefilled(self, rt, ids: list[int], resume: Resume, snaps: list["Snapshot"], seconds: float) -> int:
+        """A prefill of `ids` ran: it resumed `resume`, then computed the rest in `seconds` of
+        forwards, taking `snaps`. Count it, learn the compute rate, publish the prompt.
+
+        Returns the number of records written (0 also when the store failed: a warning).
+        """
+        store, L = self.store, len(ids)
+        if store.closed:
+            return 0
+        store.note_prefill(L, resume.restored)
+        if resume.tokens == L:
+            return 0
+        self.layout.spt = seconds / (L - resume.tokens)
+        try:
+            return self.publish(rt, ids, self.chosen(snaps))
+        except Exception as exc:
+            _warn(store, "publish", exc)
+            return 0
 
     def chosen(self, snaps: list["Snapshot"]) -> list["Snapshot"]:
         """The snapshots a prefill publishes (all of them; a benchmark policy may filter)."""
@@ -448,63 +496,3 @@ class Snapshot:
     length: int
     layers: dict[int, tuple[dict, dict]]
     logits: mx.array | None
-
-
-def feed(rt, ids: list[int], start: int, stops: list[int], step_size: int, at_stop=None) -> mx.array:
-    """Forward ids[start:] in chunks of `step_size` ending at each stop; returns the last logits.
-
-    `at_stop(logits)` runs at every stop short of the end (to take a checkpoint).
-    """
-    return drain(feed_steps(rt, ids, start, stops, step_size, at_stop))[0]
-
-
-def feed_steps(rt, ids: list[int], start: int, stops: list[int], step_size: int, at_stop=None):
-    """`feed` as a generator: yields the tokens fed so far between two forwards (never after
-    the last); returns (the last logits, seconds spent in the forwards)."""
-    pos, last, seconds = start, None, 0.0
-    for stop in stops:
-        while pos < stop:
-            if pos > start:
-                yield pos
-            tic = time.perf_counter()
-            end = min(pos + step_size, stop)
-            out = rt.forward(ids[pos:end])
-            last = out[:, -1, :] * 1  # own buffer: do not pin the [S, vocab] logits
-            mx.eval(last, [layer.state for layer in rt.cache])
-            mx.clear_cache()
-            pos = end
-            if at_stop is not None and pos == stop < len(ids):
-                at_stop(last)
-            seconds += time.perf_counter() - tic  # not the time the caller spent between steps
-    return last, seconds
-
-
-def drain(steps):
-    """Run a generator to its end; its return value."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as stop:
-            return stop.value
-
-
-def check_prefill(rt, ids: list[int]) -> int:
-    """Validate a prefill request; returns how many prompt tokens the runtime already holds.
-
-    Raises:
-        BranchError: a branch is open, or the runtime holds tokens that are not a
-            strict prefix of the prompt.
-    """
-    if rt.depth:
-        raise BranchError(
-            f"prefill() with {rt.depth} open branch(es): commit or roll them back first "
-            "(speculative tokens are never published)"
-        )
-    held = rt.tokens
-    if len(held) >= len(ids) or held != ids[: len(held)]:
-        raise BranchError(
-            f"prefill() of {len(ids)} tokens on a runtime holding {len(held)} tokens that are not a "
-            "strict prefix of them; pass the whole prompt (held tokens first, at least one new), "
-            "or use a fresh Runtime (or a clone of one holding a prefix)"
-        )
-    return len(held)

@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..layers.protocol import CHECKPOINT, PAGES
-from .keys import chain_key, root_key
+from .keys import chain_key, domain_identity, root_key
 from .layout import Layout
 from .record import Record
 
@@ -85,23 +85,44 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class PromptKeys:
-    """Keys and specs of one prompt under one layout, and its node reads (one prefill or publish)."""
+    """Keys and specs of one prompt under one layout, and its reads (one lookup or publish).
 
-    def __init__(self, store, lay: Layout, ids: list[int], layers: list):
+    Attributes:
+        identity: the layout's identity in the prompt's isolation domain (`salt`); every key chains from it.
+        tiers: key -> the tier ("ram", "disk", "remote") each record read by `find_many` came from.
+    """
+
+    def __init__(self, store, lay: Layout, ids: list[int], layers: list, salt: bytes | str | None = None):
         self.store, self.lay, self.ids = store, lay, ids
         self.layers = layers  # the runtime's layers; only their persistence protocol is used
         self.P = lay.page_tokens
-        self.chain = [root_key(lay.identity)]
+        self.identity = domain_identity(lay.identity, salt)
+        self.chain = [root_key(self.identity)]
         for j in range(1, len(ids) // self.P + 1):
-            self.chain.append(chain_key(self.chain[-1], ids[(j - 1) * self.P : j * self.P], lay.identity))
+            self.chain.append(chain_key(self.chain[-1], ids[(j - 1) * self.P : j * self.P], self.identity))
         self._nodes: dict[int, Node] = {}
+        self._brought: set[bytes] = set()  # keys the remote sent ahead (`prefetch`), held locally since
+        self.tiers: dict[bytes, str] = {}
+
+    def prefetch(self, keys: list[bytes], specs: list[dict]) -> None:
+        """Ask the remote, in one round trip, for the keys no local tier holds."""
+        self._brought.update(self.store.prefetch(keys, specs))
+
+    def find_many(self, keys: list[bytes], specs: list[dict]) -> list[Record | None]:
+        """The records at keys (None where absent), noting in `tiers` where each came from."""
+        out = []
+        for key, found in zip(keys, self.store.find_many(keys, specs)):
+            if found is not None:
+                self.tiers[key] = "remote" if key in self._brought else found.tier
+            out.append(None if found is None else found.record)
+        return out
 
     def page_key(self, j: int) -> bytes:
         return PAGE + self.chain[j]
 
     def ckpt_key(self, r: int) -> bytes:
         j = r // self.P
-        return CKPT + chain_key(self.chain[j], self.ids[j * self.P : r], self.lay.identity)
+        return CKPT + chain_key(self.chain[j], self.ids[j * self.P : r], self.identity)
 
     def node_key(self, j: int) -> bytes:
         return NODE + self.chain[j]

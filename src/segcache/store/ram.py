@@ -2,14 +2,18 @@
 
 Putting a record is a dict insert: no copy and no compression. Records that
 leave RAM and are not on disk yet ("dirty") are handed, in one batch per
-eviction round, to a callback that suspends them to disk.
+eviction round, to a callback that suspends them to disk. It answers the
+tiers' interface (`tier.py`) and, for the store above it, keeps which records
+are dirty.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import warnings
+from typing import Callable, Sequence
 
-from ..errors import InvariantError
+from ..errors import InvariantError, StoreWarning
+from .codec import Expect, fits
 from .policy import eviction_key
 from .record import Record
 
@@ -18,6 +22,8 @@ SuspendFn = Callable[[list[tuple[bytes, Record]]], None]
 
 class RamTier:
     """Byte-bounded map of key -> Record with cost-aware eviction."""
+
+    name = "ram"
 
     def __init__(self, ram_bytes: int, on_evict: SuspendFn):
         self.budget = int(ram_bytes)
@@ -28,6 +34,8 @@ class RamTier:
         self._dirty: set[bytes] = set()  # subset of _items: not known to be on disk
         self.used = 0  # == sum(_nbytes.values()) <= budget between public calls
         self.evictions = 0  # records that left RAM for lack of room, since creation
+        self.reads = 0  # records served by get/get_many, since creation
+        self.corrupt = 0  # records dropped because they did not fit the layout asked for
         self._clock = 0  # strictly increasing use counter
 
     def __len__(self) -> int:
@@ -58,11 +66,28 @@ class RamTier:
         if self.used > self.budget:
             self._evict(self.budget)
 
-    def get(self, key: bytes) -> Record | None:
+    def get(self, key: bytes, expect: Expect | None = None) -> Record | None:
+        """The record at key (counting a use), or None; one that does not fit `expect` is dropped."""
         rec = self._items.get(key)
-        if rec is not None:
-            self._last[key] = self._tick()
+        if rec is None:
+            return None
+        if not fits(rec, expect):  # a caller changed its arrays after put, or a bug: never serve it
+            self.pop(key)
+            self.corrupt += 1
+            warnings.warn(f"segcache store: record {key.hex()[:16]} dropped from RAM: its arrays do not match "
+                          f"the layout {dict(expect)}", StoreWarning, stacklevel=4)
+            return None
+        self._last[key] = self._tick()
+        self.reads += 1
         return rec
+
+    def get_many(self, keys: Sequence[bytes], expects: Sequence[Expect | None] | None = None) -> list[Record | None]:
+        exp = expects if expects is not None else [None] * len(keys)
+        return [self.get(k, e) for k, e in zip(keys, exp)]
+
+    def delete(self, key: bytes) -> bool:
+        """Remove key without suspending it; whether it was held."""
+        return self.pop(key) is not None
 
     def peek(self, key: bytes) -> Record | None:
         """The record at key, without counting a use."""
@@ -108,6 +133,10 @@ class RamTier:
 
     def is_dirty(self, key: bytes) -> bool:
         return key in self._dirty
+
+    def stats(self) -> dict[str, int]:
+        return {"ram_reads": self.reads, "ram_evictions": self.evictions, "ram_corrupt": self.corrupt,
+                "ram_bytes": self.used, "ram_entries": len(self._items)}
 
     def check(self) -> None:
         """Raise InvariantError unless the bookkeeping agrees with itself and the budget."""

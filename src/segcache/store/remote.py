@@ -15,12 +15,17 @@ The remote is an accelerator, never a dependency:
   thread re-reads those records from the local tiers (``source``) and sends them,
   oldest first, when no fresh write waits. What overflows the backlog, or has
   left the local tiers by then, is dropped and counted;
-* values are the codec's records, byte for byte what LMDB holds: the store checks
-  them (codec, CRCs, key in the header, the caller's layout) before anything is
-  served, so this module moves bytes and keeps counters only.
+* values are the codec's records, byte for byte what LMDB holds, checked
+  (codec, CRCs, key in the header, the caller's layout) before anything is
+  served; a value that fails is a miss, counted in ``corrupt`` and deleted from
+  the remote so no host pays for it again;
+* a key the remote just lacked is not asked again for a second (one prefill's
+  reads then stay local).
 
-Keys are the store's content-chained keys under ``namespace``. One warning per
-outage (StoreWarning), not one per request.
+It answers the tiers' interface (`tier.py`) with records; `get_values` and
+`stream` are the byte-level reads below it. Keys are the store's
+content-chained keys under ``namespace``. One warning per outage
+(StoreWarning), not one per request.
 """
 
 from __future__ import annotations
@@ -33,7 +38,12 @@ import warnings
 from typing import Callable, Iterator, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
+import mlx.core as mx
+
 from ..errors import StoreError, StoreWarning
+from . import codec
+from .codec import Expect
+from .record import Record
 
 DEFAULT_TIMEOUT = 0.05  # seconds per round trip (the issue's per-lookup budget)
 DEFAULT_MAX_VALUE = 64 << 20  # bytes; larger records stay local
@@ -44,6 +54,8 @@ _BACKOFF_MIN = 0.25
 _WRITE_BATCH = 32  # records per write pipeline
 _WATCH_RETRIES = 4  # optimistic merges of one node before the update is dropped
 _MERGES_PER_KEY = 16  # node merges kept per key in the backlog (beyond: dropped)
+_ABSENT_SECONDS = 1.0  # a key the remote just lacked is not asked again for this long (one prefill)
+_ABSENT_MAX = 8192
 _RECV = 16 << 10  # bytes per read of reply headers: what it takes past a header is copied once more (values go straight to their buffer)
 
 
@@ -62,7 +74,8 @@ class RemoteTier:
 
     Counters (since open): ``reads`` values returned, ``writes`` values stored,
     ``errors`` failed round trips (down, timeout, full, refused), ``dropped``
-    writes given up (queue full, too large, remote down or failing).
+    writes given up (queue full, too large, remote down or failing), ``corrupt``
+    values that failed the record checks.
 
     Invariant: ``_down_until[path] > now`` exactly while that path ("read" or "write")
     backs off; during that time no call of that path reaches the network.
@@ -79,6 +92,7 @@ class RemoteTier:
         namespace: bytes = DEFAULT_NAMESPACE,
         backoff_max: float = 30.0,
         backlog: int = DEFAULT_BACKLOG,
+        compress: bool = False,
     ):
         try:
             import redis
@@ -105,7 +119,10 @@ class RemoteTier:
             url, socket_timeout=wt, socket_connect_timeout=wt, retry_on_timeout=False, health_check_interval=0,
         )
         self._lock = threading.Lock()  # counters and backoff state
-        self.reads = self.writes = self.errors = self.dropped = 0
+        self.reads = self.writes = self.errors = self.dropped = self.corrupt = 0
+        self.compress = compress  # records this tier encodes (put, update) use zstd where it pays
+        self._absent: dict[bytes, float] = {}  # key -> monotonic time the remote lacked it (lookups only)
+        self._corrupt_warned = False  # one warning for rejected values, then only the counter
         self._down_until = {"read": 0.0, "write": 0.0}  # per path: reads and writes back off apart
         self._backoff = {"read": 0.0, "write": 0.0}
         self._warned = False  # one warning per outage
@@ -156,9 +173,89 @@ class RemoteTier:
         """False while backing off after a failure."""
         return self._ok()
 
-    # -- reads --
+    # -- records (the tiers' interface) --
 
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | bytearray | None]:
+    name = "remote"
+
+    def get(self, key: bytes, expect: Expect | None = None) -> Record | None:
+        return self.get_many([key], [expect])[0]
+
+    def get_many(self, keys: Sequence[bytes], expects: Sequence[Expect | None] | None = None) -> list[Record | None]:
+        """The records at keys from ONE round trip, each checked as a disk read is (None where absent or bad).
+
+        Each value is checked and decoded as it arrives, while the next ones are on
+        the wire. Keys the remote lacked within the last second are not asked again.
+        """
+        exp = list(expects) if expects is not None else [None] * len(keys)
+        now = time.monotonic()
+        ask = [i for i, k in enumerate(keys) if now - self._absent.get(k, -1e9) > _ABSENT_SECONDS]
+        out: list[Record | None] = [None] * len(keys)
+        if not ask:
+            return out
+        answered = set()
+        for i, v in self.stream([keys[i] for i in ask], reuse=True):  # v: valid until the next value
+            i = ask[i]
+            answered.add(i)
+            rec = codec.decode_many([(v, keys[i], exp[i])])[0]
+            if isinstance(rec, Exception):
+                self._rejected(keys[i], rec)
+            else:
+                out[i] = rec
+        if len(self._absent) > _ABSENT_MAX:
+            self._absent.clear()
+        if self.up:  # an answer, not a failure: what it lacked is not asked again for a moment
+            for i in ask:
+                if i not in answered:
+                    self._absent[keys[i]] = now
+        return out
+
+    def _rejected(self, key: bytes, err: Exception) -> None:
+        with self._lock:
+            self.corrupt += 1
+            warn, self._corrupt_warned = not self._corrupt_warned, True
+        if warn:
+            warnings.warn(f"segcache store: remote record {key.hex()[:16]} rejected ({err}); treated as a miss and "
+                          f"deleted (further rejects only counted in remote_corrupt)", StoreWarning, stacklevel=5)
+        self.delete(key)
+
+    def put(self, key: bytes, record: Record) -> None:
+        """Queue a write-through of record (encoded on the writer thread; dropped and counted if the queue is full)."""
+        mx.eval(list(record.arrays.values()))  # MLX evaluates on the caller's stream, never on the writer thread
+        self._absent.pop(key, None)
+        compress = self.compress
+        self._offer(("put", key, lambda: codec.encode(record, key=key, compress=compress)))
+
+    def update(self, key: bytes, fn: Callable[[Record | None], Record | None]) -> None:
+        """Queue ``fn`` over the record at key, merged atomically on the remote (WATCH/MULTI).
+
+        The same merge the disk tier runs in its transaction: hosts extending one
+        node at once keep each other's changes; a value that fails the checks counts
+        as absent and is rewritten whole.
+        """
+        compress = self.compress
+
+        def on_bytes(value: bytes | None) -> bytes | None:
+            current = None
+            if value is not None:
+                r = codec.decode_many([(value, key, None)])[0]
+                current = None if isinstance(r, Exception) else r
+            new = fn(current)
+            return None if new is None else codec.encode(new, key=key, compress=compress)
+
+        self.merge(key, on_bytes)
+
+    def delete(self, key: bytes) -> bool:
+        """Queue a delete of key (skipped while the remote backs off); False: not known to be there."""
+        if not self._closed and self._ok("write"):
+            try:
+                self._queue.put_nowait(("del", key, None))
+            except queue.Full:
+                pass  # a cache: the value stays until overwritten or expired
+        return False
+
+    # -- bytes --
+
+    def get_values(self, keys: Sequence[bytes]) -> list[bytes | bytearray | None]:
         """The values at keys in ONE round trip (None where absent); all None if the remote is down."""
         out: list[bytes | bytearray | None] = [None] * len(keys)
         for i, v in self.stream(keys):
@@ -213,10 +310,6 @@ class RemoteTier:
             pool.release(conn)
 
     # -- writes (background) --
-
-    def put(self, key: bytes, encode: Callable[[], bytes]) -> bool:
-        """Queue a write of ``encode()`` under key (encoded on the writer thread); False if dropped."""
-        return self._offer(("put", key, encode))
 
     def merge(self, key: bytes, fn: Callable[[bytes | None], bytes | None]) -> bool:
         """Queue ``value = fn(current value)`` under key, atomically (WATCH/MULTI); False if dropped."""
@@ -304,9 +397,13 @@ class RemoteTier:
                     self._queue.task_done()
 
     def _write(self, batch: list) -> None:
+        dels = [key for op, key, _ in batch if op == "del"]
+        batch = [item for item in batch if item[0] != "del"]
         if not self._ok("write"):
             self._defer(batch)
             return
+        if dels:
+            self._send([], dels)
         puts = []
         for op, key, arg in batch:
             if op == "merge":
@@ -325,14 +422,16 @@ class RemoteTier:
         if puts and not self._send(puts):
             self._defer([("put", key, None) for key, _ in puts])
 
-    def _send(self, puts: list[tuple[bytes, bytes]]) -> bool:
-        """SET each (key, value) in one pipeline; False (backing off) if the remote failed."""
+    def _send(self, puts: list[tuple[bytes, bytes]], dels: Sequence[bytes] = ()) -> bool:
+        """SET each (key, value) (and DEL each of dels) in one pipeline; False (backing off) if the remote failed."""
         if not self._ok("write"):
             return False
         try:
             pipe = self._wclient.pipeline(transaction=False)
             for key, value in puts:
                 pipe.set(self.namespace + key, value, ex=self._ex())
+            if dels:
+                pipe.delete(*[self.namespace + k for k in dels])
             pipe.execute()
         except self._redis.RedisError as e:  # OOM under noeviction, down, timeout
             self._failed("a write", e, "write")
@@ -456,7 +555,7 @@ class RemoteTier:
     def stats(self) -> dict:
         with self._lock:
             return {"remote_reads": self.reads, "remote_writes": self.writes, "remote_errors": self.errors,
-                    "remote_dropped": self.dropped, "remote_queued": self._queue.qsize(),
+                    "remote_dropped": self.dropped, "remote_corrupt": self.corrupt, "remote_queued": self._queue.qsize(),
                     "remote_backlog": len(self._backlog) + self._taken, "remote_caught_up": self.caught_up}
 
     def close(self, timeout: float = 5.0) -> None:

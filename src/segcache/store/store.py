@@ -1,12 +1,14 @@
 """`PrefixStore`: the tiers (RAM -> LMDB -> optional remote) behind one key -> Record API.
 
-RAM holds decoded records and takes writes without copying or compressing.
-What RAM evicts, and everything still dirty at `flush`/`close`, is encoded
-(compressed where it pays) and written to LMDB in a few large transactions.
-A RAM miss reads disk and promotes the record to RAM. With a remote tier
-(`remote.py`), puts and node updates are also written through in the background,
-and a miss in both local tiers asks the remote, checks the value exactly as a disk
-value is checked, and fills RAM (from where it reaches disk like any record).
+Every tier answers the same interface (`tier.py`); a read asks them in order,
+fastest first, and says which one answered (`find_many`). RAM holds decoded
+records and takes writes without copying or compressing. What RAM evicts, and
+everything still dirty at `flush`/`close`, is encoded (compressed where it
+pays) and written to LMDB in a few large transactions. A RAM miss reads disk
+and promotes the record to RAM. With a remote tier (`remote.py`), puts and
+node updates are also written through in the background, and a miss in both
+local tiers asks the remote, which checks the value exactly as a disk value is
+checked; it fills RAM (from where it reaches disk like any record).
 """
 
 from __future__ import annotations
@@ -21,25 +23,20 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import lmdb
 import mlx.core as mx
 import msgpack
 
 from ..errors import StoreError, StoreWarning
-from ..spec import conforms
 from . import codec
 from .codec import Expect
-from .disk import MAX_KEY, DiskTier, Entry
-from .policy import safe_cost
+from .disk import MAX_KEY, DiskTier
 from .ram import RamTier
 from .record import Record
 from .remote import Busy, RemoteTier
-
-_BATCH_BYTES = 256 << 20  # encoded bytes per LMDB write transaction when suspending
-_ABSENT_SECONDS = 1.0  # a key the remote just lacked is not asked again for this long (one prefill)
-_ABSENT_MAX = 8192
+from .tier import Tier
 
 
 @dataclass(frozen=True)
@@ -78,15 +75,14 @@ def _validate(key: bytes, record: Record) -> None:
         raise StoreError(f"Record.meta must be msgpack-able plain values ({e})") from e
 
 
-def _fits(record: Record, expect: Expect | None) -> bool:
-    """Whether every array of record has the dtype and shape that expect lists for it."""
-    if expect is None:
-        return True
-    for name, a in record.arrays.items():
-        want = expect.get(name)
-        if want is None or not conforms(codec._NAME_OF.get(a.dtype, ""), a.shape, want):
-            return False
-    return True
+_REMOTE_STATS = ("remote_reads", "remote_writes", "remote_errors", "remote_dropped", "remote_backlog", "remote_corrupt")  # 0 without a remote
+
+
+class Found(NamedTuple):
+    """A record and the tier that served it ("ram", "disk" or "remote")."""
+
+    record: Record
+    tier: str
 
 
 def salt_digest(salt: bytes | str | None) -> str | None:
@@ -134,12 +130,8 @@ class PrefixStore:
         self._hits = self._misses = self._hit_tokens = 0
         self._prefills = self._prefill_tokens = 0
         self._errors = 0  # store failures degraded to a miss or a skipped publish
-        self._ram_reads = 0  # records served from the RAM tier
-        self._disk_reads = 0  # records read from disk (and promoted to RAM)
         self._remote = remote
-        self._remote_corrupt = 0  # remote values that failed the record checks (a miss, never served)
-        self._remote_warned = False
-        self._absent: dict[bytes, float] = {}  # key -> monotonic time the remote lacked it
+        self._tiers: tuple[Tier, ...] = (self._ram, self._disk) + ((remote,) if remote is not None else ())  # fastest first
         self._closed = False
         if remote is not None:
             remote.source = self._remote_source
@@ -169,37 +161,8 @@ class PrefixStore:
     # -- suspend to disk ----------------------------------------------------
 
     def _suspend(self, items: list[tuple[bytes, Record]]) -> set[bytes]:
-        """Encode and write records in few transactions; returns the keys now on disk.
-
-        Never raises: a record that cannot be written is counted in `dropped` and
-        warned about (RAM eviction calls this after the records left RAM).
-        """
-        written: set[bytes] = set()
-        batch, size = [], 0
-        now = time.time()
-        for key, rec in items:
-            try:
-                value = codec.encode(rec, key=key, compress=self.compress)
-            except StoreError as e:  # validated at put, so this is a bug or a changed array
-                warnings.warn(f"segcache store: not suspending {key.hex()[:16]}: {e}", StoreWarning, stacklevel=2)
-                self._disk.dropped += 1
-                continue
-            batch.append((key, value, Entry(key, rec.tokens, len(value), rec.kind, now, safe_cost(rec.cost), now, rec.parent)))
-            size += len(value)
-            if size >= _BATCH_BYTES:
-                written.update(self._write(batch))
-                batch, size = [], 0
-        if batch:
-            written.update(self._write(batch))
-        return written
-
-    def _write(self, batch) -> list[bytes]:
-        try:
-            return self._disk.put_many(batch)
-        except (lmdb.Error, StoreError, OSError) as e:  # e.g. the file system is full: a cache may lose entries
-            warnings.warn(f"segcache store: {len(batch)} records not written to {self.path}: {e}", StoreWarning, stacklevel=3)
-            self._disk.dropped += len(batch)
-            return []
+        """Write records RAM evicts (or flushes) to disk; returns the keys now there. Never raises."""
+        return self._disk.write(items)
 
     # -- public API ---------------------------------------------------------
 
@@ -213,12 +176,9 @@ class PrefixStore:
             self._check_open()
             _validate(key, record)
             mx.eval(list(record.arrays.values()))
-            self._disk.renew(key)
             self._ram.put(key, record)
             if self._remote is not None:
-                self._absent.pop(key, None)
-                compress = self.compress
-                self._remote.put(key, lambda: codec.encode(record, key=key, compress=compress))
+                self._remote.put(key, record)
 
     def get(self, key: bytes, *, count: bool = True, expect: Expect | None = None) -> Record | None:
         """Return the record at key, or None. RAM first; a disk hit is promoted to RAM.
@@ -246,59 +206,62 @@ class PrefixStore:
             expects: Per key, the layout of `get`'s ``expect``, or None.
             count: Count each lookup in `hits`/`misses` (default off: the prefix cache counts prefills).
         """
-        with self._lock:
-            self._check_open()
-            keys = list(keys)
-            exp = list(expects) if expects is not None else [None] * len(keys)
-            if len(exp) != len(keys):
-                raise StoreError(f"get_many got {len(keys)} keys and {len(exp)} expects; pass one expect per key")
-            out: list[Record | None] = [None] * len(keys)
-            todo = []
-            for i, k in enumerate(keys):
-                rec = self._ram.get(k)
-                if rec is None:
-                    todo.append(i)
-                elif not _fits(rec, exp[i]):
-                    self._drop_misfit(k, exp[i])
-                else:
-                    self._ram_reads += 1
-                    out[i] = rec
-            if todo:
-                with _store_errors(self.path, "reading"):
-                    if len(todo) == 1:
-                        got = [self._disk.get(keys[todo[0]], exp[todo[0]])]
-                    else:
-                        got = self._disk.get_many([keys[i] for i in todo], [exp[i] for i in todo])
-                for i, rec in zip(todo, got):
-                    if rec is not None:
-                        self._disk_reads += 1
-                        self._ram.put(keys[i], rec, dirty=False)
-                        out[i] = rec
-                todo = [i for i in todo if out[i] is None]
-            if todo and self._remote is not None:
-                for i, rec in zip(todo, self._from_remote([keys[i] for i in todo], [exp[i] for i in todo])):
-                    out[i] = rec
-            if count:
+        found = self.find_many(keys, expects)
+        out = [None if f is None else f.record for f in found]
+        if count:
+            with self._lock:
                 for rec in out:
                     if rec is None:
                         self._misses += 1
                     else:
                         self._hits += 1
                         self._hit_tokens += rec.tokens
+        return out
+
+    def find_many(self, keys: Sequence[bytes], expects: Sequence[Expect | None] | None = None) -> list[Found | None]:
+        """`get_many` that also says which tier served each record (nothing is counted as a hit).
+
+        Asks the tiers fastest first, each for what the faster ones lacked (disk in
+        one transaction, the remote in one round trip); what a slower tier serves is
+        promoted to RAM (a remote record dirty: it reaches this host's disk too).
+        """
+        with self._lock:
+            self._check_open()
+            keys = list(keys)
+            exp = list(expects) if expects is not None else [None] * len(keys)
+            if len(exp) != len(keys):
+                raise StoreError(f"get_many got {len(keys)} keys and {len(exp)} expects; pass one expect per key")
+            out: list[Found | None] = [None] * len(keys)
+            todo = list(range(len(keys)))
+            with _store_errors(self.path, "reading"):
+                for tier in self._tiers:
+                    if not todo:
+                        break
+                    got = self._ask(tier, [keys[i] for i in todo], [exp[i] for i in todo])
+                    for i, rec in zip(todo, got):
+                        if rec is not None:
+                            out[i] = Found(rec, tier.name)
+                            if tier is not self._ram:
+                                self._ram.put(keys[i], rec, dirty=tier is self._remote)
+                    todo = [i for i in todo if out[i] is None]
             return out
 
-    def prefetch(self, keys: Sequence[bytes], expects: Sequence[Expect | None] | None = None) -> int:
+    @staticmethod
+    def _ask(tier: Tier, keys: list[bytes], expects: list[Expect | None]) -> list[Record | None]:
+        return [tier.get(keys[0], expects[0])] if len(keys) == 1 else tier.get_many(keys, expects)
+
+    def prefetch(self, keys: Sequence[bytes], expects: Sequence[Expect | None] | None = None) -> dict[bytes, Record]:
         """Bring the keys that neither local tier holds from the remote, in ONE round trip.
 
         What the remote returns is checked like a disk read (codec, CRCs, key, layout)
         and fills RAM; keys it lacks are not asked again for a moment, so the lookups
-        that follow stay local. Without a remote this does nothing. Returns the count
-        of records brought.
+        that follow stay local. Without a remote this does nothing. Returns the
+        records brought, by key.
         """
         with self._lock:
             self._check_open()
             if self._remote is None:
-                return 0
+                return {}
             exp = list(expects) if expects is not None else [None] * len(keys)
             keys = list(keys)
             local = [k in self._ram for k in keys]
@@ -306,38 +269,13 @@ class PrefixStore:
             with _store_errors(self.path, "reading"):
                 on_disk = dict(zip(ask, self._disk.contains_many(ask))) if ask else {}
             todo = [(k, e) for k, e, held in zip(keys, exp, local) if not held and not on_disk[k]]
-            got = self._from_remote([k for k, _ in todo], [e for _, e in todo])
-            return sum(r is not None for r in got)
-
-    def _from_remote(self, keys: list[bytes], expects: list[Expect | None]) -> list[Record | None]:
-        """Read keys from the remote (one round trip), check them, and fill RAM with the good ones."""
-        now = time.monotonic()
-        ask = [i for i, k in enumerate(keys) if now - self._absent.get(k, -1e9) > _ABSENT_SECONDS]
-        out: list[Record | None] = [None] * len(keys)
-        if not ask:
+            got = self._remote.get_many([k for k, _ in todo], [e for _, e in todo])
+            out = {}
+            for (k, _), rec in zip(todo, got):
+                if rec is not None:
+                    self._ram.put(k, rec)  # dirty: it reaches this host's disk like a local record
+                    out[k] = rec
             return out
-        # Each value is checked and decoded as it arrives, while the next ones are on the wire.
-        answered = set()
-        for i, v in self._remote.stream([keys[i] for i in ask], reuse=True):  # v: valid until the next value
-            i = ask[i]
-            answered.add(i)
-            rec = codec.decode_many([(v, keys[i], expects[i])])[0]
-            if isinstance(rec, Exception):
-                self._remote_corrupt += 1
-                if not self._remote_warned:
-                    self._remote_warned = True
-                    warnings.warn(f"segcache store: remote record {keys[i].hex()[:16]} rejected ({rec}); "
-                                  f"treated as a miss (further rejects only counted in remote_corrupt)", StoreWarning, stacklevel=4)
-                continue
-            self._ram.put(keys[i], rec)  # dirty: it reaches this host's disk like a local record
-            out[i] = rec
-        if len(self._absent) > _ABSENT_MAX:
-            self._absent.clear()
-        if self._remote.up:  # an answer, not a failure: what it lacked is not asked again for a moment
-            for i in ask:
-                if i not in answered:
-                    self._absent[keys[i]] = now
-        return out
 
     def _remote_source(self, key: bytes) -> bytes | None:
         """The value to send the remote late for key (the writer thread's catch-up), or None if gone.
@@ -362,14 +300,6 @@ class PrefixStore:
             return codec.encode(rec, key=key, compress=self.compress)
         except StoreError:
             return None
-
-    def _drop_misfit(self, key: bytes, expect: Expect) -> None:
-        """A RAM record that does not fit the caller's layout: drop it like a corrupt disk record."""
-        self._ram.pop(key)
-        with _store_errors(self.path, "dropping a record"):
-            self._disk.delete(key)
-        self._disk.corrupt_dropped += 1
-        self._disk._report(key, StoreError(f"its arrays do not match the layout {dict(expect)}"))
 
     def update(self, key: bytes, fn: Callable[[Record | None], Record | None]) -> Record | None:
         """Atomically replace the record at key by ``fn(current)``, across processes.
@@ -404,7 +334,7 @@ class PrefixStore:
             self._check_open()
             _validate(key, Record("", 0))
             if self._ram.is_dirty(key):  # ours and not on disk yet: disk must hold it before we read
-                rec = self._ram.get(key)
+                rec = self._ram.peek(key)
                 if key in self._suspend([(key, rec)]):
                     self._ram.mark_clean([key])
             with _store_errors(self.path, f"update of {key.hex()[:16]}"):
@@ -414,27 +344,8 @@ class PrefixStore:
             else:
                 self._ram.put(key, rec, dirty=False)
                 if self._remote is not None:
-                    self._remote.merge(key, self._remote_merge(key, checked))
+                    self._remote.update(key, checked)  # the same merge, on the remote's value
             return rec
-
-    def _remote_merge(self, key: bytes, fn: Callable[[Record | None], Record | None]) -> Callable[[bytes | None], bytes | None]:
-        """fn over the remote's value (runs on the writer thread): the same merge as on disk.
-
-        Hosts merge into the remote value with an optimistic transaction, so concurrent
-        updates of one key keep each other's changes; a value that fails the checks
-        counts as absent and is rewritten whole.
-        """
-        compress = self.compress
-
-        def on_bytes(value: bytes | None) -> bytes | None:
-            current = None
-            if value is not None:
-                r = codec.decode_many([(value, key, None)])[0]
-                current = None if isinstance(r, Exception) else r
-            new = fn(current)
-            return None if new is None else codec.encode(new, key=key, compress=compress)
-
-        return on_bytes
 
     def note_prefill(self, tokens: int, hit_tokens: int) -> None:
         """Count one prefill of `tokens` tokens that resumed `hit_tokens` of them from the store."""
@@ -462,12 +373,12 @@ class PrefixStore:
         return self.contains(key)
 
     def delete(self, key: bytes) -> bool:
-        """Remove key from both tiers; returns whether it was present."""
+        """Remove key from the local tiers (RAM and disk; the remote is shared); returns whether it was present."""
         with self._lock:
             self._check_open()
             with _store_errors(self.path, "delete"):
                 on_disk = self._disk.delete(key)
-            return (self._ram.pop(key) is not None) or on_disk
+            return self._ram.delete(key) or on_disk
 
     def flush(self) -> None:
         """Write every RAM record not yet on disk (they stay in RAM, now clean).
@@ -504,8 +415,15 @@ class PrefixStore:
         cache (one each; ``hit_tokens`` = tokens resumed instead of computed)
         plus direct counted ``get`` calls; ``prefills``/``prefill_tokens`` the
         prefills and their prompt tokens; ``errors`` store failures that a
-        prefill or publish turned into a miss; ``ram_reads``/``disk_reads`` the
-        records each tier served (a disk read is promoted to RAM).
+        prefill or publish turned into a miss; then each tier's own counters
+        (`tier.py`): ``ram_reads``/``disk_reads`` the records each tier served (a
+        disk read is promoted to RAM), ``ram_evictions``/``disk_evictions``
+        (``evictions`` both), ``ram_corrupt``/``disk_corrupt`` records dropped as
+        damaged (``corrupt_dropped`` both), ``disk_dropped`` (``dropped``) writes
+        given up; ``ram_bytes``/``disk_bytes`` and ``*_entries`` the sizes, ``entries``
+        the records held in either; ``disk_page_bytes`` the pages the disk tier's
+        records really take and ``disk_file_bytes`` the size of data.mdb (what
+        ``disk_bytes`` the budget bounds).
         ``remote_reads``/``remote_writes`` the records the remote served and
         stored, ``remote_errors`` its failed round trips (down, slow, full),
         ``remote_dropped`` write-throughs given up for good (queue full, too large,
@@ -520,33 +438,22 @@ class PrefixStore:
                 return self._stats()
 
     def _stats(self) -> dict:
+        st = {name: 0 for name in _REMOTE_STATS}
+        for tier in self._tiers:
+            st.update(tier.stats())
         ram_only = sum(1 for k in self._ram.keys() if self._ram.is_dirty(k) and not self._disk.contains(k))
-        return {
+        return st | {
             "hits": self._hits,
             "misses": self._misses,
             "hit_tokens": self._hit_tokens,
-            "evictions": self._ram.evictions + self._disk.evictions,
-            "ram_evictions": self._ram.evictions,
-            "disk_evictions": self._disk.evictions,
             "prefills": self._prefills,
             "prefill_tokens": self._prefill_tokens,
             "errors": self._errors,
-            "ram_reads": self._ram_reads,
-            "disk_reads": self._disk_reads,
-            "corrupt_dropped": self._disk.corrupt_dropped,
-            "dropped": self._disk.dropped,
-            "ram_bytes": self._ram.used,
-            "ram_entries": len(self._ram),
-            "disk_bytes": self._disk.used_bytes(),
-            "disk_entries": self._disk.count(),
-            "entries": self._disk.count() + ram_only,
-            **self._remote_stats(),
+            "evictions": st["ram_evictions"] + st["disk_evictions"],
+            "corrupt_dropped": st["ram_corrupt"] + st["disk_corrupt"],
+            "dropped": st["disk_dropped"],
+            "entries": st["disk_entries"] + ram_only,
         }
-
-    def _remote_stats(self) -> dict:
-        r = self._remote.stats() if self._remote is not None else {}
-        return {name: r.get(name, 0) for name in ("remote_reads", "remote_writes", "remote_errors", "remote_dropped", "remote_backlog")} | {
-            "remote_corrupt": self._remote_corrupt}
 
     def remote_info(self) -> dict | None:
         """The remote's reachability, keys under this namespace, memory and eviction policy (None without one)."""
@@ -565,7 +472,7 @@ class PrefixStore:
             now = time.time()
             for k in self._ram.keys():
                 if k not in on_disk:
-                    r = self._ram.get(k)
+                    r = self._ram.peek(k)
                     out.append(EntryInfo(k, r.tokens, r.nbytes, r.kind, now, "ram"))
             return out
 
@@ -576,11 +483,18 @@ class PrefixStore:
             with _store_errors(self.path, "verify"):
                 return self._disk.verify()
 
-    def gc(self, max_bytes: int) -> int:
+    def gc(self, max_bytes: int, *, file: bool = False) -> int:
         """Evict disk records until the disk tier holds <= max_bytes; returns the count.
 
         Leaves go first (records no stored record names as parent), least useful per
         byte and oldest first among them, so no record is left without its parent.
+        Then, if data.mdb is larger than max_bytes and no other process has the store
+        open, it is rewritten without its free pages (LMDB never shrinks it itself).
+
+        Args:
+            max_bytes: bytes of record values to keep at most.
+            file: also evict until the pages the records take (LMDB's own count, more
+                than their values) fit max_bytes, so the rewritten file does too.
 
         Raises:
             StoreError: max_bytes < 0 (nothing is evicted).
@@ -588,7 +502,7 @@ class PrefixStore:
         with self._lock:
             self._check_open()
             with _store_errors(self.path, "gc"):
-                return self._disk.gc(max_bytes)
+                return self._disk.gc(max_bytes, pages=max_bytes if file else None)
 
     def check(self) -> None:
         """Raise InvariantError unless both tiers are consistent and within budget."""
@@ -665,7 +579,8 @@ def open_store(
     Args:
         path: Directory of the store.
         ram_bytes: Budget of the RAM tier (array bytes).
-        disk_bytes: Budget of the disk tier (encoded bytes).
+        disk_bytes: Budget of the disk tier: of data.mdb's size (at least 1 MiB) and of the
+            encoded records in it (docs/format.md, "Budgets and eviction").
         page_tokens: Tokens per KV page; part of key derivation.
         salt: Optional salt mixed into model identities (separates tenants).
         compress: Compress records with zstd where it saves >= 5%. Off by default:
@@ -698,7 +613,7 @@ def open_store(
     if remote:
         ns = remote_namespace.encode() if isinstance(remote_namespace, str) else bytes(remote_namespace)
         tier = RemoteTier(remote, timeout=remote_timeout, ttl=remote_ttl, max_value=remote_max_value, queue_size=remote_queue, namespace=ns,
-                          backlog=remote_backlog)
+                          backlog=remote_backlog, compress=compress)
     try:
         return PrefixStore(
             path, ram_bytes=ram_bytes, disk_bytes=disk_bytes, page_tokens=page_tokens, salt=salt, compress=compress,

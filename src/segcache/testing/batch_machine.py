@@ -11,7 +11,7 @@ every step `check()` runs and each row's ids equal the reference ids.
 
 On a sliding-window model give `prompt` (longest joining prompt) and `chunk`
 (longest forward) past the window, so rows pass it, branches straddle its
-edge and the batched layer compacts (`batch/window.py`).
+edge and the batched layer compacts (`layers/window.py`: `BatchWindowLayer`).
 """
 
 from __future__ import annotations

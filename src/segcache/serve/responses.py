@@ -1,0 +1,289 @@
+"""OpenAI's Responses API, stateless: POST /v1/responses (whole and streamed).
+
+The whole conversation comes in `input` every time (the prefix cache makes
+resending it cheap), so `previous_response_id` and `conversation` are refused
+with a 400 and no response is stored. A request becomes the pipeline's
+`ChatTurn`:
+
+    instructions                 -> a system message first
+    input: a string              -> one user message
+    input items: message         -> a message of its role (input_text / output_text parts joined)
+                 reasoning       -> reasoning_content of the assistant message that follows
+                 function_call   -> a tool call of the assistant message (consecutive calls: one message)
+                 function_call_output -> a tool message
+    tools (function), tool_choice, parallel_tool_calls, max_output_tokens,
+    temperature, top_p, reasoning.effort (the template's reasoning_effort)
+
+and its output pieces become output items in order: reasoning (reasoning_text
+content), message (output_text), function_call. Streams send
+response.created, response.in_progress, then per item output_item.added,
+its deltas (response.reasoning_text.delta, response.output_text.delta,
+response.function_call_arguments.delta) and .done events, output_item.done,
+and response.completed (response.incomplete when max_output_tokens cut it).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING, Optional
+
+from starlette.responses import JSONResponse, Response
+
+from . import schemas
+from .chat import template_messages
+from .engine import Chunk, Failure, Finish
+from .errors import APIError
+from .output import Call, Text
+from .pipeline import ChatTurn, ClientGone, failed
+from .shapes import sse
+
+if TYPE_CHECKING:
+    from .app import Server
+    from .pipeline import Run
+
+
+def _id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex[:24]
+
+
+def turn(req: schemas.ResponsesRequest) -> ChatTurn:
+    """The pipeline's turn for a Responses request."""
+    messages: list[dict] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    items = [schemas.InputMessage(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+    reasoning: list[str] = []
+    open_call = False  # the last message is an assistant message that function_call items join
+    for i, item in enumerate(items):
+        if isinstance(item, schemas.ReasoningItem):
+            reasoning.append(item.text())
+            continue
+        if isinstance(item, schemas.FunctionCallItem):
+            try:
+                args = json.loads(item.arguments) if item.arguments else {}
+            except json.JSONDecodeError:
+                raise APIError(400, f"'input.{i}.arguments' is not JSON text", param=f"input.{i}.arguments") from None
+            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": args}}
+            if not open_call:
+                messages.append({"role": "assistant", "content": ""})
+                open_call = True
+            messages[-1].setdefault("tool_calls", []).append(call)
+        elif isinstance(item, schemas.FunctionCallOutputItem):
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+            open_call = False
+        else:
+            messages.append({"role": item.role, "content": item.text()})
+            open_call = item.role == "assistant"
+        if reasoning and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning_content"] = "".join(reasoning)
+            reasoning = []
+    tools = None
+    if req.tools:
+        tools = []
+        for t in req.tools:
+            fn = {"name": t.name}
+            if t.description is not None:
+                fn["description"] = t.description
+            if t.parameters is not None:
+                fn["parameters"] = t.parameters
+            tools.append({"type": "function", "function": fn})
+    choice = req.tool_choice.name if isinstance(req.tool_choice, schemas.ResponsesToolChoice) else req.tool_choice
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning is not None and req.reasoning.effort is not None:
+        kwargs.setdefault("reasoning_effort", req.reasoning.effort)
+    return ChatTurn(messages=template_messages(messages), tools=tools, tool_choice=choice,
+                    parallel=req.parallel_tool_calls is not False, template_kwargs=kwargs,
+                    max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p, param="input",
+                    cache_salt=req.cache_salt)
+
+
+class _Response:
+    """The response object of one request, as it grows."""
+
+    def __init__(self, server: "Server", req: schemas.ResponsesRequest):
+        self.id = _id("resp_")
+        self.created = int(time.time())
+        self.req = req
+        self.model = server.settings.served_name
+        self.output: list[dict] = []
+
+    def body(self, status: str, usage=None, incomplete: Optional[str] = None) -> dict:
+        r = self.req
+        choice = r.tool_choice
+        if isinstance(choice, schemas.ResponsesToolChoice):
+            choice = {"type": "function", "name": choice.name}
+        body = {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
+            "incomplete_details": {"reason": incomplete} if incomplete else None,
+            "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "model": self.model,
+            "output": self.output, "parallel_tool_calls": r.parallel_tool_calls is not False,
+            "previous_response_id": None,
+            "reasoning": {"effort": r.reasoning.effort if r.reasoning else None, "summary": None},
+            "store": False, "temperature": r.temperature, "text": {"format": {"type": "text"}},
+            "tool_choice": choice or "auto",
+            "tools": [t.model_dump(exclude_none=True) for t in r.tools or []],
+            "top_p": r.top_p, "truncation": "disabled", "usage": None, "metadata": {},
+        }
+        if usage is not None:
+            body["usage"] = {
+                "input_tokens": usage.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+                "output_tokens": usage.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            }
+        return body
+
+
+def _item(piece, status: str = "completed") -> dict:
+    if isinstance(piece, Call):
+        return {"type": "function_call", "id": _id("fc_"), "call_id": piece.id, "name": piece.name,
+                "arguments": piece.arguments, "status": status}
+    if piece.reasoning:
+        return {"type": "reasoning", "id": _id("rs_"), "summary": [],
+                "content": [{"type": "reasoning_text", "text": piece.text}], "status": status}
+    return {"type": "message", "id": _id("msg_"), "role": "assistant", "status": status,
+            "content": [{"type": "output_text", "text": piece.text, "annotations": [], "logprobs": []}]}
+
+
+def output_items(pieces) -> list[dict]:
+    """Output items of a whole answer (whitespace-only messages between other items dropped)."""
+    items: list[dict] = []
+    for p in pieces:
+        last = items[-1] if items else None
+        if isinstance(p, Text) and last is not None and last["type"] == ("reasoning" if p.reasoning else "message"):
+            last["content"][0]["text"] += p.text
+        else:
+            items.append(_item(p))
+    return [it for it in items if it["type"] != "message" or it["content"][0]["text"].strip()]
+
+
+async def create(server: "Server", request, raw: bytes, key) -> Response:
+    req = schemas.parse(raw, schemas.ResponsesRequest)
+    server._check_model(req.model)
+    run = await server.start_chat(turn(req), "resp", key)
+    resp = _Response(server, req)
+    if req.stream:
+        return server._sse(_stream(run, resp), run)
+    try:
+        pieces, _, finish = await run.collect(request)
+    except ClientGone:
+        return Response(status_code=499)
+    resp.output = output_items(pieces)
+    cut = finish.reason == "length"
+    return JSONResponse(resp.body("incomplete" if cut else "completed", finish.usage,
+                                  "max_output_tokens" if cut else None))
+
+
+class _Events:
+    """Numbered events of one streamed response, and the item being streamed."""
+
+    def __init__(self, resp: _Response):
+        self.resp = resp
+        self.seq = 0
+        self.item: Optional[dict] = None  # the open reasoning or message item
+        self.pending = ""  # whitespace-only text, sent only if more text follows
+
+    def event(self, kind: str, **fields) -> str:
+        body = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return sse(body, kind)
+
+    def feed(self, pieces) -> list[str]:
+        out = []
+        for p in pieces:
+            if isinstance(p, Call):
+                self.pending = ""
+                out += self._close()
+                item = _item(p, "in_progress")
+                index = len(self.resp.output)
+                self.resp.output.append(item)
+                out.append(self.event("response.output_item.added", output_index=index,
+                                      item=dict(item, arguments="")))
+                out.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
+                                      output_index=index, delta=p.arguments))
+                out.append(self.event("response.function_call_arguments.done", item_id=item["id"],
+                                      output_index=index, arguments=p.arguments, name=p.name))
+                item["status"] = "completed"
+                out.append(self.event("response.output_item.done", output_index=index, item=item))
+                continue
+            kind = "reasoning" if p.reasoning else "message"
+            text = p.text
+            open_kind = self.item["type"] if self.item else None
+            if kind == "message" and open_kind != "message":
+                text = self.pending + text
+                if not text.strip():
+                    self.pending = text
+                    continue
+                self.pending = ""
+            if open_kind != kind:
+                out += self._close()
+                out += self._open(p)
+            index = len(self.resp.output) - 1
+            part = self.item["content"][0]
+            part["text"] += text
+            if p.reasoning:
+                out.append(self.event("response.reasoning_text.delta", item_id=self.item["id"], output_index=index,
+                                      content_index=0, delta=text))
+            else:
+                out.append(self.event("response.output_text.delta", item_id=self.item["id"], output_index=index,
+                                      content_index=0, delta=text, logprobs=[]))
+        return out
+
+    def _open(self, piece: Text) -> list[str]:
+        item = _item(Text("", piece.reasoning), "in_progress")
+        index = len(self.resp.output)
+        self.resp.output.append(item)
+        self.item = item
+        empty = dict(item, content=[])
+        out = [self.event("response.output_item.added", output_index=index, item=empty)]
+        if not piece.reasoning:
+            out.append(self.event("response.content_part.added", item_id=item["id"], output_index=index,
+                                  content_index=0, part=dict(item["content"][0])))
+        return out
+
+    def _close(self) -> list[str]:
+        item, self.item = self.item, None
+        if item is None:
+            return []
+        index = self.resp.output.index(item)
+        part = item["content"][0]
+        if item["type"] == "reasoning":
+            out = [self.event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                              content_index=0, text=part["text"])]
+        else:
+            out = [self.event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                              text=part["text"], logprobs=[]),
+                   self.event("response.content_part.done", item_id=item["id"], output_index=index,
+                              content_index=0, part=part)]
+        item["status"] = "completed"
+        out.append(self.event("response.output_item.done", output_index=index, item=item))
+        return out
+
+    def close(self) -> list[str]:
+        return self._close()
+
+
+async def _stream(run: "Run", resp: _Response):
+    split = run.splitter()
+    ev = _Events(resp)
+    yield ev.event("response.created", response=resp.body("in_progress"))
+    yield ev.event("response.in_progress", response=resp.body("in_progress"))
+    async for event in run.events_of():
+        if isinstance(event, Chunk):
+            for line in ev.feed(split.feed(event.text)):
+                yield line
+        elif isinstance(event, Finish):
+            for line in ev.feed(split.close()) + ev.close():
+                yield line
+            if event.reason == "length":
+                yield ev.event("response.incomplete", response=resp.body("incomplete", event.usage,
+                                                                         "max_output_tokens"))
+            else:
+                yield ev.event("response.completed", response=resp.body("completed", event.usage))
+        elif isinstance(event, Failure):
+            body = resp.body("failed")
+            body["error"] = {"code": "server_error", "message": failed(run.gen.id).message}
+            yield ev.event("response.failed", response=body)
