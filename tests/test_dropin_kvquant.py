@@ -255,3 +255,25 @@ def test_the_serve_engine_quantizes_target_and_draft_one_row_at_a_time(target, i
     assert len(made) == 4 and made[:2] == [None, None]  # no draft model: no draft runtime
     for drt in made[2:]:
         assert drt.kv_quantization == kv and any(type(c) is QuantizedKVLayer for c in drt.cache)
+
+
+def test_undo_across_the_switch_puts_the_unquantized_layers_back():
+    """A savepoint taken before the forward that switched (a distributed step that is abandoned)
+    returns to the full-precision layers as they were; the next forward switches again, as mlx-lm."""
+    model = models.build("llama", head_dim=32)
+    rt = Runtime(model, kv_bits=4, kv_group_size=32, quantized_kv_start=4)
+    rt.forward([1, 2, 3])
+    point = rt.savepoint()
+    rt.forward([4, 5])
+    assert all(type(c) is QuantizedKVLayer for c in rt.cache)
+    rt.undo(point)
+    del point
+    assert all(type(c) is KVLayer for c in rt.cache) and rt.offset == 3 and rt.tokens == [1, 2, 3]
+    rt.check()
+    ref = make_prompt_cache(model)
+    model(mx.array([[1, 2, 3]]), cache=ref)
+    want = model(mx.array([[6, 7]]), cache=ref)
+    maybe_quantize_kv_cache(ref, 4, 32, 4)
+    assert same(rt.forward([6, 7]), want)
+    assert all(same(a, b) for a, b in zip(_quantized(rt.cache), _quantized(ref)))
+    rt.check()

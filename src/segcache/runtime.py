@@ -376,10 +376,7 @@ class Runtime:
             )
         self._own_layers("undo")
         if self._layers != point.own:  # kv_bits quantized layers since: the layers then are as they were
-            for layer in point.own:
-                layer.replaced_by = None
-            self.cache[:] = point.own
-            self._layers = point.own
+            self._put_back(list(point.own))
         self._sync()
         for layer, own in zip(self.cache, point.layers):
             layer.restore(own)
@@ -620,8 +617,9 @@ class Runtime:
 
     def _prefill(self, ids: list[int], held: int, cache: PrefixCache | None, step_size: int, checkpoints):
         L = len(ids)
+        unquantized = None  # the layers to put back if a quantized resume does not load
         if cache is not None and self._quantized_prompt(ids, held):
-            cache, resume = self._quantized_resume(ids, held)
+            cache, resume, unquantized = self._quantized_resume(ids, held)
         else:
             resume = Resume(held) if cache is None else cache.resume(self, ids, held)
         if cache is not None and self.group is not None:
@@ -634,6 +632,8 @@ class Runtime:
             except Exception as exc:  # states that do not load are a miss, never a failed prefill
                 cache.failed("restoring the resumed prefix", exc)
                 resume, restored = Resume(held), False
+                if unquantized is not None:  # computed from scratch: at full precision until the start
+                    self._put_back(unquantized)
         if point is not None and not agree_restored(self.group, restored):
             if restored:  # another rank could not: every rank computes
                 self.undo(point)
@@ -660,7 +660,7 @@ class Runtime:
         return (q is not None and held == 0 and len(ids) >= q.start
                 and any(type(layer) is KVLayer for layer in self.cache))
 
-    def _quantized_resume(self, ids: list[int], held: int) -> tuple[PrefixCache, Resume]:
+    def _quantized_resume(self, ids: list[int], held: int) -> tuple[PrefixCache, Resume, list | None]:
         """The store's resume of a prompt that ends quantized: quantized pages first.
 
         The prompt is looked up under the quantized layout (empty quantized
@@ -668,21 +668,28 @@ class Runtime:
         come back, so the prompt is computed as mlx-lm computes it (at full
         precision until `quantized_kv_start`), resuming what the unquantized
         layout holds (prompts published before they reached the start).
+
+        Returns:
+            (the prefix cache of the layout resumed, its `Resume`, the unquantized
+            layers when the quantized ones stay in place, else None).
         """
         own = list(self.cache)
         q = self.kv_quantization
         self._quantize_layers({i: (q.group_size, q.bits) for i, layer in enumerate(own) if type(layer) is KVLayer})
         cache = self.prefix_cache()
         resume = cache.resume(self, ids, held)
-        if resume.states is None or resume.tokens < q.start:  # mlx-lm holds those rows unquantized
-            for layer in own:
-                layer.replaced_by = None
-            self.cache[:] = own
-            self._layers = tuple(own)
-            cache = self.prefix_cache()
-            resume = cache.resume(self, ids, held)
-        return cache, resume
-        return last
+        if resume.states is not None and resume.tokens >= q.start:  # below it mlx-lm holds the rows unquantized
+            return cache, resume, own
+        self._put_back(own)
+        cache = self.prefix_cache()
+        return cache, cache.resume(self, ids, held), None
+
+    def _put_back(self, layers: list) -> None:
+        """Make `layers` (this runtime's own, of the same tokens) its layers again."""
+        for layer in layers:
+            layer.replaced_by = None
+        self.cache[:] = layers
+        self._layers = tuple(layers)
 
     def _agreed(self, resume: Resume, held: int) -> Resume:
         """The resume every rank of the group found, or a miss on every rank (docs/distributed.md)."""
