@@ -183,10 +183,10 @@ def test_the_prefix_store_keeps_quantized_pages_apart(tmp_path):
     rt.publish()  # quantized pages of PROMPT + DRAFT
     longer = PROMPT + DRAFT + [7]
     plain = Runtime(model, store=store)
-    assert next(plain.prefill_steps(longer)) == len(PROMPT)  # the unquantized records only
+    assert next(plain.prefill_steps(longer)).restored == len(PROMPT)  # the unquantized records only
     quantized = Runtime(model, store=store)
     quantized.quantize_like(rt)  # empty quantized layers: the layout rt publishes under
-    assert next(quantized.prefill_steps(longer)) == len(PROMPT + DRAFT)
+    assert next(quantized.prefill_steps(longer)).restored == len(PROMPT + DRAFT)
     assert all(same(a, b) for a, b in zip(quantized_parts(quantized.cache), quantized_parts(rt.cache)))
     assert same(quantized.forward([7]), rt.forward([7]))
     quantized.check()
