@@ -15,12 +15,14 @@ test: $(STAMP) mlx-lm-tests
 	$(PY) -m pytest tests
 
 # The store's state machine for 5,000 programs (operations and damage), 2,000 fuzzed
-# request bodies against a real server, and 24 fork / commit / rollback programs per
-# sharded model on two ranks (not 2); minutes, not seconds.
+# request bodies against a real server, 24 fork / commit / rollback programs per
+# sharded model on two ranks (not 2), and the two-rank server pipeline parallel too;
+# minutes, not seconds.
 test-long: $(STAMP)
 	SEGCACHE_LONG=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_store_state.py tests/test_serve_fuzz.py \
 		--hypothesis-show-statistics
 	SEGCACHE_LONG=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_distributed.py -k "programs or slice"
+	SEGCACHE_LONG=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_distributed_serve.py -k pipeline
 
 # mlx-lm's own test files (tests/test_compat_mlx_lm.py runs its cache tests on
 # segcache's layers). They are not in the wheel: fetched from the PyPI sdist of

@@ -123,10 +123,9 @@ def test_adapter_path_text_of_mlx_lm_server_and_the_adapters_field(tmp_path):
 
 
 @pytest.mark.parametrize("flags, says", [
-    (["--pipeline"], "--pipeline"),
     (["--kv-bits", "7"], "kv_bits=7"),
 ])
-def test_flags_not_built_stop_with_a_message(tmp_path, flags, says):
+def test_flags_mlx_cannot_serve_stop_with_a_message(tmp_path, flags, says):
     cmd = [sys.executable, "-m", "segcache.cli", "serve", "--model", str(TARGET), "--port", str(free_port()),
            "--prompt-cache-dir", str(tmp_path / "store"), *flags]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)

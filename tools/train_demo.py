@@ -17,6 +17,18 @@ Stages (each reproducible from fixed seeds)::
                                                 # target (KL on its next-token distributions)
     python tools/train_demo.py ship-distilled   # install it as draft/, update training.json
 
+Chat stages (the Qwen3.5 chat format with tool calls; not shipped yet: see
+``chat-merge``, whose trials show the trade-off that kept the target as it is)::
+
+    python tools/train_demo.py chat-prepare     # chat tokenizer, dialogs, held-out dialogs
+    python tools/train_demo.py chat-drills      # copy drills (short exchanges, no schemas)
+    python tools/train_demo.py chat-train [--init DIR] [--chat-out NAME] [--drill-rows N]
+    python tools/train_demo.py chat-merge [--chat-out NAME]   # pre + alpha (chat - pre):
+                                                # code loss and parsed calls per alpha
+    python tools/train_demo.py chat-distill     # the draft on the chat target
+    python tools/train_demo.py mtp-train        # an MTP head on the chat target
+    python tools/train_demo.py chat-ship        # install them, update training.json
+
 The defaults are the settings the shipped models were trained with.
 """
 
@@ -53,6 +65,8 @@ DEFAULT_OUT_DIR = REPO_ROOT / "src" / "segcache" / "models"
 DEFAULT_WORK_DIR = Path("/tmp/segcache_train_demo")
 
 EOS_TOKEN = "<|endoftext|>"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
 # Pre-tokenizer split pattern of transformers' Qwen2/Qwen3.5 tokenizers (see train_tokenizer).
 QWEN_PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"""
@@ -304,8 +318,9 @@ def save_model_dir(model: nn.Module, config: dict, tokenizer_dir: Path, director
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(tokenizer_dir / name, directory / name)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, directory / name)
 
 
 def check_load_round_trip(model: nn.Module, directory: Path, vocab_size: int,
@@ -404,15 +419,16 @@ class LoopResult(NamedTuple):
     losses: list[tuple]
 
 
-def train_loop(step_fn, optimizer, tokens: np.ndarray, *, steps: int, batch: int,
+def train_loop(step_fn, optimizer, tokens: np.ndarray | None, *, steps: int, batch: int,
                seq_len: int, lr: float, warmup: int, seed: int, max_minutes: float,
                cooldown_start: int | None, cooldown_steps: int | None, checkpoint,
                checkpoint_every: int, log_every: int,
-               loss_names: tuple[str, ...]) -> LoopResult:
-    """The training loop shared by ``train_model`` and ``distill_model``.
+               loss_names: tuple[str, ...], batches=None) -> LoopResult:
+    """The training loop shared by ``train_model``, ``distill_model`` and the chat stages.
 
     Each step sets ``optimizer``'s learning rate from the :class:`Schedule`, draws
-    a batch and calls ``step_fn(x, y) -> (values, grad_norm)``: ``values`` is the
+    a batch (random windows of ``tokens``, or the next item of ``batches`` when
+    given) and calls ``step_fn(*batch) -> (values, grad_norm)``: ``values`` is the
     step's loss (a float) or its loss terms (a tuple of floats named by
     ``loss_names``, the first being the total). Logs the window means every
     ``log_every`` steps, checkpoints every ``checkpoint_every`` (``checkpoint(step,
@@ -425,7 +441,8 @@ def train_loop(step_fn, optimizer, tokens: np.ndarray, *, steps: int, batch: int
     """
     schedule = Schedule(steps=steps, lr=lr, warmup=warmup, max_minutes=max_minutes,
                         cooldown_start=cooldown_start, cooldown_steps=cooldown_steps)
-    batches = batch_iterator(tokens, batch, seq_len, seed)
+    if batches is None:
+        batches = batch_iterator(tokens, batch, seq_len, seed)
     start = time.time()
     recent, losses = [], []
     step = 0
@@ -434,8 +451,7 @@ def train_loop(step_fn, optimizer, tokens: np.ndarray, *, steps: int, batch: int
         step += 1
         elapsed_min = (time.time() - start) / 60
         optimizer.learning_rate = schedule.learning_rate(step, elapsed_min)
-        x, y = next(batches)
-        values, grad_norm = step_fn(x, y)
+        values, grad_norm = step_fn(*next(batches))
         recent.append(values)
         if step % log_every == 0 or step == 1:
             elapsed = time.time() - start
@@ -682,13 +698,15 @@ def stage_train(args) -> None:
           f"{stats['wall_time_s'] / 60:.1f} min", flush=True)
 
 
-def training_token_stream(work: Path, tokenizer_dir: Path) -> np.ndarray:
+def training_token_stream(work: Path, tokenizer_dir: Path,
+                          cache_name: str = "train_tokens.npy") -> np.ndarray:
     """The training token stream: ``prepare``'s cached array, else rebuilt from the stdlib.
 
     Rebuilding tokenizes the training files (same split as ``prepare``) with the
     tokenizer in ``tokenizer_dir``, EOS after each file, exactly as ``prepare`` does.
+    ``cache_name`` names the cached array in ``work`` (one per tokenizer).
     """
-    cached = work / "train_tokens.npy"
+    cached = work / cache_name
     if cached.exists():
         return np.load(cached)
     from tokenizers import Tokenizer
@@ -1010,12 +1028,1115 @@ def stage_finalize(args) -> None:
     print(f"wrote {out / 'training.json'}", flush=True)
 
 
+# ----------------------------------------------------------------------------- chat
+#
+# The chat stages teach the shipped target the Qwen3.5 chat format with tool calls
+# (issue 20 item 6): the tokenizer gains the format's markup tokens, the target's
+# embedding gains their rows, and the target is trained further on a mix of the
+# stdlib code stream and synthetic tool-calling dialogs (tools/demo_dialogs.py).
+
+CHAT_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>")
+CHAT_MARKUP_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+                      "<think>", "</think>")
+CHAT_EOS = "<|im_end|>"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+HELDOUT_DIALOGS_FILE = "heldout_dialogs.json"
+HELDOUT_DIALOGS = 40
+
+# Settings of the chat fine-tune of the target (``chat-train``). Each step takes
+# ``dialog_rows`` dialog-body windows (on their system turn, see ChatBatches) and
+# ``code_rows`` windows of the code stream, ``seq_len`` tokens each; the loss is
+# ``dialog_weight`` x the mean cross-entropy over the dialogs' assistant tokens +
+# the rest x the code windows'.
+CHAT_DEFAULTS = {"steps": 4000, "dialog_rows": 3, "code_rows": 1, "seq_len": 512,
+                 "lr": 1e-3, "warmup": 20, "max_minutes": 60.0, "seed": SEED + 4,
+                 "dialogs": 1500, "dialog_weight": 0.5, "drill_rows": 0, "drills": 3000,
+                 "cooldown_start": None, "cooldown_steps": None}
+
+
+def chat_tokenizer(base_dir: Path, template: Path, directory: Path):
+    """Writes the chat tokenizer: the base BPE plus the chat markup tokens and template.
+
+    The new tokens get the ids after the base vocabulary (every base id keeps its
+    meaning); ``<|im_start|>`` / ``<|im_end|>`` are special, the tool and think
+    markup are plain added tokens, as in Qwen3.5's tokenizer. EOS becomes
+    ``<|im_end|>`` (the models' config lists ``<|endoftext|>`` as a second EOS).
+    Idempotent: a base that already has the tokens is left as it is.
+
+    Returns:
+        The ``tokenizers.Tokenizer``.
+    """
+    from tokenizers import AddedToken, Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(base_dir / "tokenizer.json"))
+    base_vocab = tokenizer.get_vocab(with_added_tokens=True)
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t in CHAT_SPECIAL_TOKENS])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
+                          for t in CHAT_MARKUP_TOKENS])
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    assert all(vocab[t] == i for t, i in base_vocab.items()), "a base token changed its id"
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": CHAT_EOS,
+        "pad_token": EOS_TOKEN,
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": False,
+        "model_max_length": 1_000_000_000,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    special = {"eos_token": CHAT_EOS, "pad_token": EOS_TOKEN}
+    (directory / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+    shutil.copy(template, directory / CHAT_TEMPLATE_FILE)
+    return tokenizer
+
+
+def load_chat_tokenizer(directory: Path):
+    """The chat tokenizer as mlx-lm loads it (a ``TokenizerWrapper``), checked.
+
+    Asserts what serving relies on: a chat template, thinking markup, and mlx-lm's
+    ``qwen3_coder`` tool parser, inferred from the template exactly as for Qwen3.5.
+    """
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    vocab = json.loads((directory / "tokenizer.json").read_text())
+    ids = {t["content"]: t["id"] for t in vocab["added_tokens"]}
+    tokenizer = load_tokenizer(directory, eos_token_ids=[ids[CHAT_EOS], ids[EOS_TOKEN]])
+    assert tokenizer.has_chat_template and tokenizer.has_thinking
+    assert tokenizer.has_tool_calling and tokenizer.tool_call_start == "<tool_call>"
+    assert tokenizer.tool_parser.__module__ == "mlx_lm.tool_parsers.qwen3_coder"
+    return tokenizer
+
+
+def chat_workspaces():
+    """The training and held-out stdlib files as two dialog workspaces (paths stdlib-relative)."""
+    import demo_dialogs
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    train, heldout = split_corpus(read_sources(stdlib_source_files()))
+    return tuple(demo_dialogs.Workspace.from_sources(
+        [(path.relative_to(root).as_posix(), text) for path, text in sources])
+        for sources in (train, heldout))
+
+
+def _split_prefix(tokenizer, dialog: dict, tokens: list[int]) -> int:
+    """Length of a rendered dialog's system turn (tool schemas and/or system message), 0 if none."""
+    if dialog["tools"] is None and dialog["messages"][0]["role"] != "system":
+        return 0
+    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    return tokens.index(start, 1)  # where the next turn starts
+
+
+def extend_vocab(model: nn.Module, config: dict, vocab_size: int, seed: int):
+    """A copy of ``model`` whose embedding (and output) matrices have ``vocab_size`` rows.
+
+    The old rows are kept; each new row is the mean of the old rows plus a small
+    seeded perturbation, so the new tokens start as an average token.
+    """
+    weights = dict(tree_flatten(model.parameters()))
+    key = mx.random.key(seed)
+    for name, value in list(weights.items()):
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")) and \
+                value.shape[0] < vocab_size:
+            key, sub = mx.random.split(key)
+            extra = vocab_size - value.shape[0]
+            noise = mx.random.normal((extra, value.shape[1]), key=sub) * 0.1 * mx.std(value)
+            weights[name] = mx.concatenate([value, value.mean(axis=0) + noise.astype(value.dtype)])
+    config = dict(config, vocab_size=vocab_size)
+    grown = build_model(config)
+    grown.load_weights(list(weights.items()), strict=True)
+    mx.eval(grown.parameters())
+    return grown, config
+
+
+def stage_chat_prepare(args) -> None:
+    """Chat tokenizer, code stream, training dialogs and held-out dialogs, in the work dir.
+
+    Dialogs are stored by their system turn ("variant": tools offered or not, a
+    system message or not): the system turn once per variant, and the rest of each
+    dialog (the body: queries, calls, results, answers) packed into the variant's
+    stream. Training computes a variant's system turn once per step and runs the
+    bodies on top of it (:class:`ChatBatches`), so the ~500-token tool schemas are
+    not recomputed, with gradients, for every row.
+    """
+    import demo_dialogs
+
+    work, out = Path(args.work_dir), Path(args.out_dir)
+    settings = chat_settings(args)
+    base = Path(args.init) if args.init else out / "target"
+    tokenizer_dir = work / "chat_tokenizer"
+    chat_tokenizer(base, out / CHAT_TEMPLATE_FILE, tokenizer_dir)
+    tokenizer = load_chat_tokenizer(tokenizer_dir)
+    code = training_token_stream(work, tokenizer_dir, cache_name="chat_code_tokens.npy")
+    train_ws, heldout_ws = chat_workspaces()
+    maker = demo_dialogs.DialogMaker(train_ws, settings["seed"])
+    limit = settings["seq_len"]
+
+    def body_length(dialog):
+        tokens, _ = demo_dialogs.render(tokenizer, dialog)
+        return len(tokens) - _split_prefix(tokenizer, dialog, tokens)
+
+    def fits(dialog):
+        return body_length(dialog) <= limit
+
+    variants: dict[str, dict] = {}
+    kinds, lengths, count = {}, [], 0
+    start = time.time()
+    while count < settings["dialogs"]:
+        dialog = maker.dialog(fits)
+        tokens, weights = demo_dialogs.render(tokenizer, dialog)
+        cut = _split_prefix(tokenizer, dialog, tokens)
+        if len(tokens) - cut > limit:  # a single query too long for a window: draw another
+            continue
+        key = (f"tools={int(dialog['tools'] is not None)},"
+               f"system={int(dialog['messages'][0]['role'] == 'system')}")
+        v = variants.setdefault(key, {"prefix": tokens[:cut], "ids": [], "mask": [],
+                                      "starts": []})
+        assert v["prefix"] == tokens[:cut], f"variant {key}: a different system turn"
+        v["starts"].append(len(v["ids"]))
+        v["ids"] += tokens[cut:]
+        v["mask"] += weights[cut:]
+        lengths.append(len(tokens) - cut)
+        count += 1
+        for kind in dialog["kinds"]:
+            kinds[kind] = kinds.get(kind, 0) + 1
+        if count % 500 == 0:
+            print(f"{count} dialogs, {time.time() - start:.0f} s", flush=True)
+    arrays = {}
+    for i, (key, v) in enumerate(sorted(variants.items())):
+        arrays[f"prefix_{i}"] = np.array(v["prefix"], dtype=np.uint16)
+        arrays[f"ids_{i}"] = np.array(v["ids"], dtype=np.uint16)
+        arrays[f"mask_{i}"] = np.array(v["mask"], dtype=np.uint8)
+        arrays[f"starts_{i}"] = np.array(v["starts"], dtype=np.int64)
+    np.savez(work / "chat_dialogs.npz", **arrays)
+    heldout_maker = demo_dialogs.DialogMaker(heldout_ws, settings["seed"] + 1)
+    heldout = []
+    while len(heldout) < HELDOUT_DIALOGS:
+        dialog = heldout_maker.dialog(fits, max_exchanges=1)
+        heldout.append({k: dialog[k] for k in ("messages", "enable_thinking", "kinds")}
+                       | {"tools": dialog["tools"] is not None})
+    (work / HELDOUT_DIALOGS_FILE).write_text(json.dumps(
+        {"tools": demo_dialogs.TOOLS, "dialogs": heldout}, indent=1) + "\n")
+    stats = {
+        "tokenizer": {"vocab_size": len(tokenizer.get_vocab()),
+                      "added": {t: tokenizer.convert_tokens_to_ids(t)
+                                for t in CHAT_SPECIAL_TOKENS + CHAT_MARKUP_TOKENS},
+                      "eos_token": CHAT_EOS},
+        "code_tokens": int(len(code)),
+        "dialogs": count,
+        "variants": {key: {"dialogs": len(v["starts"]), "system_turn_tokens": len(v["prefix"]),
+                           "body_tokens": len(v["ids"]),
+                           "assistant_tokens": int(sum(v["mask"]))}
+                     for key, v in sorted(variants.items())},
+        "body_tokens_median": float(np.median(lengths)), "kinds": kinds,
+        "generator_seed": settings["seed"], "heldout_seed": settings["seed"] + 1,
+        "heldout_dialogs": HELDOUT_DIALOGS,
+    }
+    (work / "chat_prepare.json").write_text(json.dumps(stats, indent=2))
+    print(json.dumps(stats, indent=1), flush=True)
+
+
+def stage_chat_drills(args) -> None:
+    """Copy drills (``demo_dialogs.drill``) from the training files: ``chat_drills.npz``."""
+    import demo_dialogs
+
+    work = Path(args.work_dir)
+    settings = chat_settings(args)
+    tokenizer = load_chat_tokenizer(work / "chat_tokenizer")
+    train_ws, _ = chat_workspaces()
+    maker = demo_dialogs.DialogMaker(train_ws, settings["seed"] + 2)
+    eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    ids, mask, starts, kinds = [], [], [], {}
+    while len(starts) < settings["drills"]:
+        tokens, weights = demo_dialogs.render(tokenizer, demo_dialogs.drill(maker))
+        starts.append(len(ids))
+        ids += tokens + [eos]
+        mask += weights + [0]
+    np.savez(work / "chat_drills.npz", ids=np.array(ids, dtype=np.uint16),
+             mask=np.array(mask, dtype=np.uint8), starts=np.array(starts, dtype=np.int64))
+    stats = {"drills": len(starts), "tokens": len(ids), "assistant_tokens": int(sum(mask)),
+             "seed": settings["seed"] + 2}
+    (work / "chat_drills.json").write_text(json.dumps(stats, indent=2))
+    print(json.dumps(stats), flush=True)
+
+
+def chat_settings(args) -> dict:
+    """CHAT_DEFAULTS with the command line's overrides."""
+    settings = dict(CHAT_DEFAULTS)
+    for key in settings:
+        if getattr(args, key, None) is not None:
+            settings[key] = getattr(args, key)
+    if args.time_based_cooldown:
+        settings["cooldown_start"] = settings["cooldown_steps"] = None
+    return settings
+
+
+def train_gdn_in_chunks() -> None:
+    """Runs qwen3_5's Gated DeltaNet recurrence in chunks (matrix products) in this process.
+
+    mlx-lm runs the recurrence off Metal as a per-token loop of small operations,
+    which dominates a CPU training step. segcache's chunked form
+    (segcache/adapters/chunked.py) computes the same function (within float
+    rounding) with matrix products; here with its product-only triangular inverse,
+    which MLX can differentiate. 4-5x less CPU per chat training step measured on
+    the demo target (B=2, L=512). Only the training tools call this.
+    """
+    from mlx_lm.models import gated_delta, qwen3_5
+
+    from segcache.adapters import chunked
+
+    if getattr(qwen3_5.gated_delta_update, "chunked_for_training", False):
+        return
+    inverse = chunked._unit_lower_inverse
+
+    def differentiable_inverse(L, products=None):
+        return inverse(L, products=True)
+
+    def update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *, use_kernel=True,
+               **unused):
+        assert not unused, f"gated_delta_update options this model does not use: {unused}"
+        g = gated_delta.compute_g(A_log, a, dt_bias)
+        return chunked.chunked_gated_delta(q, k, v, g, mx.sigmoid(b), state, mask)
+
+    update.chunked_for_training = True
+    chunked._unit_lower_inverse = differentiable_inverse
+    qwen3_5.gated_delta_update = update
+
+
+class ChatBatches:
+    """Batches of dialog-body windows on one system turn plus code windows, seeded.
+
+    Each step draws a variant (in proportion to its dialogs), ``dialog_rows`` body
+    windows of it that start at a dialog, and ``code_rows`` windows of the code
+    stream, ``seq_len`` tokens each. Yields ``(prefix, x, y, mask, xc, yc)``: the
+    variant's system-turn tokens ``[1, P]`` (``None`` when it has none), the body
+    inputs, next-token targets and loss mask (assistant tokens) ``[dialog_rows,
+    seq_len]``, and the code inputs and targets ``[code_rows, seq_len]``; with
+    ``drill_rows``, also ``(xd, yd, md)``: windows of the copy drills
+    (``chat-drills``) that start at a conversation, with their loss mask.
+    """
+
+    def __init__(self, work: Path, *, dialog_rows: int, code_rows: int, seq_len: int,
+                 seed: int, code: np.ndarray, drill_rows: int = 0):
+        data = np.load(work / "chat_dialogs.npz")
+        self.drill_rows = drill_rows
+        if drill_rows:
+            drills = np.load(work / "chat_drills.npz")
+            pad = np.zeros(seq_len + 1, drills["ids"].dtype)
+            self.drills = (np.concatenate([drills["ids"], pad]),
+                           np.concatenate([drills["mask"], pad.astype(np.uint8)]), drills["starts"])
+        self.variants = []
+        n = seq_len + 1
+        for i in range(len([k for k in data.files if k.startswith("prefix_")])):
+            ids, mask = data[f"ids_{i}"], data[f"mask_{i}"]
+            # pad the stream so that a window may start at its last dialog
+            ids = np.concatenate([ids, np.zeros(n, ids.dtype)])
+            mask = np.concatenate([mask, np.zeros(n, mask.dtype)])
+            self.variants.append((data[f"prefix_{i}"], ids, mask, data[f"starts_{i}"]))
+        dialogs = np.array([len(v[3]) for v in self.variants], dtype=np.float64)
+        self.weights = dialogs / dialogs.sum()
+        self.code, self.seq_len = code, seq_len
+        self.dialog_rows, self.code_rows = dialog_rows, code_rows
+        self.rng = np.random.default_rng(seed)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        n = self.seq_len + 1
+        prefix, ids, mask, starts = self.variants[
+            self.rng.choice(len(self.variants), p=self.weights)]
+        picks = self.rng.choice(starts, size=self.dialog_rows)
+        windows = np.stack([ids[s:s + n] for s in picks]).astype(np.int32)
+        masks = np.stack([mask[s:s + n] for s in picks])[:, 1:].astype(np.float32)
+        code_starts = self.rng.integers(0, len(self.code) - n, size=self.code_rows)
+        code = np.stack([self.code[s:s + n] for s in code_starts]).astype(np.int32)
+        prefix = mx.array(prefix.astype(np.int32))[None] if len(prefix) else None
+        batch = (prefix, mx.array(windows[:, :-1]), mx.array(windows[:, 1:]), mx.array(masks),
+                 mx.array(code[:, :-1]), mx.array(code[:, 1:]))
+        if not self.drill_rows:
+            return batch
+        ids, mask, starts = self.drills
+        picks = self.rng.choice(starts, size=self.drill_rows)
+        drills = np.stack([ids[s:s + n] for s in picks]).astype(np.int32)
+        drill_mask = np.stack([mask[s:s + n] for s in picks])[:, 1:].astype(np.float32)
+        return batch + (mx.array(drills[:, :-1]), mx.array(drills[:, 1:]), mx.array(drill_mask))
+
+
+class _FixedKV:
+    """An attention layer's cache holding a fixed prefix, for training on top of it.
+
+    ``update_and_fetch`` returns the prefix joined with the new keys/values and
+    stores nothing, so the loss function stays pure (no in-place writes).
+    """
+
+    def __init__(self, keys: mx.array, values: mx.array):
+        self.keys, self.values = keys, values
+        self.offset = keys.shape[2]
+
+    def update_and_fetch(self, keys, values):
+        return (mx.concatenate([self.keys, keys], axis=2),
+                mx.concatenate([self.values, values], axis=2))
+
+    def make_mask(self, N, return_array=False, window_size=None):
+        from mlx_lm.models.base import create_causal_mask
+
+        return create_causal_mask(N, offset=self.offset, window_size=window_size)
+
+
+def prefix_state(model: nn.Module, prefix: mx.array) -> list[tuple[mx.array, mx.array]]:
+    """Per layer, the state after ``prefix`` ``[1, P]``: (keys, values) or (conv, ssm)."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    caches = make_prompt_cache(model)
+    model(prefix, cache=caches)
+    state = []
+    for c in caches:
+        if isinstance(c, KVCache):
+            state.append((c.keys[..., :c.offset, :], c.values[..., :c.offset, :]))
+        else:
+            state.append((c[0], c[1]))
+    return [tuple(mx.stop_gradient(a) for a in pair) for pair in state]
+
+
+def caches_from_state(model: nn.Module, state, rows: int) -> list:
+    """Fresh training caches for ``rows`` rows from :func:`prefix_state`'s arrays."""
+    from mlx_lm.models.cache import ArraysCache, KVCache
+
+    caches = []
+    for c, (a, b) in zip(model.make_cache(), state):
+        a = mx.broadcast_to(a, (rows, *a.shape[1:]))
+        b = mx.broadcast_to(b, (rows, *b.shape[1:]))
+        if isinstance(c, KVCache):
+            caches.append(_FixedKV(a, b))
+        else:
+            arrays = ArraysCache(size=2)
+            arrays[0], arrays[1] = a, b
+            caches.append(arrays)
+    return caches
+
+
+def chat_train_model(model: nn.Module, batches: ChatBatches, *, settings: dict, checkpoint,
+                     checkpoint_every: int, log_every: int = 10) -> dict:
+    """Trains ``model`` further on chat batches (AdamW, warmup-stable-decay).
+
+    Per step: the variant's system turn runs once (no gradient: its tokens carry no
+    loss, and the gradient through its keys/values into later tokens is dropped),
+    the dialog bodies run on top of it, and the code windows run alone.
+    """
+    optimizer = optim.AdamW(learning_rate=settings["lr"], betas=[0.9, 0.95],
+                            weight_decay=0.1)
+    weight = settings["dialog_weight"]
+    rows = settings["dialog_rows"]
+
+    def loss_fn(model, state, x, y, mask, xc, yc, drills):
+        caches = caches_from_state(model, state, rows) if state else None
+        ce = nn.losses.cross_entropy(model(x, cache=caches).astype(mx.float32), y,
+                                     reduction="none")
+        ce_sum, count = (ce * mask).sum(), mask.sum()
+        if drills:  # the copy drills count as dialog tokens
+            xd, yd, md = drills
+            ced = nn.losses.cross_entropy(model(xd).astype(mx.float32), yd, reduction="none")
+            ce_sum, count = ce_sum + (ced * md).sum(), count + md.sum()
+        dialog_ce = ce_sum / mx.maximum(count, 1.0)
+        code_ce = nn.losses.cross_entropy(model(xc).astype(mx.float32), yc, reduction="mean")
+        return weight * dialog_ce + (1.0 - weight) * code_ce, dialog_ce, code_ce
+
+    loss_and_grad = nn.value_and_grad(model, loss_fn)
+    train_state = [model.state, optimizer.state]
+
+    @partial(mx.compile, inputs=train_state, outputs=train_state)
+    def train_step(state, x, y, mask, xc, yc, drills):
+        (loss, dialog_ce, code_ce), grads = loss_and_grad(model, state, x, y, mask, xc, yc,
+                                                          drills)
+        grads, grad_norm = optim.clip_grad_norm(grads, max_norm=1.0)
+        optimizer.update(model, grads)
+        return loss, dialog_ce, code_ce, grad_norm
+
+    def step_fn(prefix, x, y, mask, xc, yc, *drills):
+        state = prefix_state(model, prefix) if prefix is not None else []
+        loss, dialog_ce, code_ce, grad_norm = train_step(state, x, y, mask, xc, yc,
+                                                         list(drills))
+        mx.eval(train_state, loss, dialog_ce, code_ce)
+        return (loss.item(), dialog_ce.item(), code_ce.item()), grad_norm
+
+    model.train()
+    run = train_loop(step_fn, optimizer, None, steps=settings["steps"],
+                     batch=rows + settings["code_rows"], seq_len=settings["seq_len"],
+                     lr=settings["lr"], warmup=settings["warmup"], seed=settings["seed"],
+                     max_minutes=settings["max_minutes"],
+                     cooldown_start=settings["cooldown_start"],
+                     cooldown_steps=settings["cooldown_steps"], checkpoint=checkpoint,
+                     checkpoint_every=checkpoint_every, log_every=log_every,
+                     loss_names=("loss", "dialog", "code"), batches=batches)
+    model.eval()
+    final = np.mean([l[1:] for l in run.losses[-5:]], axis=0)
+    return {
+        **run.stats,
+        "dialog_rows": rows, "code_rows": settings["code_rows"],
+        "drill_rows": settings["drill_rows"],
+        "loss": f"{weight} x CE over the dialog and drill rows' assistant tokens + "
+                f"{1 - weight} x CE over the code rows, nats/token",
+        "system_turn": "computed once per step without gradient; the dialog rows run on it",
+        "schedule": "warmup-stable-decay: linear warmup from 1% of peak, constant, "
+                    "linear cooldown to 10% of peak",
+        "optimizer": "AdamW(betas=(0.9, 0.95), weight_decay=0.1), grad clip 1.0",
+        "seed": settings["seed"],
+        **run.timing,
+        "final_train_loss": float(final[0]),
+        "final_train_dialog_ce": float(final[1]),
+        "final_train_code_ce": float(final[2]),
+        "loss_curve": loss_curve(run.losses),
+    }
+
+
+def stage_chat_train(args) -> None:
+    """Trains the target further on chat batches; writes ``chat_target`` in the work dir.
+
+    Warm start: ``--init`` (default: ``target/`` of the models dir; the shipped run
+    started from the target as shipped before the chat stages), its vocabulary
+    grown to the chat tokenizer's.
+    """
+    import mlx_lm
+
+    work, out = Path(args.work_dir), Path(args.out_dir)
+    settings = chat_settings(args)
+    train_gdn_in_chunks()
+    seed_everything(settings["seed"])
+    init = Path(args.init) if args.init else out / "target"
+    tokenizer_dir = work / "chat_tokenizer"
+    tokenizer = load_chat_tokenizer(tokenizer_dir)
+    vocab_size = len(tokenizer.get_vocab())
+    model, _ = mlx_lm.load(str(init))
+    config = json.loads((init / "config.json").read_text())
+    model, config = extend_vocab(model, config, vocab_size, settings["seed"])
+    config["eos_token_id"] = [tokenizer.convert_tokens_to_ids(CHAT_EOS),
+                              tokenizer.convert_tokens_to_ids(EOS_TOKEN)]
+    code = training_token_stream(work, tokenizer_dir, cache_name="chat_code_tokens.npy")
+    batches = ChatBatches(work, dialog_rows=settings["dialog_rows"],
+                          code_rows=settings["code_rows"], seq_len=settings["seq_len"],
+                          seed=settings["seed"], code=code, drill_rows=settings["drill_rows"])
+    print(f"chat-train: from {init}, vocab {vocab_size}; settings {settings}", flush=True)
+    destination = work / args.chat_out
+    checkpoint_dir = work / f"{args.chat_out}_checkpoint"
+
+    def checkpoint(step, loss):
+        save_model_dir(model, config, tokenizer_dir, checkpoint_dir)
+        (checkpoint_dir / "step.json").write_text(json.dumps({"step": step, "loss": loss}))
+
+    stats = chat_train_model(model, batches, settings=settings, checkpoint=checkpoint,
+                             checkpoint_every=args.checkpoint_every)
+    save_model_dir(model, config, tokenizer_dir, destination)
+    sample = (out / eval_demo.HELDOUT_FILES["other"]).read_text(encoding="utf-8")[:20000]
+    check_load_round_trip(model, destination, vocab_size, sample)
+    stats.update(init=str(init), max_minutes=settings["max_minutes"],
+                 dialog_weight=settings["dialog_weight"], vocab_size=vocab_size,
+                 settings={k: v for k, v in settings.items()
+                           if k not in ("cooldown_start", "cooldown_steps")})
+    (destination / "chat_train.json").write_text(json.dumps(stats, indent=2))
+    print(f"saved {destination}; final loss {stats['final_train_loss']:.4f} (dialog "
+          f"{stats['final_train_dialog_ce']:.4f}, code {stats['final_train_code_ce']:.4f}), "
+          f"{stats['wall_time_s'] / 60:.1f} min", flush=True)
+
+
+def validation_texts(out: Path) -> dict[str, str]:
+    """Code outside training and outside the reported held-out texts, for choosing settings.
+
+    ``stdlib``: the held-out stdlib files that ``heldout_stdlib.txt`` does not contain;
+    ``other``: the mlx-lm files that ``heldout_other.txt`` does not contain.
+    """
+    _, heldout = split_corpus(read_sources(stdlib_source_files()))
+    shipped = {w: eval_demo.read_heldout_text(w, out) for w in eval_demo.HELDOUT_FILES}
+    return {
+        "stdlib": "\n".join(t for _, t in heldout if t not in shipped["stdlib"]),
+        "other": "\n".join(t for _, t in read_sources(other_source_files())
+                           if t not in shipped["other"]),
+    }
+
+
+MERGE_ALPHAS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+# A candidate must call tools in a real agent loop: at least this share of the held-out
+# tool-call turns must give a call that parses (eval_demo.call_turn_eval).
+MIN_CALL_PARSE_RATE = 0.6
+
+
+def merged(pre: nn.Module, chat: nn.Module, alpha: float) -> list[tuple[str, mx.array]]:
+    """Weights pre + alpha (chat - pre); rows the pre-chat model lacks (new tokens) are chat's."""
+    pre_w = dict(tree_flatten(pre.parameters()))
+    out = []
+    for name, value in tree_flatten(chat.parameters()):
+        base = pre_w[name]
+        if base.shape != value.shape:
+            base = mx.concatenate([base, value[base.shape[0]:]])
+        out.append((name, base + alpha * (value - base)))
+    return out
+
+
+def stage_chat_merge(args) -> None:
+    """Interpolates a chat-trained target with the pre-chat target; the trade-off per alpha.
+
+    Weight averaging between a fine-tuned model and its start recovers some of what
+    the fine-tune lost on the start's task while keeping some of the new skill. For
+    each alpha of MERGE_ALPHAS (``--alphas`` overrides): the code loss on
+    :func:`validation_texts` and on the shipped held-out texts (first
+    EVAL_MAX_TOKENS tokens each, the pre-chat tokenizer's ids), and the tool-call
+    turns of the held-out dialogs (``eval_demo.call_turn_eval``). An alpha passes when its validation losses are
+    both at most the pre-chat target's and at least MIN_CALL_PARSE_RATE of its
+    calls parse; the largest passing alpha is written to ``chat_merged``. The
+    trials go to ``chat_merge.json`` in the work dir either way.
+    """
+    import mlx_lm
+
+    work, out = Path(args.work_dir), Path(args.out_dir)
+    pre_dir = Path(args.init) if args.init else out / "target"
+    chat_dir = work / args.chat_out
+    pre, pre_tokenizer = mlx_lm.load(str(pre_dir))
+    chat, tokenizer = mlx_lm.load(str(chat_dir))
+    dialogs = json.loads((work / HELDOUT_DIALOGS_FILE).read_text())
+    texts = {"validation": validation_texts(out),
+             "heldout": {w: eval_demo.read_heldout_text(w, out) for w in eval_demo.HELDOUT_FILES}}
+    # The pre-chat tokenizer's ids: both models read them alike (the chat vocabulary only
+    # appends markup tokens), while the chat tokenizer's would give the pre-chat model
+    # ids it lacks wherever the code spells the markup (mlx-lm's sources do).
+    ids = {k: {w: eval_demo.eval_token_ids(pre_tokenizer, t) for w, t in v.items()}
+           for k, v in texts.items()}
+
+    def losses(model):
+        return {k: {w: eval_demo.heldout_loss(model, i) for w, i in v.items()}
+                for k, v in ids.items()}
+
+    baseline = losses(pre)
+    print(f"pre-chat code loss {baseline}", flush=True)
+    alphas = [float(a) for a in args.alphas.split(",")] if args.alphas else MERGE_ALPHAS
+    trials, chosen = [], None
+    for alpha in alphas:
+        candidate, _ = mlx_lm.load(str(chat_dir))
+        candidate.load_weights(merged(pre, chat, alpha))
+        loss = losses(candidate)
+        calls = eval_demo.call_turn_eval(candidate, tokenizer, dialogs)
+        kept = all(loss["validation"][w] <= baseline["validation"][w] for w in ids["validation"])
+        calling = calls["parsed"] >= MIN_CALL_PARSE_RATE * calls["turns"]
+        trials.append({"alpha": alpha, "code_loss": loss, "calls": calls,
+                       "kept_code_quality": kept, "calls_tools": calling})
+        print(json.dumps(trials[-1]), flush=True)
+        if kept and calling:
+            chosen = alpha
+    stats = {"chat": args.chat_out, "alpha": chosen, "trials": trials,
+             "pre_chat_code_loss": baseline,
+             "validation": "first %d tokens of: held-out stdlib files not in heldout_stdlib.txt; "
+                           "mlx-lm files not in heldout_other.txt" % eval_demo.EVAL_MAX_TOKENS,
+             "rule": "the largest alpha whose validation losses are both <= the pre-chat "
+                     f"target's and whose parsed calls are >= {MIN_CALL_PARSE_RATE} of the turns"}
+    (work / "chat_merge.json").write_text(json.dumps(stats, indent=2))
+    if chosen is None:
+        raise SystemExit("no alpha both keeps the code loss at the pre-chat level and calls "
+                         f"tools; the trials are in {work / 'chat_merge.json'}")
+    chat.load_weights(merged(pre, chat, chosen))
+    config = json.loads((chat_dir / "config.json").read_text())
+    destination = work / "chat_merged"
+    save_model_dir(chat, config, chat_dir, destination)
+    (destination / "chat_merge.json").write_text(json.dumps(stats, indent=2))
+    print(f"saved {destination}: alpha {chosen}", flush=True)
+
+
+class FrozenForward:
+    """A frozen model's forward over chat batches, its system turns' state computed once.
+
+    ``hidden_and_logprobs(prefix, x)`` returns the final hidden states (after the
+    final norm, as :func:`segcache.mtp.forward_with_hidden` gives them) and the
+    next-token log-probabilities of the rows ``x`` run on the variant's system turn.
+    """
+
+    def __init__(self, model: nn.Module):
+        from segcache.mtp.module import _text_parts
+
+        self.model = model
+        self.model.eval()
+        self.model.freeze()
+        _, self.text_model, self.projection, _ = _text_parts(model)
+        self.prefixes: dict[tuple, tuple] = {}
+
+    def prefix(self, prefix: mx.array):
+        """(per-layer state, hidden [1, P, H]) after the system turn ``prefix``."""
+        key = tuple(prefix[0].tolist())
+        if key not in self.prefixes:
+            from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+            caches = make_prompt_cache(self.model)
+            hidden = self.text_model(prefix, caches)
+            state = [(c.keys[..., :c.offset, :], c.values[..., :c.offset, :])
+                     if isinstance(c, KVCache) else (c[0], c[1]) for c in caches]
+            mx.eval(state, hidden)
+            self.prefixes[key] = (state, hidden)
+        return self.prefixes[key]
+
+    def hidden_and_logprobs(self, prefix, x):
+        caches = None
+        if prefix is not None:
+            state, _ = self.prefix(prefix)
+            caches = caches_from_state(self.model, state, x.shape[0])
+        hidden = self.text_model(x, caches)
+        logits = self.projection(hidden).astype(mx.float32)
+        return hidden, logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def chat_distill_model(student: nn.Module, teacher: nn.Module, batches: ChatBatches, *,
+                       settings: dict, checkpoint, checkpoint_every: int,
+                       log_every: int = 10) -> dict:
+    """Distils ``teacher`` into ``student`` on chat batches.
+
+    Loss per predicted token: ``kl_weight`` x KL(teacher || student) + ``ce_weight``
+    x CE(data); dialog rows count their assistant tokens, code rows every token, and
+    the two are weighted ``dialog_weight`` / the rest. The system turns run once per
+    step for the student (no gradient) and once per variant for the frozen teacher.
+    """
+    optimizer = optim.AdamW(learning_rate=settings["lr"], betas=[0.9, 0.95], weight_decay=0.0)
+    frozen = FrozenForward(teacher)
+    kl_w, ce_w, dw = settings["kl_weight"], settings["ce_weight"], settings["dialog_weight"]
+    rows = settings["dialog_rows"]
+
+    def terms(logits, t_logp, y):
+        s_logp = logits.astype(mx.float32)
+        s_logp = s_logp - mx.logsumexp(s_logp, axis=-1, keepdims=True)
+        kl = (mx.exp(t_logp) * (t_logp - s_logp)).sum(axis=-1)
+        ce = -mx.take_along_axis(s_logp, y[..., None], axis=-1)[..., 0]
+        return kl, ce
+
+    def loss_fn(model, state, x, y, mask, t_logp, xc, yc, tc_logp):
+        caches = caches_from_state(model, state, rows) if state else None
+        kl, ce = terms(model(x, cache=caches), t_logp, y)
+        weight = mask / mx.maximum(mask.sum(), 1.0)
+        dialog_kl, dialog_ce = (kl * weight).sum(), (ce * weight).sum()
+        klc, cec = terms(model(xc), tc_logp, yc)
+        code_kl, code_ce = klc.mean(), cec.mean()
+        loss = dw * (kl_w * dialog_kl + ce_w * dialog_ce) + \
+            (1 - dw) * (kl_w * code_kl + ce_w * code_ce)
+        return loss, dialog_kl, code_kl
+
+    loss_and_grad = nn.value_and_grad(student, loss_fn)
+    train_state = [student.state, optimizer.state]
+
+    @partial(mx.compile, inputs=train_state, outputs=train_state)
+    def train_step(state, x, y, mask, t_logp, xc, yc, tc_logp):
+        (loss, dialog_kl, code_kl), grads = loss_and_grad(student, state, x, y, mask, t_logp,
+                                                          xc, yc, tc_logp)
+        grads, grad_norm = optim.clip_grad_norm(grads, max_norm=1.0)
+        optimizer.update(student, grads)
+        return loss, dialog_kl, code_kl, grad_norm
+
+    def step_fn(prefix, x, y, mask, xc, yc):
+        _, t_logp = frozen.hidden_and_logprobs(prefix, x)
+        _, tc_logp = frozen.hidden_and_logprobs(None, xc)
+        state = prefix_state(student, prefix) if prefix is not None else []
+        mx.eval(t_logp, tc_logp, state)
+        loss, dialog_kl, code_kl, grad_norm = train_step(state, x, y, mask, t_logp, xc, yc,
+                                                         tc_logp)
+        mx.eval(train_state, loss, dialog_kl, code_kl)
+        return (loss.item(), dialog_kl.item(), code_kl.item()), grad_norm
+
+    student.train()
+    run = train_loop(step_fn, optimizer, None, steps=settings["steps"],
+                     batch=rows + settings["code_rows"], seq_len=settings["seq_len"],
+                     lr=settings["lr"], warmup=settings["warmup"], seed=settings["seed"],
+                     max_minutes=settings["max_minutes"],
+                     cooldown_start=settings["cooldown_start"],
+                     cooldown_steps=settings["cooldown_steps"], checkpoint=checkpoint,
+                     checkpoint_every=checkpoint_every, log_every=log_every,
+                     loss_names=("loss", "dialog_kl", "code_kl"), batches=batches)
+    student.eval()
+    final = np.mean([l[1:] for l in run.losses[-5:]], axis=0)
+    return {
+        **run.stats,
+        "dialog_rows": rows, "code_rows": settings["code_rows"],
+        "loss": f"{dw} x (dialog rows' assistant tokens) + {1 - dw} x (code rows) of "
+                f"{kl_w} x KL(target || draft) + {ce_w} x CE(data), nats/token, temperature 1",
+        "optimizer": "AdamW(betas=(0.9, 0.95), weight_decay=0), grad clip 1.0",
+        "seed": settings["seed"],
+        **run.timing,
+        "final_train_loss": float(final[0]),
+        "final_train_dialog_kl": float(final[1]),
+        "final_train_code_kl": float(final[2]),
+        "loss_curve": loss_curve(run.losses),
+    }
+
+
+CHAT_DISTILL_DEFAULTS = {"steps": 4000, "dialog_rows": 2, "code_rows": 2, "seq_len": 512,
+                         "lr": 1e-3, "warmup": 20, "max_minutes": 20.0, "seed": SEED + 5,
+                         "kl_weight": 1.0, "ce_weight": 0.1, "dialog_weight": 0.5,
+                         "cooldown_start": None, "cooldown_steps": None}
+# The head is judged on code (acceptance on held-out code), so its batches lean to code.
+MTP_DEFAULTS = {"steps": 4000, "dialog_rows": 1, "code_rows": 3, "seq_len": 512, "lr": 2e-3,
+                "warmup": 20, "max_minutes": 20.0, "seed": SEED + 6, "kl_weight": 1.0,
+                "ce_weight": 0.1, "dialog_weight": 0.25,
+                "cooldown_start": None, "cooldown_steps": None}
+
+
+def _settings(defaults: dict, args) -> dict:
+    settings = dict(defaults)
+    for key in settings:
+        if getattr(args, key, None) is not None:
+            settings[key] = getattr(args, key)
+    if args.time_based_cooldown:
+        settings["cooldown_start"] = settings["cooldown_steps"] = None
+    return settings
+
+
+def stage_chat_distill(args) -> None:
+    """Distils the chat target into the draft; writes ``chat_draft`` in the work dir.
+
+    Warm start: ``--draft-init`` (default: ``draft/`` of the models dir; the shipped
+    run started from the draft as shipped before the chat stages), its vocabulary
+    grown to the chat tokenizer's. Teacher: ``--teacher`` (default: ``chat_target``).
+    """
+    import mlx_lm
+
+    work, out = Path(args.work_dir), Path(args.out_dir)
+    settings = _settings(CHAT_DISTILL_DEFAULTS, args)
+    train_gdn_in_chunks()
+    seed_everything(settings["seed"])
+    tokenizer_dir = work / "chat_tokenizer"
+    vocab_size = len(load_chat_tokenizer(tokenizer_dir).get_vocab())
+    teacher_dir = Path(args.teacher) if args.teacher else work / "chat_target"
+    init = Path(args.draft_init) if args.draft_init else out / "draft"
+    teacher, _ = mlx_lm.load(str(teacher_dir))
+    student, _ = mlx_lm.load(str(init))
+    config = json.loads((init / "config.json").read_text())
+    student, config = extend_vocab(student, config, vocab_size, settings["seed"])
+    config["eos_token_id"] = json.loads((teacher_dir / "config.json").read_text())["eos_token_id"]
+    code = training_token_stream(work, tokenizer_dir, cache_name="chat_code_tokens.npy")
+    batches = ChatBatches(work, dialog_rows=settings["dialog_rows"],
+                          code_rows=settings["code_rows"], seq_len=settings["seq_len"],
+                          seed=settings["seed"], code=code)
+    print(f"chat-distill: {init} <- {teacher_dir}; settings {settings}", flush=True)
+    checkpoint_dir = work / "chat_draft_checkpoint"
+
+    def checkpoint(step, loss):
+        save_model_dir(student, config, tokenizer_dir, checkpoint_dir)
+        (checkpoint_dir / "step.json").write_text(json.dumps({"step": step, "loss": loss}))
+
+    stats = chat_distill_model(student, teacher, batches, settings=settings,
+                               checkpoint=checkpoint, checkpoint_every=args.checkpoint_every)
+    destination = work / "chat_draft"
+    save_model_dir(student, config, tokenizer_dir, destination)
+    sample = (out / eval_demo.HELDOUT_FILES["other"]).read_text(encoding="utf-8")[:20000]
+    check_load_round_trip(student, destination, vocab_size, sample)
+    stats.update(init=str(init), teacher=str(teacher_dir), max_minutes=settings["max_minutes"],
+                 kl_weight=settings["kl_weight"], ce_weight=settings["ce_weight"],
+                 dialog_weight=settings["dialog_weight"], parameters=count_parameters(student))
+    (destination / "chat_distill.json").write_text(json.dumps(stats, indent=2))
+    print(f"saved {destination}; final loss {stats['final_train_loss']:.4f}, "
+          f"{stats['wall_time_s'] / 60:.1f} min", flush=True)
+
+
+def init_head_from_target(head, target: nn.Module) -> None:
+    """Starts the head's decoder layer as a copy of the target's last full-attention layer."""
+    source = [layer for layer in target.layers if not getattr(layer, "is_linear", False)][-1]
+    head.module.layers[0].load_weights(list(tree_flatten(source.parameters())), strict=True)
+
+
+def mtp_train_model(head, target: nn.Module, batches: ChatBatches, *, settings: dict,
+                    checkpoint, checkpoint_every: int, log_every: int = 10) -> dict:
+    """Trains the MTP head on the frozen target's own hidden states and distributions.
+
+    The head at position ``t`` takes (target hidden at ``t``, token ``t+1``) and is
+    trained toward the target's next-token distribution at ``t+1`` (the token at
+    ``t+2``): ``kl_weight`` x KL(target || head) + ``ce_weight`` x CE(data). Dialog
+    rows count the pairs whose predicted token is an assistant token, code rows
+    every pair. On a dialog batch the head first runs over the system turn's pairs
+    (no gradient), so its attention sees the same context as when drafting.
+    """
+    optimizer = optim.AdamW(learning_rate=settings["lr"], betas=[0.9, 0.95], weight_decay=0.0)
+    frozen = FrozenForward(target)
+    kl_w, ce_w, dw = settings["kl_weight"], settings["ce_weight"], settings["dialog_weight"]
+    rows = settings["dialog_rows"]
+
+    def terms(hidden, tokens, t_logp, labels, caches):
+        logits, _ = head(hidden, tokens, caches)
+        q = logits.astype(mx.float32)
+        q = q - mx.logsumexp(q, axis=-1, keepdims=True)
+        kl = (mx.exp(t_logp) * (t_logp - q)).sum(axis=-1)
+        ce = -mx.take_along_axis(q, labels[..., None], axis=-1)[..., 0]
+        agree = (mx.argmax(q, axis=-1) == mx.argmax(t_logp, axis=-1)).astype(mx.float32)
+        return kl, ce, agree
+
+    def loss_fn(module, state, hd, td, pd, ld, wd, hc, tc, pc, lc):
+        caches = [_FixedKV(mx.broadcast_to(k, (rows, *k.shape[1:])),
+                           mx.broadcast_to(v, (rows, *v.shape[1:]))) for k, v in state] \
+            if state else None
+        kl, ce, agree = terms(hd, td, pd, ld, caches)
+        weight = wd / mx.maximum(wd.sum(), 1.0)
+        klc, cec, agreec = terms(hc, tc, pc, lc, None)
+        loss = dw * ((kl_w * kl + ce_w * ce) * weight).sum() + \
+            (1 - dw) * (kl_w * klc + ce_w * cec).mean()
+        return loss, (kl * weight).sum(), (agree * weight).sum(), agreec.mean()
+
+    loss_and_grad = nn.value_and_grad(head.module, loss_fn)
+    train_state = [head.module.state, optimizer.state]
+
+    @partial(mx.compile, inputs=train_state, outputs=train_state)
+    def train_step(*inputs):
+        (loss, kl, agree, agreec), grads = loss_and_grad(head.module, *inputs)
+        grads, grad_norm = optim.clip_grad_norm(grads, max_norm=1.0)
+        optimizer.update(head.module, grads)
+        return loss, kl, agree, agreec, grad_norm
+
+    def step_fn(prefix, x, y, mask, xc, yc):
+        hidden, t_logp = frozen.hidden_and_logprobs(prefix, x)
+        hidden_c, tc_logp = frozen.hidden_and_logprobs(None, xc)
+        state = []
+        if prefix is not None:
+            _, prefix_hidden = frozen.prefix(prefix)
+            head_cache = head.make_cache()
+            # the system turn's pairs (hidden t, token t+1); its last pairs with the body's
+            # first token (every dialog body starts with the same <|im_start|>)
+            nxt = mx.concatenate([prefix[:, 1:], x[:1, :1]], axis=1)
+            head(prefix_hidden, nxt, head_cache)
+            state = [(mx.stop_gradient(c.keys[..., :c.offset, :]),
+                      mx.stop_gradient(c.values[..., :c.offset, :])) for c in head_cache]
+        inputs = (state, hidden[:, :-1], y[:, :-1], t_logp[:, 1:], y[:, 1:], mask[:, 1:],
+                  hidden_c[:, :-1], yc[:, :-1], tc_logp[:, 1:], yc[:, 1:])
+        mx.eval(inputs)
+        loss, kl, agree, agreec, grad_norm = train_step(*inputs)
+        mx.eval(train_state, loss, kl, agree, agreec)
+        return (loss.item(), kl.item(), agree.item(), agreec.item()), grad_norm
+
+    head.module.train()
+    run = train_loop(step_fn, optimizer, None, steps=settings["steps"],
+                     batch=rows + settings["code_rows"], seq_len=settings["seq_len"],
+                     lr=settings["lr"], warmup=settings["warmup"], seed=settings["seed"],
+                     max_minutes=settings["max_minutes"],
+                     cooldown_start=settings["cooldown_start"],
+                     cooldown_steps=settings["cooldown_steps"], checkpoint=checkpoint,
+                     checkpoint_every=checkpoint_every, log_every=log_every,
+                     loss_names=("loss", "dialog_kl", "dialog_agree", "code_agree"),
+                     batches=batches)
+    head.module.eval()
+    final = np.mean([l[1:] for l in run.losses[-5:]], axis=0)
+    return {
+        **run.stats,
+        "dialog_rows": rows, "code_rows": settings["code_rows"],
+        "loss": f"{dw} x (dialog rows' assistant tokens) + {1 - dw} x (code rows) of "
+                f"{kl_w} x KL(target at t+1 || head at t) + {ce_w} x CE(token t+2), "
+                "nats/token, temperature 1",
+        "input": "the target's final hidden state (after its final norm) at t and token t+1",
+        "init": "decoder layer copied from the target's last full-attention layer; norms "
+                "and fc as mlx initialises them",
+        "optimizer": "AdamW(betas=(0.9, 0.95), weight_decay=0), grad clip 1.0",
+        "seed": settings["seed"],
+        **run.timing,
+        "final_train_loss": float(final[0]),
+        "final_train_dialog_kl": float(final[1]),
+        "final_train_dialog_agreement": float(final[2]),
+        "final_train_code_agreement": float(final[3]),
+        "loss_curve": loss_curve(run.losses),
+    }
+
+
+def stage_mtp_train(args) -> None:
+    """Trains an MTP head for the (frozen) chat target; writes it to ``mtp_head`` in the work dir."""
+    import mlx_lm
+
+    from segcache.mtp import MTPHead, save_head
+
+    work = Path(args.work_dir)
+    settings = _settings(MTP_DEFAULTS, args)
+    train_gdn_in_chunks()
+    seed_everything(settings["seed"])
+    target_dir = Path(args.teacher) if args.teacher else work / "chat_target"
+    target, _ = mlx_lm.load(str(target_dir))
+    head = MTPHead.build(target)
+    init_head_from_target(head, target)
+    mx.eval(head.module.parameters())
+    code = training_token_stream(work, work / "chat_tokenizer", cache_name="chat_code_tokens.npy")
+    batches = ChatBatches(work, dialog_rows=settings["dialog_rows"],
+                          code_rows=settings["code_rows"], seq_len=settings["seq_len"],
+                          seed=settings["seed"], code=code)
+    n_params = count_parameters(head.module)
+    print(f"mtp-train: head of {n_params:,} parameters on {target_dir}; settings {settings}",
+          flush=True)
+    destination = work / "mtp_head"
+    destination.mkdir(parents=True, exist_ok=True)
+
+    def checkpoint(step, loss):
+        save_head(head, destination / "checkpoint.safetensors", source=f"step {step}")
+
+    stats = mtp_train_model(head, target, batches, settings=settings, checkpoint=checkpoint,
+                            checkpoint_every=args.checkpoint_every)
+    save_head(head, destination / "mtp.safetensors",
+              source="tools/train_demo.py mtp-train (segcache demo target)")
+    stats.update(target=str(target_dir), parameters=n_params,
+                 max_minutes=settings["max_minutes"], kl_weight=settings["kl_weight"],
+                 ce_weight=settings["ce_weight"], dialog_weight=settings["dialog_weight"])
+    (destination / "mtp_train.json").write_text(json.dumps(stats, indent=2))
+    print(f"saved {destination}; final loss {stats['final_train_loss']:.4f}, dialog agreement "
+          f"{stats['final_train_dialog_agreement']:.3f}, code agreement "
+          f"{stats['final_train_code_agreement']:.3f}, {stats['wall_time_s'] / 60:.1f} min",
+          flush=True)
+
+
+def _old_token_heldout(model, old_tokenizer_file: Path, out: Path) -> dict:
+    """Held-out loss on the pre-chat tokenizer's ids (a superset vocabulary reads them as before)."""
+    from tokenizers import Tokenizer
+
+    old = Tokenizer.from_file(str(old_tokenizer_file))
+    result = {}
+    for which in eval_demo.HELDOUT_FILES:
+        ids = old.encode(eval_demo.read_heldout_text(which, out)).ids[:eval_demo.EVAL_MAX_TOKENS]
+        result[which] = {"tokens": len(ids),
+                         "loss_nats_per_token": eval_demo.heldout_loss(model, ids)}
+    return result
+
+
+def stage_chat_ship(args) -> None:
+    """Installs the chat target (with its MTP head) and the chat draft, and records them.
+
+    Copies ``chat_target`` (+ ``mtp_head/mtp.safetensors``) to ``target/``,
+    ``chat_draft`` to ``draft/``, the held-out dialogs next to them, evaluates
+    (held-out code loss, draft/target agreement, tool calls on held-out dialogs,
+    MTP acceptance at depths 1-3) and updates ``training.json``; the numbers of
+    the models replaced are kept as ``*_before_chat``. ``--bench-json`` adds
+    measured end-to-end speeds.
+    """
+    from segcache.mtp import HEAD_FILE, load_head
+
+    work, out = Path(args.work_dir), Path(args.out_dir)
+    record = json.loads((out / "training.json").read_text())
+    prepared = json.loads((work / "chat_prepare.json").read_text())
+    old_tokenizer = work / "pre_chat_tokenizer.json"
+    if not old_tokenizer.exists():  # the tokenizer of the models being replaced
+        shutil.copy(out / "target" / "tokenizer.json", old_tokenizer)
+    before = {name: {"heldout": record["models"][name]["heldout"]} for name in ("target", "draft")}
+    before["greedy_agreement"] = {k: v for k, v in record["greedy_agreement"].items()
+                                  if k in eval_demo.HELDOUT_FILES}
+    for name, source in (("target", work / "chat_target"), ("draft", work / "chat_draft")):
+        destination = out / name
+        for f in destination.iterdir():
+            f.unlink()
+        for f in ("config.json", "model.safetensors") + TOKENIZER_FILES:
+            shutil.copy(source / f, destination / f)
+    config = json.loads((out / "target" / "config.json").read_text())
+    config["mtp_num_hidden_layers"] = 1  # as Qwen3.5's config says it has a head
+    (out / "target" / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    shutil.copy(work / "mtp_head" / "mtp.safetensors", out / "target" / HEAD_FILE)
+    shutil.copy(work / HELDOUT_DIALOGS_FILE, out / HELDOUT_DIALOGS_FILE)
+    (out / CHAT_TEMPLATE_FILE).write_bytes((work / "chat_tokenizer" / CHAT_TEMPLATE_FILE)
+                                           .read_bytes())
+
+    target, tokenizer = eval_demo.load_demo_model("target", out)
+    draft, _ = eval_demo.load_demo_model("draft", out)
+    head = load_head(target, out / "target")
+    results = {}
+    for name, model in (("target", target), ("draft", draft)):
+        results[name] = {"heldout": eval_demo.evaluate_model(model, tokenizer, out),
+                         "heldout_pre_chat_tokens": _old_token_heldout(model, old_tokenizer, out)}
+        print(name, json.dumps(results[name], indent=1), flush=True)
+    agreement, acceptance = {}, {}
+    for which in eval_demo.HELDOUT_FILES:
+        ids = eval_demo.eval_token_ids(tokenizer, eval_demo.read_heldout_text(which, out))
+        agreement[which] = eval_demo.greedy_agreement(target, draft, ids)
+        acceptance[which] = eval_demo.mtp_acceptance(target, head, ids)
+    print("agreement", json.dumps(agreement), "\nmtp", json.dumps(acceptance), flush=True)
+    dialogs = json.loads((out / HELDOUT_DIALOGS_FILE).read_text())
+    tool_calls = eval_demo.tool_call_eval(target, tokenizer, dialogs)
+    print("tool calls", json.dumps(tool_calls), flush=True)
+
+    chat_train = json.loads((work / "chat_target" / "chat_train.json").read_text())
+    distill = json.loads((work / "chat_draft" / "chat_distill.json").read_text())
+    mtp = json.loads((work / "mtp_head" / "mtp_train.json").read_text())
+    for stats in (chat_train, distill, mtp):
+        for key in ("init", "teacher", "target"):
+            stats.pop(key, None)  # paths of the machine that trained
+    record["chat"] = {
+        "what": "the Qwen3.5 chat format with tool calls: tokenizer markup tokens, "
+                "chat_template.jinja, synthetic tool-calling dialogs over the stdlib "
+                "(tools/demo_dialogs.py)",
+        **prepared,
+        "heldout_dialogs_file": HELDOUT_DIALOGS_FILE,
+        "tool_call_eval": "tools/eval_demo.py tool_call_eval: greedy replies to the held-out "
+                          "dialogs (from the held-out stdlib files), per turn and as a closed "
+                          "agent loop",
+    }
+    for name in ("target", "draft"):
+        entry = record["models"][name]
+        cfg = json.loads((out / name / "config.json").read_text())
+        entry["config"] = _config_summary(cfg)
+        entry["parameters"] = count_parameters(target if name == "target" else draft)
+        entry["dir_bytes"] = sum(f.stat().st_size for f in (out / name).iterdir())
+        entry["heldout_before_chat"] = before[name]["heldout"]
+        entry["heldout"] = results[name]["heldout"]
+        entry["heldout_pre_chat_tokens"] = results[name]["heldout_pre_chat_tokens"]
+    record["models"]["target"]["chat"] = {
+        "command": "nice -n 10 python tools/train_demo.py chat-train --init DIR "
+                   f"--steps {chat_train['steps']} --cooldown-start {chat_train['cooldown_start']} "
+                   f"--cooldown-steps {chat_train['cooldown_steps']}",
+        "init": "DIR = the target as shipped before the chat stages (git show f843e73:"
+                "src/segcache/models/target/...), its embedding grown by the 8 markup tokens",
+        **chat_train,
+        "tool_calls": tool_calls,
+    }
+    record["models"]["target"]["mtp"] = {
+        "file": f"target/{HEAD_FILE}",
+        "file_bytes": (out / "target" / HEAD_FILE).stat().st_size,
+        "command": "nice -n 10 python tools/train_demo.py mtp-train "
+                   f"--steps {mtp['steps']} --cooldown-start {mtp['cooldown_start']} "
+                   f"--cooldown-steps {mtp['cooldown_steps']}",
+        **mtp,
+        "acceptance": acceptance,
+        "acceptance_definition": "tools/eval_demo.py mtp_acceptance: at each position of the "
+                                 "target's greedy continuation of held-out prompts, the head "
+                                 "drafts 3 tokens (hidden t + token t+1 -> token t+2, then on "
+                                 "its own hidden state and draft); depth_k = fraction of "
+                                 "positions whose first k drafts all equal the target's greedy "
+                                 "tokens",
+    }
+    record["models"]["draft"]["chat_distill"] = {
+        "command": "nice -n 10 python tools/train_demo.py chat-distill --draft-init DIR "
+                   f"--steps {distill['steps']} --cooldown-start {distill['cooldown_start']} "
+                   f"--cooldown-steps {distill['cooldown_steps']}",
+        "init": "DIR = the draft as shipped before the chat stages (git show f843e73:"
+                "src/segcache/models/draft/...), its embedding grown by the 8 markup tokens",
+        **distill,
+        "greedy_agreement_before": before["greedy_agreement"],
+        "greedy_agreement_after": agreement,
+    }
+    if args.bench_json:
+        record["chat"]["end_to_end"] = json.loads(Path(args.bench_json).read_text())
+    record["greedy_agreement"].update(agreement)
+    record["greedy_agreement"]["note"] = (
+        "rates of the chat-trained draft and target; earlier: models.draft.chat_distill."
+        "greedy_agreement_before (distilled draft, pre-chat target) and models.draft.distill."
+        "greedy_agreement_before (from-scratch draft)")
+    if "chat format" not in record["description"]:
+        record["description"] += (
+            "; both were then taught the Qwen3.5 chat format with tool calls (models.target.chat, "
+            "models.draft.chat_distill) and the target got a trained MTP head (models.target.mtp)")
+    commands = [
+        "python tools/train_demo.py chat-prepare",
+        record["models"]["target"]["chat"]["command"],
+        record["models"]["draft"]["chat_distill"]["command"] + "   # concurrently with:",
+        record["models"]["target"]["mtp"]["command"],
+        "python tools/train_demo.py chat-ship",
+    ]
+    record["commands"] = [c for c in record["commands"] if "chat" not in c and "mtp" not in c] \
+        + commands
+    (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out / 'training.json'}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parses the command line and runs the requested stage(s)."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("stage", choices=["prepare", "train", "finalize", "all", "distill",
-                                                "ship-distilled"])
+                                          "ship-distilled", "chat-prepare", "chat-train",
+                                          "chat-drills", "chat-merge", "chat-distill",
+                                          "mtp-train", "chat-ship"])
     parser.add_argument("model", nargs="?", choices=["target", "draft"])
     parser.add_argument("--out-dir", default=str(DEFAULT_OUT_DIR))
     parser.add_argument("--work-dir", default=str(DEFAULT_WORK_DIR))
@@ -1042,6 +2163,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--distill-out", default=str(DEFAULT_WORK_DIR / "distilled_draft"),
                         help="distill: output model directory")
     parser.add_argument("--bench-json", help="ship-distilled: measured speed to record")
+    parser.add_argument("--init", help="chat stages: the target to start from (default: "
+                                       "target/ of --out-dir)")
+    parser.add_argument("--dialogs", type=int, help="chat-prepare: training dialogs to draw")
+    parser.add_argument("--dialog-rows", type=int, help="chat: dialog windows per step")
+    parser.add_argument("--code-rows", type=int, help="chat: code windows per step")
+    parser.add_argument("--drill-rows", type=int, help="chat-train: copy-drill windows per step")
+    parser.add_argument("--drills", type=int, help="chat-drills: conversations to draw")
+    parser.add_argument("--teacher", help="chat-distill / mtp-train: the chat target "
+                                          "(default: chat_target in the work dir)")
+    parser.add_argument("--chat-out", default="chat_target",
+                        help="chat-train: output directory name in the work dir; chat-merge: "
+                             "the chat-trained target to merge")
+    parser.add_argument("--alphas", help="chat-merge: comma-separated alphas to try")
+    parser.add_argument("--dialog-weight", type=float,
+                        help="chat: weight of the dialog loss (the code loss gets the rest)")
     args = parser.parse_args(argv)
     if args.stage in ("prepare", "all"):
         stage_prepare(args)
@@ -1061,6 +2197,20 @@ def main(argv: list[str] | None = None) -> None:
         stage_distill(args)
     if args.stage == "ship-distilled":
         stage_ship_distilled(args)
+    if args.stage == "chat-prepare":
+        stage_chat_prepare(args)
+    if args.stage == "chat-drills":
+        stage_chat_drills(args)
+    if args.stage == "chat-train":
+        stage_chat_train(args)
+    if args.stage == "chat-merge":
+        stage_chat_merge(args)
+    if args.stage == "chat-distill":
+        stage_chat_distill(args)
+    if args.stage == "mtp-train":
+        stage_mtp_train(args)
+    if args.stage == "chat-ship":
+        stage_chat_ship(args)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The `segcache` command line: demo, generate, serve, store."""
+"""The `segcache` command line: demo, generate, serve, store, mtp."""
 
 from __future__ import annotations
 
@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .serve import cli as serve_cli
 
     serve_cli.add_parser(sub)
+
+    from .mtp import cli as mtp_cli
+
+    mtp_cli.add_parser(sub)
 
     store = sub.add_parser(
         "store", help="inspect a prefix store: stats | ls | verify | gc PATH [--max-bytes N]", add_help=False

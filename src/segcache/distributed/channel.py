@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import msgpack
@@ -121,12 +121,16 @@ class Channel:
             rank ends itself (`LOST_EXIT`), or None to wait for ever. The wait
             includes the slowest rank's work up to the same message (its longest
             step, a prefill chunk of a large model included): set it well above.
+        on_deadline: called with what waited (on the watchdog's thread, while the
+            waiting thread is still blocked) just before a deadline ends the process:
+            e.g. a server failing its requests in flight, so clients hear why.
     """
 
     group: mx.distributed.Group | None = None
     frame: int = FRAME_WORDS
     timeout: float | None = None
     stats: ChannelStats = field(default_factory=ChannelStats)
+    on_deadline: Optional[Callable[[str], None]] = None
 
     def __post_init__(self):
         if self.group is None:
@@ -136,7 +140,7 @@ class Channel:
         if self.timeout is not None and not self.timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds or None, got {self.timeout!r}")
         self._seq = 0  # collectives run; frame k carries k (never 0: a lost peer's part may read 0)
-        self._watchdog = _Watchdog() if self.timeout is not None else None
+        self._watchdog = _Watchdog(self) if self.timeout is not None else None
 
     @property
     def rank(self) -> int:
@@ -204,13 +208,22 @@ class Channel:
             rows = [row + more[r, : max(0, counts[r] - P)].tolist() for r, row in enumerate(rows)]
         return rows
 
+    def set_timeout(self, seconds: float | None) -> None:
+        """Bound every later message by `seconds` (None: wait for ever), e.g. once every rank has
+        loaded its shard (loading a large model takes longer than any step should)."""
+        if seconds is not None and not seconds > 0:
+            raise ValueError(f"timeout must be a positive number of seconds or None, got {seconds!r}")
+        self.timeout = seconds
+        if seconds is not None and self._watchdog is None:
+            self._watchdog = _Watchdog(self)
+
     def deadline(self, what: str, seconds: float | None = None):
         """A context in which a wait longer than `seconds` (default: the channel's `timeout`)
         ends the process, saying `what` waited: for the model's own collectives (evaluating a
         step) as the channel does for its messages. Without either, no deadline."""
         seconds = self.timeout if seconds is None else seconds
         if seconds is not None and self._watchdog is None:
-            self._watchdog = _Watchdog()
+            self._watchdog = _Watchdog(self)
         return _armed(self._watchdog if seconds is not None else None, seconds, what)
 
     # -- what a lockstep loop uses ----------------------------------------------------------
@@ -267,37 +280,47 @@ class _Watchdog:
     """One thread per channel that ends the process when an armed wait outlives its deadline.
 
     A collective blocked on a dead peer cannot be interrupted from Python; the
-    only way not to hang is to leave, saying why, with `LOST_EXIT`.
+    only way not to hang is to leave, saying why, with `LOST_EXIT`. Waits nest
+    (a step's deadline around the messages inside it): each keeps its own
+    deadline until it ends, and the earliest one counts.
     """
 
-    def __init__(self):
+    def __init__(self, channel: "Channel"):
+        self.channel = channel
         self._cond = threading.Condition()
-        self._deadline: float | None = None
-        self._what = ""
+        self._armed: list[tuple[float, str]] = []  # (deadline, what) of every wait under way, outermost first
         threading.Thread(target=self._watch, name="segcache-channel-watchdog", daemon=True).start()
 
     def arm(self, seconds: float, what: str) -> None:
         with self._cond:
-            self._deadline, self._what = time.monotonic() + seconds, what
+            self._armed.append((time.monotonic() + seconds, what))
             self._cond.notify()
 
     def disarm(self) -> None:
         with self._cond:
-            self._deadline = None
+            if self._armed:
+                self._armed.pop()
             self._cond.notify()
 
     def _watch(self) -> None:
         with self._cond:
             while True:
-                if self._deadline is None:
+                if not self._armed:
                     self._cond.wait()
                     continue
-                left = self._deadline - time.monotonic()
+                deadline, what = min(self._armed)
+                left = deadline - time.monotonic()
                 if left > 0:
                     self._cond.wait(left)
                     continue
+                hook = self.channel.on_deadline
+                if hook is not None:
+                    try:
+                        hook(what)
+                    except Exception:  # nothing may keep this process from ending
+                        pass
                 sys.stderr.write(
-                    f"segcache: {self._what} waited past its deadline: another rank is gone or stuck. "
+                    f"segcache: {what} waited past its deadline: another rank is gone or stuck. "
                     f"Stopping this rank (exit {LOST_EXIT}); start every rank again to go on.\n"
                 )
                 sys.stderr.flush()

@@ -1,10 +1,10 @@
 """`segcache serve`: flags, loading, the prefix store, uvicorn and an orderly shutdown.
 
-Every flag of mlx_lm.server is taken with its name and meaning (--pipeline,
-not built yet, stops with a message; --prompt-cache-size is accepted and
-ignored: the store is bounded by bytes; with --kv-bits requests decode one at
-a time, as mlx_lm.server serves them); a few defaults differ on purpose (CORS
-off, one request decoded at a time: tests/test_dropin_help.py lists them).
+Every flag of mlx_lm.server is taken with its name and meaning
+(--prompt-cache-size is accepted and ignored: the store is bounded by bytes;
+with --kv-bits requests decode one at a time, as mlx_lm.server serves them);
+a few defaults differ on purpose (CORS off, one request decoded at a time:
+tests/test_dropin_help.py lists them).
 SIGINT/SIGTERM: uvicorn stops accepting, lets requests in flight end, then the
 worker drains and the store is flushed and closed.
 """
@@ -113,6 +113,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="checkpoint a long prompt every N tokens, so another prompt sharing only its start "
                         "resumes within N tokens of where they part (default 256; 0: only at chat message "
                         "boundaries, prompt ends and branch points)")
+    p.add_argument("--pipeline", action="store_true",
+                   help="under mlx.launch: split the model's layers over the ranks (pipeline parallel) instead of "
+                        "its heads (tensor parallel, the default), as mlx_lm.server; ignored in one process")
+    p.add_argument("--rank-timeout", type=float, default=300.0,
+                   help="under mlx.launch: seconds a rank waits for the others at a step (the slowest rank's "
+                        "longest step, a prefill chunk included) before it stops, saying so (default 300)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     _add_mlx_lm_flags(p)
     p.set_defaults(handler=run)
@@ -136,9 +142,6 @@ def _add_mlx_lm_flags(p: argparse.ArgumentParser) -> None:
                         "disk; what leaves RAM goes to disk), so a count does not apply: accepted and ignored, "
                         "with a note in the log")
     dropin.add_kv_flags(p, server=True)
-    p.add_argument("--pipeline", action="store_true",
-                   help="pipeline instead of tensor parallelism across hosts (mx.distributed): not built yet, "
-                        "stops the server with a message")
 
 
 _DECIMAL = {"": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9, "T": 10**12, "TB": 10**12}
@@ -186,9 +189,6 @@ def _apply_mlx_lm_flags(args, tokenizer, kv) -> None:
 
 def _mlx_lm_flags_refusal(args) -> str | None:
     """Why the mlx_lm.server flags given cannot be served (None: they can)."""
-    if args.pipeline:
-        return ("--pipeline: serving across hosts with mx.distributed (pipeline or tensor parallel) is not "
-                "built yet; run one segcache serve per host without --pipeline")
     if args.prompt_cache_size is not None and args.prompt_cache_size < 0:
         return "--prompt-cache-size must be >= 0"
     return None
@@ -257,6 +257,17 @@ def _open_store(args, model):
     return store, path
 
 
+def _group():
+    """This rank's `Group` when started by mlx.launch (a group of more than one), else None."""
+    import mlx.core as mx
+
+    if mx.distributed.init().size() == 1:
+        return None
+    from ..distributed.serve import Group
+
+    return Group()
+
+
 def api_keys(args) -> list[str]:
     """The accepted API keys: every --api-key (else $SEGCACHE_API_KEY) and the --api-key-file's.
 
@@ -293,9 +304,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(message)s")
     if (args.num_draft_tokens < 1 or args.max_tokens < 1 or args.prefill_step_size < 1 or args.max_queue < 0
             or args.checkpoint_interval < 0 or args.decode_concurrency < 1 or args.prompt_concurrency < 1
-            or not args.request_timeout > 0 or args.max_connections < 0):
+            or not args.request_timeout > 0 or args.max_connections < 0 or not args.rank_timeout > 0):
         print("segcache serve: --num-draft-tokens, --max-tokens, --prefill-step-size, --decode-concurrency and "
-              "--prompt-concurrency must be >= 1, --request-timeout > 0, "
+              "--prompt-concurrency must be >= 1, --request-timeout and --rank-timeout > 0, "
               "--max-queue, --checkpoint-interval and --max-connections >= 0", file=sys.stderr)
         return 2
     try:
@@ -334,15 +345,28 @@ def run(args: argparse.Namespace) -> int:
     if refusal:
         print(f"segcache serve: {refusal}", file=sys.stderr)
         return 2
-    loaded = []
+    group = _group()  # under mlx.launch: this rank's (docs/distributed.md); None in one process
+    loaded, failure = [], None
+    if group is not None and (args.adapter_path or args.trust_remote_code):
+        failure = ("segcache serve: --adapter-path and --trust-remote-code under mlx.launch are not built yet "
+                   "(the sharded load takes neither); serve in one process to use them")
     for path, adapter in ((args.model, args.adapter_path), (args.draft_model, None)):
-        if path is None:
+        if path is None or failure is not None:
             continue
-        try:  # the draft without the adapter, as mlx_lm.server loads it
-            loaded.append(dropin.load(path, adapter_path=adapter, trust_remote_code=args.trust_remote_code)[:2])
+        try:  # the model sharded over the group; a draft model whole on every rank, without the adapter
+            if group is not None and not loaded:
+                loaded.append(group.load(path, args.pipeline))
+            else:
+                loaded.append(dropin.load(path, adapter_path=adapter, trust_remote_code=args.trust_remote_code)[:2])
         except ModelError as exc:
-            print(f"segcache serve: {exc}", file=sys.stderr)
-            return 1
+            failure = f"segcache serve: {exc}"
+        except Exception as exc:  # mlx-lm raises several types for a bad directory
+            failure = f"segcache serve: cannot load the model at {path}: {exc}"
+    if group is not None:
+        failure = group.loaded(failure, args)  # every rank loaded, with the same settings, or every rank stops
+    if failure is not None:
+        print(failure, file=sys.stderr)
+        return 1
     model, tokenizer = loaded[0]
     draft = loaded[1][0] if args.draft_model else None
     _apply_mlx_lm_flags(args, tokenizer, kv)
@@ -351,7 +375,7 @@ def run(args: argparse.Namespace) -> int:
         print("segcache serve: the draft model's vocabulary differs from the model's; the draft must share "
               "its tokenizer", file=sys.stderr)
         return 2
-    store, path = _open_store(args, model)
+    store, path = _open_store(args, model) if group is None else group.open_store(args, model)
     settings = _settings(args, model, tokenizer, keys)
     name = settings.served_name
     options = dict(store=store, draft_model=draft, prompt_lookup=args.prompt_lookup,
@@ -361,8 +385,13 @@ def run(args: argparse.Namespace) -> int:
         options["kv"] = kv  # one row at a time: batched rows hold unquantized KV (_apply_mlx_lm_flags)
     running = args.decode_concurrency
     engine = Engine(model, tokenizer, decode_concurrency=running, prompt_concurrency=args.prompt_concurrency,
-                    **options)
-    scheduler = Scheduler(engine, max_queue=args.max_queue, max_running=running, begin_step=engine.begin_step)
+                    group=group.channel if group is not None else None, **options)
+    if group is not None and not group.leader:  # no HTTP here: rank 0's steps, until it stops or is lost
+        return group.follow(engine, args, store, path)
+    if group is not None:
+        scheduler = group.scheduler(engine, args)
+    else:
+        scheduler = Scheduler(engine, max_queue=args.max_queue, max_running=running, begin_step=engine.begin_step)
     worker = Worker(scheduler)
     server = Server(settings, Prompter(tokenizer, template, args.chat_template_args), scheduler, worker, store)
 
@@ -372,6 +401,8 @@ def run(args: argparse.Namespace) -> int:
             store.close()  # the RAM tier reaches disk
             log.info("prefix store flushed and closed: %s", shown(path))
         release_streams()  # this thread loaded the models (see release_streams)
+        if group is not None and group.lost is not None:
+            group.exit()  # the group lost a rank: stop here, saying why (the requests in flight failed)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -384,7 +415,8 @@ def run(args: argparse.Namespace) -> int:
     rows = f", up to {args.decode_concurrency} rows batched" if args.decode_concurrency > 1 else ""
     rows += f", KV quantized to {kv.bits} bits from token {kv.start}" if kv is not None else ""
     rows += f", adapter {args.adapter_path}" if args.adapter_path else ""
-    log.info("serving %s (%s decoding%s) on http://%s:%d; prefix store: %s", name, mode, rows, args.host,
+    ranks = f", rank 0 of {group.size} ({group.parallel} parallel)" if group is not None else ""
+    log.info("serving %s (%s decoding%s%s) on http://%s:%d; prefix store: %s", name, mode, rows, ranks, args.host,
              args.port, shown(path) if store is not None else "none")
     max_connections = args.max_connections or default_max_connections(open_files, _BACKLOG)
     log.info("connections: at most %d open, requests whole within %g s; open files: %s", max_connections,

@@ -247,6 +247,10 @@ class Engine:
             request's runtimes (target and draft), or None. Batched rows hold
             unquantized KV only, so it needs `decode_concurrency` 1 (mlx_lm.server
             too serves kv_bits one request at a time).
+        group: a `segcache.distributed.Channel` when this engine is one rank's of a sharded
+            model (`segcache serve` under mlx.launch): every Runtime it builds agrees its
+            prefix resumes with the other ranks, and batches draft without the cost gate
+            (it times each rank's own steps, so the ranks' widths would differ).
 
     Attributes:
         prefill_chunk: with several rows, prompt tokens a joining request feeds per
@@ -263,7 +267,7 @@ class Engine:
     def __init__(self, model, tokenizer, *, store=None, draft_model=None, prompt_lookup: bool = False,
                  num_draft_tokens: int = 4, prefill_step: int = 2048, checkpoint_interval: int = 256,
                  decode_concurrency: int = 1, prompt_concurrency: int = 8, vocab_size: Optional[int] = None,
-                 grammars: Optional[Grammars] = None, kv=None):
+                 grammars: Optional[Grammars] = None, kv=None, group=None):
         self.model = model
         self.tokenizer = tokenizer
         self.store = store
@@ -279,6 +283,7 @@ class Engine:
         self.vocab_size = vocab_size or len(tokenizer.vocab)
         self.grammars = grammars
         self.decode_concurrency = decode_concurrency
+        self.group = group
         self.prompt_concurrency = prompt_concurrency
         drafting = prompt_lookup or draft_model is not None
         one = decode_concurrency == 1
@@ -287,7 +292,7 @@ class Engine:
         self.decoder = BatchDecoder(model, num_draft_tokens=num_draft_tokens if drafting else 0,
                                     draft_model=draft_model, prefill_step=prefill_step,
                                     draft_min_prob=DRAFT_MIN_PROB if draft_model is not None else 0.0,
-                                    gate=not one, one_row=one)
+                                    gate=not one and group is None, one_row=one)
         self._buffers: dict[str, collections.deque] = {}
         self._prefilling = 0  # prompts being prefilled (at most prompt_concurrency)
         # Prompts fed together (several rows only): the batch holds exactly the `_joining` entries
@@ -405,7 +410,7 @@ class Engine:
         if self.draft_model is None or (self.store is None and self.kv is None):
             return None
         drt = Runtime(self.draft_model, store=self.store, cache_salt=req.cache_salt, gdn_prefill="auto",
-                      **self._kv_options())
+                      group=self.group, **self._kv_options())
         if self.store is not None and len(req.ids) > 1:
             drt.prefill(req.ids[:-1], step_size=self.prefill_step)
         return drt
@@ -433,7 +438,7 @@ class Engine:
         steps = None
         try:
             rt = Runtime(self.model, store=self.store, cache_salt=req.cache_salt, gdn_prefill="auto",
-                         **self._kv_options())
+                         group=self.group, **self._kv_options())
             if len(req.ids) == 1:
                 return rt, 0, "-"
             ids = req.ids[:-1]

@@ -174,3 +174,56 @@ def _consecutive_free(n: int, tries: int = 50) -> int:
             for s in socks:
                 s.close()
     raise RuntimeError(f"no {n} consecutive free loopback ports found")
+
+
+class Started:
+    """Ranks started by `start` and left running: the caller stops them (`stop`), always.
+
+    Attributes:
+        procs: one process per rank, in rank order.
+        logs: per rank, the file its stdout and stderr go to.
+    """
+
+    def __init__(self, procs: list[subprocess.Popen], logs: list[Path]):
+        self.procs, self.logs = procs, logs
+
+    def log(self, rank: int) -> str:
+        return self.logs[rank].read_text(errors="replace") if self.logs[rank].exists() else ""
+
+    def wait(self, rank: int, timeout: float) -> int | None:
+        """Rank `rank`'s exit status once it exits within `timeout` seconds, else None."""
+        try:
+            return self.procs[rank].wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> list[int]:
+        """Send `sig` to every rank still running (rank 0 first) and wait; SIGKILL past `timeout`.
+        Returns the exit statuses."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(sig)
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _kill(p)
+        return [p.returncode for p in self.procs]
+
+
+def start(argv: list[str], n: int = 2, *, directory, env: dict | None = None, name: str = "rank") -> Started:
+    """Start `python argv...` on n ranks over loopback and return at once (a server's ranks).
+
+    Each rank gets its own session and writes stdout and stderr to
+    `directory/<name><r>.log`. The caller must `stop()` them.
+    """
+    directory = Path(directory)
+    hosts = hostfile(n, directory)
+    procs, logs = [], []
+    for r in range(n):
+        logs.append(directory / f"{name}{r}.log")
+        with open(logs[-1], "ab") as out:
+            procs.append(subprocess.Popen([sys.executable, *argv], env=rank_env(r, hosts, env), stdout=out,
+                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True))
+    return Started(procs, logs)

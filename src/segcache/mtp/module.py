@@ -1,0 +1,177 @@
+"""The multi-token-prediction module of Qwen3-Next / Qwen3.5 checkpoints, in MLX.
+
+Structure and parameter names follow the published checkpoints (their ``mtp.*``
+tensors, without the ``mtp.`` prefix) and vLLM's ``qwen3_next_mtp`` /
+``qwen3_5_mtp``::
+
+    e  = pre_fc_norm_embedding(embed_tokens(x[t+1]))      the next token
+    h  = pre_fc_norm_hidden(hidden[t])                    the target's last hidden state
+    z  = fc(concat([e, h]))                               [2H] -> [H]
+    z  = layers[d](z)                                     one full-attention decoder layer
+    h' = norm(z)                                          fed back at the next depth
+    logits = lm_head(h')                                  the target's own output head
+
+``embed_tokens`` and ``lm_head`` are the target's (shared, not stored with the
+head). ``hidden[t]`` is the target's final hidden state *after* its final norm,
+the tensor its ``lm_head`` scores (see docs/mtp.md for why). The decoder layer is
+mlx-lm's own layer class of the target's family, built as a full-attention
+layer, so its attention (gated, q/k norms, partial rotary) and MLP or MoE are
+exactly the target's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
+
+from ..errors import UnsupportedModelError
+
+
+class MTPModule(nn.Module):
+    """The head's own parameters: the pre-fc norms, ``fc``, its decoder layer(s), ``norm``.
+
+    Args:
+        hidden_size: The target's hidden size.
+        eps: RMS-norm epsilon (the target's ``rms_norm_eps``).
+        layers: The decoder layers (usually one), built by the family's factory.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, layers: list[nn.Module]):
+        super().__init__()
+        self.pre_fc_norm_embedding = nn.RMSNorm(hidden_size, eps=eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(hidden_size, eps=eps)
+        self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=False)
+        self.layers = layers
+        self.norm = nn.RMSNorm(hidden_size, eps=eps)
+
+    def __call__(self, embedded: mx.array, hidden: mx.array, layer: int = 0,
+                 cache: Optional[Any] = None) -> mx.array:
+        """The head's hidden state after layer ``layer`` and the final norm, [B, L, H]."""
+        z = self.fc(mx.concatenate(
+            [self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], axis=-1))
+        z = self.layers[layer](z, create_attention_mask(z, cache), cache)
+        return self.norm(z)
+
+
+def _qwen3_5_layer(args) -> nn.Module:
+    from mlx_lm.models.qwen3_5 import DecoderLayer
+
+    layer = DecoderLayer(args, layer_idx=args.full_attention_interval - 1)
+    assert not layer.is_linear
+    return layer
+
+
+def _qwen3_next_layer(args) -> nn.Module:
+    from mlx_lm.models.qwen3_next import Qwen3NextDecoderLayer
+
+    # The checkpoints' MTP layer has the routed MLP whenever the model has experts
+    # (vLLM builds it as layer 0 of the sparse schedule); mlx-lm decides from
+    # layer_idx, so pick the first full-attention index that gets the same MLP.
+    want_moe = args.num_experts > 0
+    for idx in range(args.full_attention_interval - 1, 64 * args.full_attention_interval,
+                     args.full_attention_interval):
+        moe = idx not in args.mlp_only_layers and args.num_experts > 0 and \
+            (idx + 1) % args.decoder_sparse_step == 0
+        if moe == want_moe:
+            return Qwen3NextDecoderLayer(args, layer_idx=idx)
+    raise UnsupportedModelError("qwen3_next: no full-attention layer index with the MTP "
+                                "layer's MLP kind; check decoder_sparse_step / mlp_only_layers")
+
+
+def _text_parts(model: nn.Module):
+    """(args, inner text model, output projection, MTP layer factory) of a supported target."""
+    kind = getattr(model, "model_type", None)
+    if kind in ("qwen3_5", "qwen3_5_moe"):
+        lm = model.language_model if hasattr(model, "language_model") else model
+        return lm.args, lm.model, _projection(lm), _qwen3_5_layer
+    if kind == "qwen3_next":
+        return model.args, model.model, _projection(model), _qwen3_next_layer
+    raise UnsupportedModelError(
+        f"no MTP head for model_type {kind!r}; segcache knows the heads of qwen3_5, "
+        "qwen3_5_moe and qwen3_next checkpoints")
+
+
+def _projection(lm: nn.Module) -> Callable[[mx.array], mx.array]:
+    """The output projection exactly as the text model's ``__call__`` applies it."""
+    if getattr(lm, "sharding_group", None) is not None:
+        raise UnsupportedModelError("MTP on a tensor-parallel (sharded lm_head) model is not "
+                                    "supported yet; load the model on one rank")
+    if lm.args.tie_word_embeddings:
+        return lm.model.embed_tokens.as_linear
+    return lm.lm_head
+
+
+def num_mtp_layers(config: dict) -> int:
+    """The head's decoder layers, from a checkpoint's (text) config: 0 when it has none."""
+    for source in (config.get("text_config", {}), config):
+        for key in ("mtp_num_hidden_layers", "num_nextn_predict_layers"):
+            if key in source:
+                return int(source[key])
+    return 0
+
+
+class MTPHead:
+    """An MTP module bound to its target: what a drafter calls.
+
+    ``head(hidden, tokens, cache)`` takes the target's hidden states ``[B, L, H]``
+    (post final norm, as :func:`segcache.mtp.forward_with_hidden` returns them) and
+    the tokens that follow each of them ``[B, L]``, and returns the logits for the
+    token after those ``[B, L, V]`` and the head's own hidden states ``[B, L, H]``,
+    which the next depth takes in place of the target's (with the drafted token).
+    Position ``t`` of the head's cache holds the pair (hidden at ``t``, token
+    ``t+1``): fill it during prefill with ``head(hidden[:, :-1], prompt[:, 1:],
+    cache)``; a cache is any mlx-lm KV cache (``make_cache`` gives one per layer).
+
+    Args:
+        module: The head's parameters (:class:`MTPModule`).
+        model: The target (an mlx-lm model of a supported family); its embedding and
+            output head are used, never copied.
+    """
+
+    def __init__(self, module: MTPModule, model: nn.Module):
+        args, text_model, projection, _ = _text_parts(model)
+        self.module = module
+        self.model = model
+        self.args = args
+        self._embed = text_model.embed_tokens
+        self._project = projection
+
+    @classmethod
+    def build(cls, model: nn.Module, num_layers: int = 1) -> "MTPHead":
+        """A head with fresh (untrained) parameters for ``model``'s family and size."""
+        args, _, _, factory = _text_parts(model)
+        module = MTPModule(args.hidden_size, args.rms_norm_eps,
+                           [factory(args) for _ in range(num_layers)])
+        return cls(module, model)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.module.layers)
+
+    def make_cache(self) -> list[KVCache]:
+        """One KV cache per decoder layer of the head (mlx-lm's own ``KVCache``)."""
+        return [KVCache() for _ in range(self.num_layers)]
+
+    def __call__(self, hidden: mx.array, tokens: mx.array, cache: Optional[list] = None,
+                 depth: int = 0) -> tuple[mx.array, mx.array]:
+        """Logits for the token after ``tokens`` and the head's hidden states.
+
+        Args:
+            hidden: ``[B, L, H]``: the target's hidden states (depth 0) or the head's
+                own from the previous depth.
+            tokens: ``[B, L]``: the token following each hidden state.
+            cache: The head's caches (``make_cache()``), or None for no context.
+            depth: Draft depth; a head with several layers uses layer ``depth % n``
+                (as vLLM does), a one-layer head applies its layer at every depth.
+
+        Returns:
+            ``(logits [B, L, V], hidden [B, L, H])``.
+        """
+        layer = depth % self.num_layers
+        c = cache[layer] if cache is not None else None
+        h = self.module(self._embed(tokens), hidden, layer, c)
+        return self._project(h), h
