@@ -170,22 +170,26 @@ def test_quantized_layers_round_trip_through_mlx_lm_files(qmodel, tmp_path):
     assert same(qmodel(ids([7]), cache=loaded), rt.forward([7]))
 
 
-def test_the_prefix_store_refuses_a_quantized_runtime(tmp_path):
-    """Mutation caught: no UNSTORED check in Runtime.prefix_cache (publish would store quantized
-    rows' state under the unquantized identity, or fail half-way)."""
+def test_the_prefix_store_keeps_quantized_pages_apart(tmp_path):
+    """Quantized rows are pages of their own layout: an unquantized runtime never resumes them, and
+    a runtime quantized alike resumes them bit-identical. Mutation caught: the quantized layout left
+    out of the identity (the fresh runtime would load quantized rows as K/V, or fail on them)."""
     model = models.build("llama", head_dim=32)
-    rt = Runtime(model, store=open_store(tmp_path / "s", page_tokens=4))
-    rt.prefill(PROMPT)
+    store = open_store(tmp_path / "s", page_tokens=4)
+    rt = Runtime(model, store=store)
+    rt.prefill(PROMPT)  # unquantized pages of PROMPT
     maybe_quantize_kv_cache(rt.cache, 0, G, BITS)
-    for op in (rt.publish, lambda: rt.prefill(PROMPT + DRAFT), lambda: rt.clone().publish()):
-        with pytest.raises(UnsupportedOperationError, match="quantized"):
-            op()
-    assert rt.offset == len(PROMPT)
-    rt.check()
-    # the store still serves an unquantized runtime what was published before
-    fresh = Runtime(model, store=rt.store)
-    fresh.prefill(PROMPT + DRAFT)
-    assert fresh.offset == len(PROMPT + DRAFT)
+    rt.forward(DRAFT)
+    rt.publish()  # quantized pages of PROMPT + DRAFT
+    longer = PROMPT + DRAFT + [7]
+    plain = Runtime(model, store=store)
+    assert next(plain.prefill_steps(longer)).restored == len(PROMPT)  # the unquantized records only
+    quantized = Runtime(model, store=store)
+    quantized.quantize_like(rt)  # empty quantized layers: the layout rt publishes under
+    assert next(quantized.prefill_steps(longer)).restored == len(PROMPT + DRAFT)
+    assert all(same(a, b) for a, b in zip(quantized_parts(quantized.cache), quantized_parts(rt.cache)))
+    assert same(quantized.forward([7]), rt.forward([7]))
+    quantized.check()
 
 
 # -- merge / extract (mlx-lm's BatchGenerator) ---------------------------------------

@@ -48,20 +48,20 @@ def run(argv, capsys):
 def test_cli_generate_matches_mlx_lm(dirs, capsys):
     model, tokenizer = mlx_lm.load(dirs["target"])
     expected = mlx_lm.generate(model, tokenizer, PROMPT, max_tokens=15)
-    base = ["generate", "--model", dirs["target"], "--prompt", PROMPT, "--max-tokens", "15"]
+    base = ["generate", "--model", dirs["target"], "--prompt", PROMPT, "--max-tokens", "15", "--verbose", "False"]
     for extra in ([], ["--draft-model", dirs["draft"], "--num-draft-tokens", "3"], ["--prompt-lookup"],
                   ["--draft-model", dirs["draft"], "--num-draft-tokens", "5", "--draft-min-prob", "0.5"]):
         code, out = run(base + extra, capsys)
         assert code == 0, out.err
         assert out.out == expected + "\n"
-    code, out = run(base + ["--prompt-lookup", "--verbose"], capsys)
+    code, out = run(base + ["--prompt-lookup", "--verbose"], capsys)  # a bare --verbose is True
     assert code == 0 and expected in out.out
     assert "Speculative (lookup)" in out.out and "tokens-per-sec" in out.out
 
 
 def test_cli_sampling_is_seeded(dirs, capsys):
     argv = ["generate", "--model", dirs["target"], "--prompt", PROMPT, "--max-tokens", "12",
-            "--draft-model", dirs["draft"], "--temp", "0.9", "--seed", "5"]
+            "--draft-model", dirs["draft"], "--temp", "0.9", "--seed", "5", "--verbose", "F"]
     first = run(argv, capsys)
     again = run(argv, capsys)
     assert first[0] == again[0] == 0 and first[1].out == again[1].out

@@ -188,7 +188,8 @@ def test_generate_goes_on_without_a_damaged_store(tmp_path):
 
     model = write_model(tmp_path / "m", "llama", 0)
     make_store(tmp_path / "s", n=3)
-    base = [sys.executable, "-m", "segcache.cli", "generate", "--model", model, "--prompt", "def f(", "-m", "5", "--ignore-chat-template"]
+    base = [sys.executable, "-m", "segcache.cli", "generate", "--model", model, "--prompt", "def f(", "-m", "5", "--ignore-chat-template",
+            "--verbose", "False"]  # the text only (verbose, the default as in mlx_lm.generate, adds timings)
     plain = subprocess.run(base, capture_output=True, text=True, timeout=300, env=ENV)
     assert plain.returncode == 0, plain.stderr[-2000:]
     with open(tmp_path / "s" / "data.mdb", "r+b") as f:

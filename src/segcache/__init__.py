@@ -45,6 +45,7 @@ _LAZY = {
     "BatchDecoder": "batch",
     "MTPHead": "mtp",
     "load_head": "mtp",
+    "KVQuantization": "kvquant",
 }
 
 __all__ = [

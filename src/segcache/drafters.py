@@ -207,10 +207,13 @@ class DraftModel:
         if drt.model is not self.rows.model:
             raise ValueError(f"add({row_id!r}): the draft runtime is not of the draft model")
         held, want = drt.tokens, history[:-1]
-        if len(held) > len(want) or held != want[: len(held)] or None in want:
+        # ids fed without forward (None, e.g. both loaded from one prompt cache file) may be held
+        # by both; only those the draft must still be fed need be known
+        if len(held) > len(want) or held != want[: len(held)] or None in want[len(held):]:
             raise ValueError(
                 f"add({row_id!r}): the draft runtime holds {len(held)} tokens that are not a prefix of "
-                f"the target runtime's {len(want)} known tokens"
+                f"the target runtime's {len(want)} tokens, or the target holds tokens fed without "
+                "Runtime.forward (ids unknown) that the draft runtime has not seen"
             )
         feed(drt, want[len(held):], self.prefill_step)
         self.rows.join(row_id, drt)

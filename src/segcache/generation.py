@@ -36,6 +36,7 @@ from .acceptors import make_acceptor
 from .batch.decoder import BatchDecoder
 from .drafters import eval_cache, feed
 from .errors import BranchError
+from .kvquant import KVQuantization
 from .processors import Processors
 from .runtime import Runtime
 from .sampling import Keys
@@ -211,6 +212,10 @@ def stream_generate(
     seed: Optional[int] = None,
     processors: Optional[Processors] = None,
     mtp=None,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = 5000,
+    max_kv_size: Optional[int] = None,
 ) -> Iterator[GenerationResponse]:
     """Generate on segcache runtimes, speculatively with a draft model or prompt lookup.
 
@@ -260,6 +265,11 @@ def stream_generate(
             a head file, or an original checkpoint's mtp.* tensors). Depth
             `num_draft_tokens` (the head applied on its own outputs); `adaptive`
             halves and doubles it as for prompt lookup. Greedy output is unchanged.
+        kv_bits, kv_group_size, quantized_kv_start: mlx-lm's KV cache
+            quantization, for the runtimes made here and set on those given
+            (`Runtime.quantize_kv`; both target and draft, as mlx-lm does).
+        max_kv_size: as mlx-lm's: for a runtime made here, of a model without
+            `make_cache`, sliding windows of this many tokens (ignored otherwise).
 
     Yields:
         GenerationResponse per token; the last one has `finish_reason` set.
@@ -283,15 +293,16 @@ def stream_generate(
         tokenizer = TokenizerWrapper(tokenizer)
     ids = _prompt_ids(tokenizer, prompt)
 
+    quantization = KVQuantization.of(kv_bits, kv_group_size, quantized_kv_start)  # ValueError if bad
     if runtime is None:
-        runtime = Runtime(model)
+        runtime = Runtime(model, max_kv_size=max_kv_size)
     _check_runtime(runtime, model, "runtime")
     if draft_runtime is not None and draft_runtime is runtime:
         raise ValueError("draft_runtime must be a runtime of its own, not the target's runtime")
     history = runtime.tokens + ids
     draft = None
     if draft_model is not None:
-        draft = draft_runtime if draft_runtime is not None else Runtime(draft_model)
+        draft = draft_runtime if draft_runtime is not None else Runtime(draft_model, max_kv_size=max_kv_size)
         _check_runtime(draft, draft_model, "draft_runtime")
         held = draft.tokens
         if held != history[: len(held)] or len(held) >= len(history):
@@ -299,14 +310,20 @@ def stream_generate(
                 f"draft_runtime holds {len(held)} tokens that are not a prefix of the target's "
                 f"{len(history) - 1} + the prompt's last; pass a draft runtime that followed this target"
             )
-        if None in history[: len(history) - 1]:
+        if None in history[len(held) : len(history) - 1]:  # ids the draft must still be fed
             raise ValueError(
-                "the target runtime holds tokens fed without Runtime.forward (ids unknown), so a "
-                "draft model cannot be brought up to date; use prompt lookup or a fresh runtime"
+                "the target runtime holds tokens fed without Runtime.forward (ids unknown) that the draft "
+                "runtime has not seen, so it cannot be brought up to date; use prompt lookup, a draft "
+                "runtime holding those tokens (e.g. loaded from the same prompt cache file), or a fresh runtime"
             )
     if head is not None and None in history[: len(history) - 1]:
         raise ValueError("the target runtime holds tokens fed without Runtime.forward (ids unknown), "
                          "which the MTP head needs; use a fresh runtime")
+    if quantization is not None:  # both checked before either changes
+        for rt in filter(None, (runtime, draft)):
+            rt.check_quantize_kv(quantization)
+        for rt in filter(None, (runtime, draft)):
+            rt.quantize_kv(quantization)
     decoder = BatchDecoder(
         model, num_draft_tokens=num_draft_tokens if draft is not None or prompt_lookup or head else 0,
         draft_model=draft_model if draft is not None else None, prefill_step=prefill_step_size,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
 from . import adapters
 from .adapters import state as state_hooks
@@ -143,13 +143,16 @@ def recurrent_count(plan) -> int:
     return sum(len(kind.modules(matched)) for kind, _, matched in plan)
 
 
-def plan(model) -> list[tuple[SegmentKind, Any, Any]]:
+def plan(model, max_kv_size: int | None = None) -> list[tuple[SegmentKind, Any, Any]]:
     """(kind, native cache, what the kind matched) for every cache `model` makes; changes nothing.
+
+    `max_kv_size` is mlx-lm's (`make_prompt_cache`): a model without its own
+    `make_cache` gets sliding windows of that many tokens; else it is ignored.
 
     Raises:
         UnsupportedModelError: a cache no kind serves, or caches whose decoder layers are unknown.
     """
-    native = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
+    native = make_prompt_cache(model, max_kv_size)  # mlx-lm's own rule: the model's make_cache if it has one
     layers = owners(model, native)
     if layers is None:
         raise UnsupportedModelError(

@@ -25,7 +25,11 @@ from .errors import (
     StoreError,
     UnsupportedOperationError,
 )
+from .kvquant import DEFAULT_GROUP_SIZE, DEFAULT_START, KVQuantization
+from .layers.compat import QuantizeRefused
+from .layers.kv import KVLayer
 from .layers.offset_branches import OffsetBranches
+from .layers.quantized import QuantizedKVLayer
 from .layers.protocol import PAGES, UNSTORED
 from .layers.recurrent import STRATEGIES, RecurrentLayer
 from .layers.state import default_state_strategy
@@ -100,11 +104,12 @@ class Branch:
 class Savepoint:
     """What `Runtime.undo` returns to (opaque; see `Runtime.savepoint`)."""
 
-    __slots__ = ("runtime", "offset", "branches", "layers", "buffers")
+    __slots__ = ("runtime", "offset", "branches", "layers", "buffers", "own")
 
-    def __init__(self, runtime: "Runtime", offset: int, branches: tuple, layers: list, buffers: list):
+    def __init__(self, runtime: "Runtime", offset: int, branches: tuple, layers: list, buffers: list, own: tuple):
         self.runtime, self.offset, self.branches = runtime, offset, branches
         self.layers, self.buffers = layers, buffers  # each layer's own savepoint; (cache, keys, values) views
+        self.own = own  # the layer objects then (kv_bits may swap some for quantized ones since)
 
 
 def _appended_in_place(layers) -> list:
@@ -131,13 +136,14 @@ def _view(a):
     return tuple(x[...] for x in a) if isinstance(a, tuple) else a[...]
 
 
-def _build_layers(model, strategy: str, branch_state_bytes: int, state_strategy: str | None = None) -> list:
+def _build_layers(model, strategy: str, branch_state_bytes: int, state_strategy: str | None = None,
+                  max_kv_size: int | None = None) -> list:
     """One layer cache per decoder layer; the model is changed only if every layer is supported.
 
     First every layer is matched to a segment kind (raising before anything
     changed), then the recurrent modules are adapted, all or none.
     """
-    plan = registry.plan(model)
+    plan = registry.plan(model, max_kv_size)
     recurrent = registry.recurrent_count(plan)
     options = registry.Options(strategy, branch_state_bytes // recurrent if recurrent else 0, state_strategy or strategy)
     registry.adapt(plan)
@@ -192,6 +198,15 @@ class Runtime:
             or more; within float rounding of native), or "auto" (chunked off
             Metal, native on Metal; `adapters.chunked.default_gdn_prefill`; what
             `segcache generate`, `serve` and `demo` use).
+        kv_bits, kv_group_size, quantized_kv_start: mlx-lm's KV cache
+            quantization, applied where mlx-lm's `generate_step` applies it:
+            after each forward outside a branch, full-attention layers holding
+            `quantized_kv_start` tokens or more become quantized layers
+            (`segcache.kvquant`). None (the default): never.
+        max_kv_size: as mlx-lm's `make_prompt_cache(model, max_kv_size)`: for a
+            model without `make_cache`, every layer is a sliding window of this
+            many tokens (keeping the first 4); ignored when the model makes its
+            own cache, as in mlx-lm.
         group: a `segcache.distributed.Channel` when this runtime is one rank's of
             a sharded model: its prefills then resume only a prefix every rank
             resumes (docs/distributed.md); clones share it.
@@ -216,6 +231,10 @@ class Runtime:
         recurrent_strategy: str = "auto",
         branch_state_bytes: int = BRANCH_STATE_BYTES,
         gdn_prefill: str = "native",
+        kv_bits: int | None = None,
+        kv_group_size: int = DEFAULT_GROUP_SIZE,
+        quantized_kv_start: int = DEFAULT_START,
+        max_kv_size: int | None = None,
         group=None,
     ):
         if recurrent_strategy not in RECURRENT_STRATEGIES:
@@ -227,11 +246,14 @@ class Runtime:
         # StateLayer (SSM, short conv, ...): "auto" is "replay" (layers/state.py)
         state_strategy = default_state_strategy() if recurrent_strategy == "auto" else recurrent_strategy
         chunked_from = chunked_threshold(gdn_prefill)  # raises ValueError on a bad name
+        quantization = KVQuantization.of(kv_bits, kv_group_size, quantized_kv_start)  # ValueError if bad
+        if max_kv_size is not None and (not isinstance(max_kv_size, int) or isinstance(max_kv_size, bool) or max_kv_size < 1):
+            raise ValueError(f"max_kv_size must be a positive int or None, got {max_kv_size!r}")
         if recurrent_strategy == "auto":
             recurrent_strategy = default_recurrent_strategy()
         self.model = model
         self.recurrent_strategy = recurrent_strategy
-        self.cache = _build_layers(model, recurrent_strategy, branch_state_bytes, state_strategy)
+        self.cache = _build_layers(model, recurrent_strategy, branch_state_bytes, state_strategy, max_kv_size)
         # cache[i] is _layers[i]: mlx-lm code may replace entries of the list
         # (kv_bits); every operation checks first (_own_layers).
         self._layers = tuple(self.cache)
@@ -248,6 +270,9 @@ class Runtime:
         self.cache_salt = cache_salt
         self._prefix: PrefixCache | None = None  # for `store`, made on first use; shared with clones
         self.group = group
+        self.kv_quantization = None
+        if quantization is not None:
+            self.quantize_kv(quantization)
 
     # -- what the cache holds -------------------------------------------------
 
@@ -304,6 +329,8 @@ class Runtime:
         x = chunk[None] if isinstance(chunk, mx.array) else mx.array(chunk, dtype=mx.uint32)[None]
         try:
             logits = self.model(x, cache=self.cache)
+            if self.kv_quantization is not None and not self._branches:
+                self._quantize_due()  # where mlx-lm's generate_step quantizes: after the model call
         except BaseException:
             for layer, point in zip(self.cache, saved):
                 layer.restore(point)
@@ -332,7 +359,8 @@ class Runtime:
             self._in_place = (self._layers, _appended_in_place(self._layers))
         # K/V buffers are kept as views (quantized: a tuple of them; None before any token)
         buffers = [(c, _view(c.keys), _view(c.values)) for c in self._in_place[1]]
-        return Savepoint(self, self.offset, tuple(self._branches), [c.savepoint() for c in self.cache], buffers)
+        return Savepoint(self, self.offset, tuple(self._branches), [c.savepoint() for c in self.cache], buffers,
+                         self._layers)
 
     def undo(self, point: "Savepoint") -> None:
         """Return to `point`: the forwards (and a `restore`) since are dropped, evaluated or not.
@@ -347,6 +375,8 @@ class Runtime:
                 "was taken; undo only the forwards of one step"
             )
         self._own_layers("undo")
+        if self._layers != point.own:  # kv_bits quantized layers since: the layers then are as they were
+            self._put_back(list(point.own))
         self._sync()
         for layer, own in zip(self.cache, point.layers):
             layer.restore(own)
@@ -408,6 +438,8 @@ class Runtime:
             layer.commit(n)
         self._ledger.truncate(inner.base_offset + n)
         self._close(inner)
+        if self.kv_quantization is not None and not self._branches:
+            self._quantize_due()  # deferred while a branch was open (kvquant)
 
     def _rollback(self, branch: Branch | None) -> None:
         inner = self._innermost(branch, "rollback")
@@ -421,6 +453,87 @@ class Runtime:
     def _close(self, branch: Branch) -> None:
         self._branches.pop()
         branch.open = False
+
+    # -- KV quantization (segcache.kvquant) -------------------------------------------
+
+    def quantize_kv(self, setting: KVQuantization) -> None:
+        """Quantize full-attention layers from now on as mlx-lm's `kv_bits` does (see `segcache.kvquant`).
+
+        As in mlx-lm, a layer switches after a forward (outside a branch; else at
+        the commit closing the outermost branch) that leaves it holding
+        `setting.start` tokens or more; so even at start 0 the first forward runs
+        at full precision. Setting the same value again changes nothing.
+
+        Raises:
+            ValueError: another setting is in force, or a layer is a sliding window
+                (it has no quantized form); nothing changed.
+        """
+        self.check_quantize_kv(setting)
+        self.kv_quantization = setting
+
+    def check_quantize_kv(self, setting: KVQuantization) -> None:
+        """Raise what `quantize_kv(setting)` would raise, changing nothing."""
+        if not isinstance(setting, KVQuantization):
+            raise ValueError(f"quantize_kv() takes a segcache.kvquant.KVQuantization, got {setting!r}")
+        if self.kv_quantization is not None and setting != self.kv_quantization:
+            raise ValueError(
+                f"this runtime quantizes KV with {self.kv_quantization.describe()} already; "
+                f"build a new Runtime for {setting.describe()}"
+            )
+        self._own_layers("quantize_kv")
+        refused = [i for i, layer in enumerate(self.cache) if isinstance(layer, QuantizeRefused)]
+        if refused:
+            raise ValueError(
+                f"kv_bits on a model whose layers {refused[:4]} are sliding windows "
+                f"({type(self.cache[refused[0]]).__name__}): a window has no quantized form (mlx-lm's "
+                "RotatingKVCache.to_quantized raises too); run this model without kv_bits"
+            )
+
+    def _quantize_due(self) -> None:
+        """Swap every full-attention layer holding `start` tokens or more for its quantized form."""
+        q = self.kv_quantization
+        due = [i for i, layer in enumerate(self.cache) if type(layer) is KVLayer and layer.offset >= q.start]
+        if due:
+            self._quantize_layers({i: (q.group_size, q.bits) for i in due})
+
+    def _quantize_layers(self, forms: dict) -> None:
+        """Swap layer i (a KVLayer) for its quantized form `forms[i]` = (group_size, bits); all or nothing.
+
+        The quantized layers are made first (MLX checks the shapes then: a group
+        size that does not divide the head dimension raises), then swapped.
+
+        Raises:
+            ValueError: MLX cannot quantize a layer so; nothing changed.
+        """
+        try:
+            made = {i: self.cache[i].to_quantized(group_size=g, bits=b) for i, (g, b) in forms.items()}
+        except ValueError as exc:
+            for i in forms:
+                self.cache[i].replaced_by = None
+            raise ValueError(f"cannot quantize the KV cache with group size / bits {sorted(set(forms.values()))}: {exc}") from None
+        for i, layer in made.items():
+            self.cache[i] = layer
+        self._layers = tuple(self.cache)
+
+    def quantized_forms(self) -> dict:
+        """{layer index: (group_size, bits)} of the layers holding quantized K/V."""
+        return {i: (layer.group_size, layer.bits) for i, layer in enumerate(self.cache) if type(layer) is QuantizedKVLayer}
+
+    def quantize_like(self, other: "Runtime") -> None:
+        """Quantize the layers `other` holds quantized, as `other` holds them (no branch may be open).
+
+        The prefix store probes a fresh runtime of the same layout with this.
+
+        Raises:
+            BranchError: a branch is open; nothing changed.
+            ValueError: the layouts differ; nothing changed.
+        """
+        if self._branches:
+            raise BranchError("quantize_like() with an open branch: commit or roll it back first")
+        self._own_layers("quantize_like")
+        forms = {i: f for i, f in other.quantized_forms().items() if type(self.cache[i]) is KVLayer}
+        if forms:
+            self._quantize_layers(forms)
 
     # -- prefix store -------------------------------------------------------------
 
@@ -504,7 +617,11 @@ class Runtime:
 
     def _prefill(self, ids: list[int], held: int, cache: PrefixCache | None, step_size: int, checkpoints):
         L = len(ids)
-        resume = Resume(held) if cache is None else cache.resume(self, ids, held)
+        unquantized = None  # the layers to put back if a quantized resume does not load
+        if cache is not None and self._quantized_prompt(ids, held):
+            cache, resume, unquantized = self._quantized_resume(ids, held)
+        else:
+            resume = Resume(held) if cache is None else cache.resume(self, ids, held)
         if cache is not None and self.group is not None:
             resume = self._agreed(resume, held)  # then every rank restores, or none (the same tokens)
         point = self.savepoint() if resume.states is not None and self.group is not None else None
@@ -515,6 +632,8 @@ class Runtime:
             except Exception as exc:  # states that do not load are a miss, never a failed prefill
                 cache.failed("restoring the resumed prefix", exc)
                 resume, restored = Resume(held), False
+                if unquantized is not None:  # computed from scratch: at full precision until the start
+                    self._put_back(unquantized)
         if point is not None and not agree_restored(self.group, restored):
             if restored:  # another rank could not: every rank computes
                 self.undo(point)
@@ -531,8 +650,46 @@ class Runtime:
             take = None if cache is None else (lambda logits: snaps.append(cache.snapshot(self, logits)))
             last, seconds = yield from self._feed(ids, start, stops, step_size, take)
         if cache is not None:
-            cache.prefilled(self, ids, resume, snaps, seconds)
+            # this runtime's cache now: kv_bits may have quantized the KV layers on the way (another layout)
+            self.prefix_cache().prefilled(self, ids, resume, snaps, seconds)
         return last
+
+    def _quantized_prompt(self, ids: list[int], held: int) -> bool:
+        """True if kv_bits will have quantized this fresh runtime's KV layers by the prompt's end."""
+        q = self.kv_quantization
+        return (q is not None and held == 0 and len(ids) >= q.start
+                and any(type(layer) is KVLayer for layer in self.cache))
+
+    def _quantized_resume(self, ids: list[int], held: int) -> tuple[PrefixCache, Resume, list | None]:
+        """The store's resume of a prompt that ends quantized: quantized pages first.
+
+        The prompt is looked up under the quantized layout (empty quantized
+        layers swapped in, nothing to convert). On a miss the unquantized layers
+        come back, so the prompt is computed as mlx-lm computes it (at full
+        precision until `quantized_kv_start`), resuming what the unquantized
+        layout holds (prompts published before they reached the start).
+
+        Returns:
+            (the prefix cache of the layout resumed, its `Resume`, the unquantized
+            layers when the quantized ones stay in place, else None).
+        """
+        own = list(self.cache)
+        q = self.kv_quantization
+        self._quantize_layers({i: (q.group_size, q.bits) for i, layer in enumerate(own) if type(layer) is KVLayer})
+        cache = self.prefix_cache()
+        resume = cache.resume(self, ids, held)
+        if resume.states is not None and resume.tokens >= q.start:  # below it mlx-lm holds the rows unquantized
+            return cache, resume, own
+        self._put_back(own)
+        cache = self.prefix_cache()
+        return cache, cache.resume(self, ids, held), None
+
+    def _put_back(self, layers: list) -> None:
+        """Make `layers` (this runtime's own, of the same tokens) its layers again."""
+        for layer in layers:
+            layer.replaced_by = None
+        self.cache[:] = layers
+        self._layers = tuple(layers)
 
     def _agreed(self, resume: Resume, held: int) -> Resume:
         """The resume every rank of the group found, or a miss on every rank (docs/distributed.md)."""
@@ -629,6 +786,8 @@ class Runtime:
         The new runtime builds its own layers (its own options apply) and loads
         copies of the given ones' committed states; its token ids are None (the
         file does not hold them), so it forks and generates, but does not publish.
+        A full-attention layer saved quantized (`QuantizedKVLayer`) is loaded
+        into a quantized layer of the same group size and bits.
 
         Args:
             model: the model the cache was computed with.
@@ -643,6 +802,10 @@ class Runtime:
         cache = list(cache)
         if len(cache) != len(rt.cache):
             raise ValueError(f"from_prompt_cache(): {len(cache)} caches for {len(rt.cache)} layers")
+        forms = {i: (src.group_size, src.bits) for i, (src, own) in enumerate(zip(cache, rt.cache))
+                 if type(src) is QuantizedKVLayer and type(own) is KVLayer}  # saved after kv_bits switched
+        if forms:
+            rt._quantize_layers(forms)
         for i, (src, own) in enumerate(zip(cache, rt.cache)):
             if type(src) is not type(own) or src.layout() != own.layout():
                 found = src.layout() if type(src) is type(own) else type(src).__name__
@@ -688,14 +851,15 @@ class Runtime:
         unstored = [i for i, layer in enumerate(self.cache) if layer.resumes_from == UNSTORED]
         if unstored:
             raise UnsupportedOperationError(
-                f"the prefix store on a runtime whose layers {unstored} are {type(self.cache[unstored[0]]).__name__} "
-                "(mlx-lm's kv_bits quantized them): the store keeps unquantized K/V under the model's identity, "
-                "so it neither publishes nor resumes quantized rows. Prefill and publish before quantizing "
-                "(quantized_kv_start past the prompt), or use a Runtime without kv_bits; nothing was changed"
+                f"the prefix store on a runtime whose layers {unstored} are {type(self.cache[unstored[0]]).__name__}, "
+                "a kind the store cannot hold; use a Runtime without a store; nothing was changed"
             )
-        if self._prefix is None or self._prefix.store is not self.store:
-            self._prefix = PrefixCache(self)
+        if self._prefix is None or self._prefix.store is not self.store or self._prefix.layouts != self._layouts():
+            self._prefix = PrefixCache(self)  # layouts change when kv_bits quantizes the KV layers
         return self._prefix
+
+    def _layouts(self) -> list:
+        return [layer.layout() for layer in self.cache]
 
     # -- sharing ----------------------------------------------------------------
 
@@ -717,6 +881,7 @@ class Runtime:
         other._branches = []
         other.store, other._prefix, other.cache_salt = self.store, self._prefix, self.cache_salt
         other.group = self.group
+        other.kv_quantization = self.kv_quantization
         return other
 
     # -- invariants -------------------------------------------------------------

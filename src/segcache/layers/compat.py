@@ -18,7 +18,7 @@ mlx-lm's helpers reach past `update_and_fetch`:
   as a `KVLayer` does and which the runtime adopts at its next operation; it
   refuses inside a branch (`BranchError`, nothing swapped). A window refuses
   (mlx-lm's `RotatingKVCache` cannot be quantized either). The prefix store
-  refuses a runtime holding quantized rows (`Runtime.prefix_cache`).
+  keeps quantized rows as pages of their own layout (layers/quantized.py).
 * `BatchGenerator` calls `merge` on the first cache's class, then `extract`,
   `filter`, `extend`, `prepare` / `finalize` on what it returned. `KVLayer.merge`
   gives a `BatchKVLayer` (per-row lengths, no left padding), `RecurrentLayer.merge`

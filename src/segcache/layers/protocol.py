@@ -12,9 +12,9 @@ Two ways to resume:
   (full-attention K/V), so any prefix of stored pages restores it;
 * "checkpoint": the state is a summary (a window ring, a conv tail and an SSM
   state) that exists only where it was taken;
-* "unstored": the store cannot hold this kind (quantized KV: the store keeps
-  unquantized pages under the model's identity), so a runtime holding one
-  refuses `prefill` / `publish` with a store (`Runtime.prefix_cache`).
+* "unstored": the store cannot hold this kind, so a runtime holding one
+  refuses `prefill` / `publish` with a store (`Runtime.prefix_cache`). No
+  kind needs it at present (quantized KV is a "pages" kind of its own layout).
 """
 
 from __future__ import annotations

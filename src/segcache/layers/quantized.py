@@ -14,9 +14,12 @@ so a branch is its starting offset, `commit(n)` and `rollback` move `offset`,
 and the committed rows are the bytes mlx-lm's `QuantizedKVCache` holds when fed
 exactly the kept tokens. Rows a rolled back branch wrote lie past `offset`.
 
-The prefix store keeps unquantized K/V pages under the model's identity, so it
-refuses a runtime holding this kind (`resumes_from = UNSTORED`): publish and
-resume before quantizing.
+For the prefix store a quantized layer is a "pages" kind of its own layout
+(`["kv_quantized", group_size, bits]`, part of the store identity, so records
+of other bit widths and group sizes never meet): a page holds the quantized
+rows as they are, six arrays (keys and values, each packed elements, scales
+and biases), so it is smaller than the unquantized page by about bits / 16 (for
+16-bit K/V) and resumes without requantizing.
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ from mlx_lm.models.cache import QuantizedKVCache
 from ..errors import BranchError, InvariantError, UnsupportedOperationError
 from .compat import MlxCompat
 from .offset_branches import OffsetBranches
-from .protocol import UNSTORED
+from .protocol import PAGES
+
+# the record names of the six quantized parts: keys then values, each (packed, scales, biases)
+PARTS = ("kq", "ks", "kb", "vq", "vs", "vb")
 
 
 def _views(parts):
@@ -94,17 +100,61 @@ class QuantizedKVLayer(MlxCompat, OffsetBranches, QuantizedKVCache):
 
     # -- persistence protocol (layers.protocol) ------------------------------------
 
-    resumes_from = UNSTORED
+    resumes_from = PAGES
 
     def layout(self) -> list:
         return ["kv_quantized", self.group_size, self.bits]
 
-    def load(self, *state) -> None:
-        """Refused: the store holds no quantized state for this kind to load (see the module doc)."""
-        raise UnsupportedOperationError(
-            "QuantizedKVLayer.load(): the prefix store keeps no quantized K/V; restore a runtime before "
-            "quantizing it"
-        )
+    def export_rows(self, start: int, end: int) -> dict[str, mx.array]:
+        """Copies of the committed quantized rows of positions [start, end), token axis 2.
+
+        Raises:
+            ValueError: the range is empty or reaches past the committed tokens.
+        """
+        if not 0 <= start < end <= self.committed_offset:
+            raise ValueError(f"export_rows({start}, {end}): need 0 <= start < end <= {self.committed_offset}")
+        parts = (*self.keys, *self.values)
+        return {name: a[..., start:end, :] * 1 for name, a in zip(PARTS, parts)}  # own buffers: pin nothing
+
+    def spec(self, probe, tokens: int) -> dict:
+        return {name: (dtype, (*shape[:2], tokens, *shape[3:])) for name, (dtype, shape) in probe.items()}
+
+    def state_from(self, arrays, meta, tokens: int) -> tuple:
+        """The six parts from their row chunks, with room for the next step's rows (as `KVLayer`)."""
+        chunks = [arrays.get(name) for name in PARTS]
+        if any(not c for c in chunks) or len({len(c) for c in chunks}) != 1:
+            raise ValueError(f"quantized K/V state lacks some of {PARTS} or their chunks do not pair up")
+        for row in zip(*chunks):
+            if any(a.ndim != 4 for a in row) or len({a.shape[:3] for a in row}) != 1:
+                raise ValueError(f"quantized K/V chunks of shapes {[a.shape for a in row]} do not line up")
+        firsts = [c[0] for c in chunks]
+        for c, first in zip(chunks, firsts):
+            if any(a.shape[:2] != first.shape[:2] or a.shape[3] != first.shape[3] or a.dtype != first.dtype for a in c):
+                raise ValueError("quantized K/V chunks differ in heads, width or dtype")
+        held = sum(a.shape[2] for a in chunks[0])
+        if held != tokens:
+            raise ValueError(f"quantized K/V chunks hold {held} tokens, not {tokens}")
+        B, H = firsts[0].shape[:2]
+        parts = tuple(mx.concatenate([*c, mx.zeros((B, H, self.step, c[0].shape[3]), c[0].dtype)], axis=2) for c in chunks)
+        return parts[:3], parts[3:], tokens
+
+    def load(self, keys: tuple, values: tuple, offset: int) -> None:
+        """Replace the cache by the first `offset` rows of the quantized `keys` / `values` (3 parts each).
+
+        The layer takes the arrays as its buffers and writes the next rows in place.
+
+        Raises:
+            BranchError: a branch is open.
+            ValueError: the parts do not line up or hold fewer than `offset` rows.
+        """
+        if self.marks:
+            raise BranchError("load() with an open branch: commit or roll it back first")
+        parts = (*keys, *values)
+        if len(parts) != 6 or any(a.ndim != 4 for a in parts) or len({a.shape[:3] for a in parts}) != 1:
+            raise ValueError(f"load(): quantized parts of shapes {[getattr(a, 'shape', a) for a in parts]}")
+        if not 0 < offset <= parts[0].shape[2]:
+            raise ValueError(f"load(): {offset} tokens for buffers of {parts[0].shape[2]} rows")
+        self.keys, self.values, self.offset = tuple(keys), tuple(values), offset
 
     def check(self) -> None:
         where = f"QuantizedKVLayer(offset={self.offset}, marks={self.marks}, bits={self.bits})"

@@ -58,6 +58,8 @@ class Settings:
         allowed_hosts: more names `Host` may carry (see `guard.HostPolicy`).
         max_body_bytes: larger request bodies get a 413.
         ram_bytes, disk_bytes: the prefix store's budgets (reported by /stats).
+        adapters: the adapter path(s) a request's `adapters` may name: the one the
+            server applies (--adapter-path, as given and resolved); empty: none.
     """
 
     served_name: str
@@ -77,6 +79,7 @@ class Settings:
     max_body_bytes: int = 8 << 20
     ram_bytes: int = 0  # the store's budgets, for /stats
     disk_bytes: int = 0
+    adapters: set = field(default_factory=set)
 
 
 class Server:
@@ -131,6 +134,16 @@ class Server:
             raise APIError(404, f"model '{name}' is not served here; this server serves "
                                 f"'{self.settings.served_name}' (or send 'default_model')",
                            param="model", code="model_not_found")
+
+    def _check_adapter(self, adapter: Optional[str]) -> None:
+        # mlx_lm.server reloads the model for another adapter; here one adapter is applied per server
+        if adapter is None or adapter in self.settings.adapters:
+            return
+        served = next(iter(sorted(self.settings.adapters)), None)
+        now = f"the adapter at '{served}' (--adapter-path)" if served else "no adapter"
+        raise APIError(400, f"'adapters': this server applies {now} to every request and cannot switch "
+                            f"adapters per request; leave 'adapters' out, or run a segcache serve with "
+                            f"--adapter-path {adapter}", param="adapters")
 
     def _check_ids(self, ids: list[int], param: str, max_tokens: Optional[int]) -> int:
         """Validate prompt ids; returns the tokens to generate at most."""
@@ -235,6 +248,7 @@ class Server:
         key = self._authorize(request)
         req = schemas.parse(await self._body(request), schemas.CompletionRequest)
         self._check_model(req.model)
+        self._check_adapter(req.adapters)
         loop = asyncio.get_running_loop()
         ids = await loop.run_in_executor(self._tokenize, self.prompter.completion, req.prompt)
         sampling = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
@@ -255,6 +269,7 @@ class Server:
         key = self._authorize(request)
         req = schemas.parse(await self._body(request), schemas.ChatRequest)
         self._check_model(req.model)
+        self._check_adapter(req.adapters)
         run = await self.start_chat(shapes.chat_turn(req), "chatcmpl", key)
         shape = Shape(run.gen.id, self.settings.served_name, self.created, True)
         if req.stream:

@@ -1,10 +1,12 @@
 """`segcache serve`: flags, loading, the prefix store, uvicorn and an orderly shutdown.
 
-Flags shared with mlx_lm.server keep its names and meanings (--model,
---draft-model, --num-draft-tokens, --host, --port, --allowed-origins,
---chat-template, --temp, --top-p, --max-tokens, --prefill-step-size,
---log-level). SIGINT/SIGTERM: uvicorn stops accepting, lets requests in flight
-end, then the worker drains and the store is flushed and closed.
+Every flag of mlx_lm.server is taken with its name and meaning
+(--prompt-cache-size is accepted and ignored: the store is bounded by bytes;
+with --kv-bits requests decode one at a time, as mlx_lm.server serves them);
+a few defaults differ on purpose (CORS off, one request decoded at a time:
+tests/test_dropin_help.py lists them).
+SIGINT/SIGTERM: uvicorn stops accepting, lets requests in flight end, then the
+worker drains and the store is flushed and closed.
 """
 
 from __future__ import annotations
@@ -65,8 +67,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prompt-cache-dir", help="prefix store directory (default: one per model identity under "
                    "the user's cache directory, e.g. ~/.cache/segcache/serve/<identity>)")
     p.add_argument("--prompt-cache-remote", metavar="URL", help="shared prefix-cache tier on Redis/Valkey, redis://[:password@]host:port/db (rediss:// for TLS); local tiers still serve when it is down")
-    p.add_argument("--ram-bytes", "--prompt-cache-bytes", type=parse_size, default=1 << 30,
-                   help="RAM tier budget (default 1G; --prompt-cache-bytes as mlx_lm.server names it)")
+    p.add_argument("--ram-bytes", type=parse_size, default=1 << 30,
+                   help="RAM tier budget (default 1G; or --prompt-cache-bytes, in mlx_lm.server's units)")
     p.add_argument("--disk-bytes", type=parse_size, default=16 << 30, help="disk tier budget (default 16G)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
@@ -104,7 +106,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting at most; more get 429 (default 64)")
     p.add_argument("--max-body-bytes", type=parse_size, default=8 << 20, help="largest request body (default 8M)")
     p.add_argument("--decode-concurrency", type=int, default=1,
-                   help="requests decoded together in one batched forward (default 1), with or without a drafter")
+                   help="requests decoded together in one batched forward (default 1), with or without a drafter; "
+                        "with --kv-bits requests decode one at a time (batched rows hold unquantized KV), as "
+                        "mlx_lm.server serves quantized KV")
     p.add_argument("--prompt-concurrency", type=int, default=8,
                    help="prompts being prefilled at once, at most (default 8, as mlx_lm.server): with "
                         "--decode-concurrency above 1 they advance together, one forward per step for all "
@@ -121,8 +125,78 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="under mlx.launch: seconds a rank waits for the others at a step (the slowest rank's "
                         "longest step, a prefill chunk included) before it stops, saying so (default 300)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+    _add_mlx_lm_flags(p)
     p.set_defaults(handler=run)
     return p
+
+
+# -- the rest of mlx_lm.server's flags (issue 25; tests/test_dropin_help.py) -----------------
+
+
+def _add_mlx_lm_flags(p: argparse.ArgumentParser) -> None:
+    from .. import dropin
+
+    dropin.add_load_flags(p)
+    dropin.add_default_template_flag(p)
+    p.add_argument("--prompt-cache-bytes", type=parse_decimal_size, default=None,
+                   help="the RAM tier's budget (as --ram-bytes) in mlx_lm.server's units: 2G = 2*10^9, "
+                        "500MB = 5*10^8 (what leaves RAM goes to the disk tier, --disk-bytes)")
+    p.add_argument("--prompt-cache-size", type=int, default=None,
+                   help="mlx_lm.server's count of cached prompts. segcache's prefix store shares pages between "
+                        "prompts and is bounded by bytes instead (--prompt-cache-bytes in RAM, --disk-bytes on "
+                        "disk; what leaves RAM goes to disk), so a count does not apply: accepted and ignored, "
+                        "with a note in the log")
+    dropin.add_kv_flags(p, server=True)
+
+
+_DECIMAL = {"": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9, "T": 10**12, "TB": 10**12}
+
+
+def parse_decimal_size(text: str) -> int:
+    """Bytes from mlx_lm.server's sizes: '1000000', '500M', '1.5GB' (powers of 1000)."""
+    m = re.match(r"^\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*$", text)
+    if not m or m.group(2).upper() not in _DECIMAL:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1000000, 500M, 2G, 1.5GB)")
+    from decimal import Decimal
+
+    return int(Decimal(m.group(1)) * _DECIMAL[m.group(2).upper()])
+
+
+def _mlx_lm_flags_check(args):
+    """(why the mlx_lm.server flags given cannot be served or None, the KV quantization or None)."""
+    from .. import dropin
+
+    try:
+        kv = dropin.kv_setting(args)
+    except ValueError as exc:
+        return str(exc), None
+    return _mlx_lm_flags_refusal(args), kv
+
+
+def _apply_mlx_lm_flags(args, tokenizer, kv) -> None:
+    """What the mlx_lm.server flags change once the model is loaded."""
+    from .. import dropin
+
+    if args.use_default_chat_template:
+        dropin.use_default_chat_template(tokenizer, "segcache serve")
+    if args.prompt_cache_bytes is not None:
+        args.ram_bytes = args.prompt_cache_bytes
+    if args.prompt_cache_size is not None:
+        log.info("--prompt-cache-size %d ignored: the prefix store is bounded by bytes (--prompt-cache-bytes, "
+                 "--disk-bytes), not by a count of prompts", args.prompt_cache_size)
+    if kv is not None and args.decode_concurrency > 1:
+        # batched rows hold unquantized K/V only; mlx_lm.server too serves kv_bits one request at a time
+        log.warning("--kv-bits: requests are decoded one at a time (--decode-concurrency %d does not apply: "
+                    "batched rows hold unquantized KV), as mlx_lm.server does with quantized KV",
+                    args.decode_concurrency)
+        args.decode_concurrency = 1
+
+
+def _mlx_lm_flags_refusal(args) -> str | None:
+    """Why the mlx_lm.server flags given cannot be served (None: they can)."""
+    if args.prompt_cache_size is not None and args.prompt_cache_size < 0:
+        return "--prompt-cache-size must be >= 0"
+    return None
 
 
 def _names(text: str) -> list:
@@ -226,6 +300,7 @@ def _settings(args, model, tokenizer, keys):
         allowed_origins=args.allowed_origins, max_body_bytes=args.max_body_bytes,
         bind_host=args.host, allowed_hosts=args.allowed_hosts,
         ram_bytes=args.ram_bytes, disk_bytes=args.disk_bytes,
+        adapters={args.adapter_path, str(Path(args.adapter_path).resolve())} if args.adapter_path else set(),
     )
 
 
@@ -261,9 +336,9 @@ def run(args: argparse.Namespace) -> int:
     # uvicorn's and asyncio's records reach the root handler too (log_config=None below), so
     # one filter there holds every repeated warning or error to one line per interval
     install_repeats()
-    from mlx_lm import load
-
+    from .. import dropin
     from ..demo import shown
+    from ..errors import ModelError
     from .chat import Prompter
     from .engine import Engine
     from .worker import Scheduler, Worker, release_streams
@@ -271,14 +346,27 @@ def run(args: argparse.Namespace) -> int:
     template = args.chat_template
     if template is not None and Path(template).is_file():
         template = Path(template).read_text()
+    refusal, kv = _mlx_lm_flags_check(args)
+    if refusal:
+        print(f"segcache serve: {refusal}", file=sys.stderr)
+        return 2
     group = _group()  # under mlx.launch: this rank's (docs/distributed.md); None in one process
     loaded, failure = [], None
-    for path in filter(None, (args.model, args.draft_model)):
-        try:  # the model sharded over the group; a draft model whole on every rank
-            loaded.append(group.load(path, args.pipeline) if group is not None and not loaded else load(path))
+    if group is not None and (args.adapter_path or args.trust_remote_code):
+        failure = ("segcache serve: --adapter-path and --trust-remote-code under mlx.launch are not built yet "
+                   "(the sharded load takes neither); serve in one process to use them")
+    for path, adapter in ((args.model, args.adapter_path), (args.draft_model, None)):
+        if path is None or failure is not None:
+            continue
+        try:  # the model sharded over the group; a draft model whole on every rank, without the adapter
+            if group is not None and not loaded:
+                loaded.append(group.load(path, args.pipeline))
+            else:
+                loaded.append(dropin.load(path, adapter_path=adapter, trust_remote_code=args.trust_remote_code)[:2])
+        except ModelError as exc:
+            failure = f"segcache serve: {exc}"
         except Exception as exc:  # mlx-lm raises several types for a bad directory
             failure = f"segcache serve: cannot load the model at {path}: {exc}"
-            break
     if group is not None:
         failure = group.loaded(failure, args)  # every rank loaded, with the same settings, or every rank stops
     if failure is not None:
@@ -286,6 +374,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     model, tokenizer = loaded[0]
     draft = loaded[1][0] if args.draft_model else None
+    _apply_mlx_lm_flags(args, tokenizer, kv)
     vocab = _lookup(_config(args.model) or _model_args(model), "vocab_size")
     if draft is not None and _lookup(_config(args.draft_model) or _model_args(draft), "vocab_size") != vocab:
         print("segcache serve: the draft model's vocabulary differs from the model's; the draft must share "
@@ -310,6 +399,8 @@ def run(args: argparse.Namespace) -> int:
     options = dict(store=store, draft_model=draft, prompt_lookup=args.prompt_lookup, mtp=head,
                    num_draft_tokens=args.num_draft_tokens, prefill_step=args.prefill_step_size,
                    checkpoint_interval=args.checkpoint_interval, vocab_size=vocab)
+    if kv is not None:
+        options["kv"] = kv  # one row at a time: batched rows hold unquantized KV (_apply_mlx_lm_flags)
     running = args.decode_concurrency
     engine = Engine(model, tokenizer, decode_concurrency=running, prompt_concurrency=args.prompt_concurrency,
                     group=group.channel if group is not None else None, **options)
@@ -341,6 +432,8 @@ def run(args: argparse.Namespace) -> int:
     mode = ("draft model" if draft is not None else "prompt lookup" if args.prompt_lookup
             else f"MTP depth {args.num_draft_tokens}" if head is not None else "plain")
     rows = f", up to {args.decode_concurrency} rows batched" if args.decode_concurrency > 1 else ""
+    rows += f", KV quantized to {kv.bits} bits from token {kv.start}" if kv is not None else ""
+    rows += f", adapter {args.adapter_path}" if args.adapter_path else ""
     ranks = f", rank 0 of {group.size} ({group.parallel} parallel)" if group is not None else ""
     log.info("serving %s (%s decoding%s%s) on http://%s:%d; prefix store: %s", name, mode, rows, ranks, args.host,
              args.port, shown(path) if store is not None else "none")

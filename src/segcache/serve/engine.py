@@ -247,6 +247,10 @@ class Engine:
             compiles a request's schema first, so a bad one is a 400); built here when None.
         mtp: the target's `MTPHead` to draft with (exclusive with draft_model and
             prompt_lookup), or None. Prefills keep the hidden states they compute for it.
+        kv: mlx-lm's KV quantization (`segcache.kvquant.KVQuantization`) for every
+            request's runtimes (target and draft), or None. Batched rows hold
+            unquantized KV only, so it needs `decode_concurrency` 1 (mlx_lm.server
+            too serves kv_bits one request at a time).
         group: a `segcache.distributed.Channel` when this engine is one rank's of a sharded
             model (`segcache serve` under mlx.launch): every Runtime it builds agrees its
             prefix resumes with the other ranks, and batches draft without the cost gate
@@ -267,7 +271,7 @@ class Engine:
     def __init__(self, model, tokenizer, *, store=None, draft_model=None, prompt_lookup: bool = False,
                  num_draft_tokens: int = 4, prefill_step: int = 2048, checkpoint_interval: int = 256,
                  decode_concurrency: int = 1, prompt_concurrency: int = 8, vocab_size: Optional[int] = None,
-                 grammars: Optional[Grammars] = None, group=None, mtp=None):
+                 grammars: Optional[Grammars] = None, kv=None, group=None, mtp=None):
         self.model = model
         self.tokenizer = tokenizer
         self.store = store
@@ -276,6 +280,10 @@ class Engine:
         self.num_draft_tokens = num_draft_tokens
         self.prefill_step = prefill_step
         self.checkpoint_interval = checkpoint_interval
+        if kv is not None and decode_concurrency != 1:
+            raise ValueError(f"kv quantization ({kv.describe()}) with decode_concurrency={decode_concurrency}: "
+                             "batched rows hold unquantized KV only; decode one row at a time (decode_concurrency 1)")
+        self.kv = kv
         self.vocab_size = vocab_size or len(tokenizer.vocab)
         self.grammars = grammars
         self.decode_concurrency = decode_concurrency
@@ -407,12 +415,12 @@ class Engine:
     def _draft_runtime(self, req: GenRequest) -> Runtime | None:
         """The draft's runtime for a joining row: resumed from the prefix store (its own
         records) and prefilled to the prompt but its last token; None without a draft model
-        or a store (the decoder feeds a fresh one)."""
-        if self.draft_model is None or self.store is None:
+        or a store (the decoder feeds a fresh one; with `kv`, a fresh one quantizing as the target's)."""
+        if self.draft_model is None or (self.store is None and self.kv is None):
             return None
         drt = Runtime(self.draft_model, store=self.store, cache_salt=req.cache_salt, gdn_prefill="auto",
-                      group=self.group)
-        if len(req.ids) > 1:
+                      group=self.group, **self._kv_options())
+        if self.store is not None and len(req.ids) > 1:
             drt.prefill(req.ids[:-1], step_size=self.prefill_step)
         return drt
 
@@ -438,6 +446,11 @@ class Engine:
             finally:  # the prefill's last forward ends its generator (StopIteration)
                 into.extend(c[0] for c in chunks)
 
+    def _kv_options(self) -> dict:
+        """A request runtime's KV quantization (as mlx-lm's generate_step: after each forward)."""
+        q = self.kv
+        return {} if q is None else dict(kv_bits=q.bits, kv_group_size=q.group_size, quantized_kv_start=q.start)
+
     def _prefill(self, req: GenRequest) -> Generator[None, None, tuple[Runtime, int, str]]:
         """Resume the prompt (all but its last token) from the store, then feed the rest, yielding
         between forwards so the running rows decode meanwhile.
@@ -456,7 +469,7 @@ class Engine:
         steps = None
         try:
             rt = Runtime(self.model, store=self.store, cache_salt=req.cache_salt, gdn_prefill="auto",
-                         group=self.group)
+                         group=self.group, **self._kv_options())
             if len(req.ids) == 1:
                 return rt, 0, "-"
             ids = req.ids[:-1]

@@ -88,6 +88,7 @@ class _Request(_Common):
     def controls(self) -> dict:
         """The sampling controls the request sets beyond temperature/top_p/top_k/min_p/seed."""
         return {k: getattr(self, k) for k in self.CONTROLS if getattr(self, k) is not None}
+    adapters: Optional[str] = None  # mlx_lm.server's adapter path; one adapter per server (Server._check_adapter)
 
     def stops(self) -> list[str]:
         """The stop strings, as a list."""

@@ -1,8 +1,9 @@
 """Model identity: everything that changes the bytes of a cached state.
 
 The identity hashes the model config, parameter dtypes, the cache layout, the
-page size, the store format version, an optional salt, and a fingerprint of the
-weights. The fingerprint reads each parameter's name, shape and dtype plus a
+page size, the store format version, an optional salt, a fingerprint of the
+weights, and every byte of the model's LoRA / DoRA adapters if it has some
+(segcache.lora). The fingerprint reads each parameter's name, shape and dtype plus a
 fixed strided sample of its elements (a few hundred per tensor, gathered by
 MLX), so it costs milliseconds for a multi-GB model. It tells apart models
 whose weights differ broadly (other checkpoints, other seeds); two models that
@@ -22,6 +23,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from .. import lora
 from ..distributed.shard import shard_of
 from .codec import FORMAT_VERSION
 
@@ -81,7 +83,7 @@ def weights_fingerprint(model, samples: int = SAMPLES_PER_TENSOR) -> bytes:
 
 
 def model_identity(model, *, page_tokens: int = 256, salt: bytes | str | None = None) -> bytes:
-    """32-byte identity of (config, dtypes, cache layout, page size, format, salt, weights),
+    """32-byte identity of (config, dtypes, cache layout, page size, format, salt, weights, adapters),
     and for one rank of a sharded model its `Shard` (segcache.distributed.shard_of).
 
     Args:
@@ -106,4 +108,7 @@ def model_identity(model, *, page_tokens: int = 256, salt: bytes | str | None = 
     salt_b = salt.encode() if isinstance(salt, str) else (salt or b"")
     h.update(len(salt_b).to_bytes(4, "little") + salt_b)
     h.update(weights_fingerprint(model))
+    adapter = lora.fingerprint(model)  # LoRA / DoRA modules hashed whole (segcache.lora)
+    if adapter is not None:  # absent: identities of models without adapters stay as they were
+        h.update(b"adapter" + adapter)
     return h.digest()

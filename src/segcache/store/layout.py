@@ -74,6 +74,7 @@ def _probe(rt) -> tuple[tuple[dict, ...], tuple[str, tuple]]:
     """Specs of every layer's exports after one token, on a fresh runtime of the same kind."""
     fresh = type(rt)(rt.model, recurrent_strategy=rt.recurrent_strategy)
     logits = fresh.forward([0])[:, -1, :]
+    fresh.quantize_like(rt)  # KV layers that kv_bits quantized export quantized rows
     specs = []
     for layer in fresh.cache:
         if layer.resumes_from == PAGES:

@@ -172,6 +172,7 @@ class PrefixCache:
     def __init__(self, rt):
         self.store = rt.store
         self.layout = layout_of(rt)
+        self.layouts = [layer.layout() for layer in rt.cache]  # the layers this cache was made for
 
     def _prompt(self, rt, ids: list[int]) -> PromptKeys:
         return PromptKeys(self.store, self.layout, ids, rt.cache, rt.cache_salt)
