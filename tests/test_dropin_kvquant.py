@@ -181,6 +181,7 @@ def test_quantized_pages_travel_through_the_remote_tier(target, ids, redis_serve
     with open_store(tmp_path / "a", **opts) as store:
         first = Runtime(model, store=store, **kw)
         first.prefill(ids)
+        assert store.drain_remote(timeout=30)  # the remote tier writes from a background thread
         assert store.stats()["remote_writes"] > 0
     with open_store(tmp_path / "b", **opts) as store:
         other = Runtime(model, store=store, **kw)

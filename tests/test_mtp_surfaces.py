@@ -57,7 +57,7 @@ def cli(argv, capsys):
 def test_cli_generate_mtp_matches_mlx_lm(tiny_dir, capsys, tmp_path):
     model, tokenizer = mlx_lm.load(str(tiny_dir))
     expected = mlx_lm.generate(model, tokenizer, PROMPT, max_tokens=15)
-    base = ["generate", "--model", str(tiny_dir), "--prompt", PROMPT, "--max-tokens", "15"]
+    base = ["generate", "--model", str(tiny_dir), "--prompt", PROMPT, "--max-tokens", "15", "--verbose", "False"]
     code, out = cli(base + ["--mtp", "--num-draft-tokens", "2"], capsys)
     assert code == 0, out.err
     assert out.out == expected + "\n"
@@ -153,7 +153,8 @@ def test_cli_generate_mtp_on_the_shipped_target(capsys):
     """The shipped head through `segcache generate --mtp`: mlx-lm's text, drafts accepted."""
     model, tokenizer = mlx_lm.load(str(TARGET))
     expected = mlx_lm.generate(model, tokenizer, CODE[:400], max_tokens=40)
-    base = ["generate", "--model", str(TARGET), "--prompt", CODE[:400], "--max-tokens", "40", "--mtp"]
+    base = ["generate", "--model", str(TARGET), "--prompt", CODE[:400], "--max-tokens", "40", "--mtp",
+            "--verbose", "False"]
     code, out = cli(base + ["--num-draft-tokens", "2"], capsys)
     assert code == 0, out.err
     assert out.out == expected + "\n"

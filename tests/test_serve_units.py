@@ -154,14 +154,15 @@ def test_scheduler_is_fifo_bounded_and_drops_cancelled_jobs():
 def test_default_store_dir_is_per_identity_under_the_user_cache_and_private(tmp_path, monkeypatch):
     import sys
 
-    from segcache.serve.cli import _private_dirs, default_cache_dir, parse_size
+    from segcache.serve.cli import parse_size
+    from segcache.serve.paths import default_cache_dir, private_dirs
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     a, b = default_cache_dir(b"\x01" * 32), default_cache_dir(b"\x02" * 32)
     assert a != b
     if sys.platform != "darwin":
         assert a.parent == tmp_path / "xdg" / "segcache" / "serve"
-    _private_dirs(a)
+    private_dirs(a)
     for d in (a, a.parent, a.parent.parent):
         assert d.stat().st_mode & 0o777 == 0o700
     assert (parse_size("512M"), parse_size("4GiB"), parse_size("1024")) == (512 << 20, 4 << 30, 1024)

@@ -49,6 +49,7 @@ import numpy as np
 from ..controls import Controls
 from ..errors import DistributedError, RankDivergedError
 from ..serve.engine import Chunk, Engine, Failure, Finish, GenRequest
+from ..serve.paths import default_cache_dir, private_dirs
 from ..serve.worker import Job, Scheduler
 from .channel import Channel, Verdict, fingerprint
 
@@ -376,7 +377,6 @@ class Group:
         from pathlib import Path
 
         from ..errors import StoreError
-        from ..serve.cli import _private_dirs, default_cache_dir
         from ..store import model_identity
         from .store import open_rank_store
 
@@ -387,7 +387,7 @@ class Group:
         store, error = None, None
         try:
             try:
-                _private_dirs(path)
+                private_dirs(path)
             except FileExistsError:  # another rank on this machine made it first: fine
                 pass
             store = open_rank_store(path, self.shard, ram_bytes=args.ram_bytes, disk_bytes=args.disk_bytes,

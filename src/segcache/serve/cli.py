@@ -21,6 +21,8 @@ import sys
 import warnings
 from pathlib import Path
 
+from .paths import default_cache_dir, private_dirs
+
 log = logging.getLogger("segcache.serve")
 
 _BACKLOG = 2048  # uvicorn's default listen queue (asyncio also accepts up to this many at once)
@@ -203,27 +205,6 @@ def _names(text: str) -> list:
     return [o.strip() for o in text.split(",") if o.strip()]
 
 
-def default_cache_dir(identity: bytes) -> Path:
-    """The store of a model identity under the user's cache directory."""
-    if sys.platform == "darwin":
-        base = Path.home() / "Library" / "Caches"
-    else:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "segcache" / "serve" / identity.hex()[:32]
-
-
-def _private_dirs(path: Path) -> None:
-    # create what is missing 0700 (the store holds prompt contents); leave existing parents alone
-    missing = []
-    p = path
-    while not p.exists():
-        missing.append(p)
-        p = p.parent
-    for d in reversed(missing):
-        d.mkdir(mode=0o700)
-        os.chmod(d, 0o700)
-
-
 def _config(model_dir: str) -> dict:
     try:
         with open(Path(model_dir) / "config.json") as f:
@@ -254,7 +235,7 @@ def _open_store(args, model):
 
     path = Path(args.prompt_cache_dir).expanduser() if args.prompt_cache_dir else default_cache_dir(model_identity(model))
     try:
-        _private_dirs(path)
+        private_dirs(path)
         store = open_store(path, ram_bytes=args.ram_bytes, disk_bytes=args.disk_bytes, remote=args.prompt_cache_remote)
     except (StoreError, OSError) as exc:
         warnings.warn(f"segcache serve: cannot open the prefix store at {path} ({exc}); serving without it")
