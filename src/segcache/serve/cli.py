@@ -21,7 +21,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from .paths import default_cache_dir, private_dirs
+from .paths import default_cache_dir, private_dirs, shown
 
 log = logging.getLogger("segcache.serve")
 
@@ -249,7 +249,7 @@ def _group():
 
     if mx.distributed.init().size() == 1:
         return None
-    from ..distributed.serve import Group
+    from .ranks import Group
 
     return Group()
 
@@ -318,7 +318,6 @@ def run(args: argparse.Namespace) -> int:
     # one filter there holds every repeated warning or error to one line per interval
     install_repeats()
     from .. import dropin
-    from ..demo import shown
     from ..errors import ModelError
     from .chat import Prompter
     from .engine import Engine
