@@ -3,7 +3,8 @@
 import mlx.core as mx
 
 from segcache.acceptors import ExactSpeculative, GreedyMatch, SamplerMatch, make_acceptor
-from segcache.drafters import Draft, Lookup
+from segcache.batch.drafting import Draft
+from segcache.drafters import Lookup
 from segcache.sampling import Sampler
 
 

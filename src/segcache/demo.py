@@ -11,6 +11,9 @@
 
 `segcache demo --runtime` instead walks through fork / commit / rollback on a
 built-in random hybrid model.
+
+Its arguments are registered for every `segcache` command, so mlx, mlx-lm and
+the runtime load inside the functions that run the demo.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import time
 from pathlib import Path
 
 from . import BLAS, __version__
+from .errors import UnsupportedModelError
 from .models import MODELS_DIR
 from .serve.paths import shown
 
@@ -290,7 +294,6 @@ def run(args) -> int:
 
 def _mtp_head(model, directory: Path):
     """The target's MTP head when its directory has one (and its family has heads), else None."""
-    from .errors import UnsupportedModelError
     from .mtp import load_head
 
     try:
