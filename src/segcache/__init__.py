@@ -45,6 +45,8 @@ _LAZY = {
     "PromptLookup": "lookup",
     "BatchRuntime": "batch",
     "BatchDecoder": "batch",
+    "make_drafter": "drafters",
+    "make_decoder": "drafters",
     "MTPHead": "mtp",
     "load_head": "mtp",
     "KVQuantization": "kvquant",
