@@ -41,7 +41,6 @@ from typing import Generator, Iterator, Optional
 import mlx.core as mx
 
 from ..acceptors import make_acceptor
-from ..batch.decoder import BatchDecoder
 from ..batch.prefill import PrefillBatch
 from ..errors import RowError
 from ..drafters import DRAFT_MIN_PROB, make_decoder
