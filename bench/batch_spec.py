@@ -29,7 +29,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm
 
-from segcache.batch.decoder import BatchDecoder
+from segcache.drafters import make_decoder
 from segcache.runtime import Runtime
 
 MODELS = Path(__file__).resolve().parents[1] / "src" / "segcache" / "models"
@@ -68,7 +68,7 @@ def run(cfg: str, model, draft, toks: list[list[int]], n: int, K: int, rows: int
     """Decode every prompt, at most `rows` at once (0: all at once); a row that finishes is
     replaced by the next prompt, prefilled beforehand (untimed), as a server under load does."""
     mode, gated = cfg.split("-") if "-" in cfg else (cfg, "ungated")
-    dec = BatchDecoder(model, num_draft_tokens=0 if mode == "plain" else K,
+    dec = make_decoder(model, num_draft_tokens=0 if mode == "plain" else K,
                        draft_model=draft if mode == "draft" else None,
                        draft_min_prob=DRAFT_MIN_PROB if mode == "draft" else 0.0, gate=gated == "gated")
     ready = []
@@ -91,8 +91,8 @@ def run(cfg: str, model, draft, toks: list[list[int]], n: int, K: int, rows: int
 
     admit()
     _settle(dec.batch)
-    if dec.draft is not None:
-        _settle(dec.draft)
+    if dec.mode == "draft":
+        _settle(dec.drafter.rows)
     got = {i: [] for i in range(len(toks))}
     steps, widths, done = 0, [], {}
     t0 = time.perf_counter()

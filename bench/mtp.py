@@ -38,6 +38,7 @@ import mlx.optimizers as optim
 import mlx_lm
 
 from segcache.batch.decoder import BatchDecoder
+from segcache.drafters import make_decoder
 from segcache.batch.gate import Gate
 from segcache.mtp import HEAD_FILE, MTPHead, forward_with_hidden, load_head, save_head
 from segcache.runtime import Runtime
@@ -116,13 +117,13 @@ def decoder(cfg: str, model, draft, head, rows: int):
         return BatchDecoder(model, one_row=one)
     if cfg.startswith("mtp") and cfg != "mtp-gated":
         k = int(cfg[3:])
-        return BatchDecoder(model, num_draft_tokens=k, mtp=head, gate=False, adaptive=False, one_row=one)
+        return make_decoder(model, num_draft_tokens=k, mtp=head, gate=False, adaptive=False, one_row=one)
     if cfg == "mtp-gated":
-        return BatchDecoder(model, num_draft_tokens=3, mtp=head, gate=Gate(), adaptive=False, one_row=one)
+        return make_decoder(model, num_draft_tokens=3, mtp=head, gate=Gate(), adaptive=False, one_row=one)
     if cfg == "lookup":
-        return BatchDecoder(model, num_draft_tokens=4, gate=not one, one_row=one)
+        return make_decoder(model, num_draft_tokens=4, gate=not one, one_row=one)
     if cfg == "draft":
-        return BatchDecoder(model, num_draft_tokens=4, draft_model=draft, draft_min_prob=0.25, gate=not one,
+        return make_decoder(model, num_draft_tokens=4, draft_model=draft, draft_min_prob=0.25, gate=not one,
                             one_row=one)
     raise ValueError(cfg)
 

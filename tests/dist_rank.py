@@ -192,7 +192,7 @@ def scenario_batch(models_dir: str) -> None:
     """segcache's batched decoder on the shards: rows joining and leaving, plain and prompt
     lookup, every rank deciding alone (their logits are the same bits), against each row's
     greedy tokens on the unsharded model."""
-    from segcache.batch import BatchDecoder
+    from segcache.drafters import make_decoder
 
     channel = Channel()
     prompts = [PROMPT, PROMPT[3:] + [7, 8], [9, 9, 12, 7, 30, 9, 12, 7], PROMPT[::-1]]
@@ -200,7 +200,7 @@ def scenario_batch(models_dir: str) -> None:
         model, _, _ = load(os.path.join(models_dir, family), pipeline=mode == "pipeline")
         ref, _ = mlx_load(os.path.join(models_dir, family))
         for width in (0, 3):
-            dec = BatchDecoder(model, num_draft_tokens=width, gate=False)
+            dec = make_decoder(model, num_draft_tokens=width, gate=False)
             got = {i: [] for i in range(len(prompts))}
             waiting, steps = [2, 3], 0
             def join(i):

@@ -4,7 +4,7 @@ tokens equal the same request generated alone, and rows come and go mid-way."""
 import pytest
 
 from conftest import tiny
-from segcache.batch.decoder import BatchDecoder
+from segcache.drafters import make_decoder
 from segcache.generation import stream_generate
 from segcache.runtime import Runtime
 from segcache.testing import tokenizer as test_tokenizer
@@ -34,7 +34,7 @@ def start(dec, model, rid, prompt, max_tokens=MAX):
 @pytest.mark.parametrize("width", (0, 3))
 def test_each_row_generates_as_alone_with_joins_and_leaves(family, width):
     model = tiny(family)
-    dec = BatchDecoder(model, num_draft_tokens=width, gate=False)
+    dec = make_decoder(model, num_draft_tokens=width, gate=False)
     got = {i: [] for i in range(len(PROMPTS))}
     from_draft = 0
     for i in (0, 1, 2):
@@ -61,7 +61,7 @@ def test_each_row_generates_as_alone_with_joins_and_leaves(family, width):
 
 def test_rows_finish_early_and_the_rest_continue():
     model = tiny("qwen3_5")
-    dec = BatchDecoder(model, num_draft_tokens=2, gate=False)
+    dec = make_decoder(model, num_draft_tokens=2, gate=False)
     for i in range(3):
         start(dec, model, i, PROMPTS[i], max_tokens=4 + 4 * i)
     got = {i: [] for i in range(3)}

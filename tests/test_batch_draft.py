@@ -10,7 +10,7 @@ from mlx_lm.sample_utils import make_sampler as mlx_sampler
 
 from conftest import tiny
 from segcache.acceptors import GreedyMatch, make_acceptor
-from segcache.batch.decoder import BatchDecoder
+from segcache.drafters import make_decoder
 from segcache.generation import stream_generate
 from segcache.runtime import Runtime
 from segcache.sampling import Sampler
@@ -61,7 +61,7 @@ def run(dec, model, prompts, *, join_at=None, late=(), max_tokens=MAX):
 @pytest.mark.parametrize("target,draft", PAIRS)
 def test_each_row_as_alone_with_a_draft_model_joins_and_leaves(target, draft, min_prob):
     model, draft_model = tiny(target), tiny(*draft)
-    dec = BatchDecoder(model, num_draft_tokens=K, draft_model=draft_model, draft_min_prob=min_prob)
+    dec = make_decoder(model, num_draft_tokens=K, draft_model=draft_model, draft_min_prob=min_prob)
     got = run(dec, model, PROMPTS, join_at=2, late=(3, 4))
     for i, p in enumerate(PROMPTS):
         assert got[i] == alone(model, p), f"row {i}"
@@ -69,9 +69,9 @@ def test_each_row_as_alone_with_a_draft_model_joins_and_leaves(target, draft, mi
         assert got[i] == alone(model, p, draft_model=draft_model, num_draft_tokens=K), f"row {i}"
     drafted = sum(s.drafted for s in dec.rows.values())
     assert not dec.rows and drafted == 0  # every row left both batches
-    assert not dec.batch.rows and not dec.draft.rows
+    assert not dec.batch.rows and not dec.drafter.rows.rows
     if (target, draft[0], draft[1]) == ("llama", "llama", 0):  # the draft is the target: all accepted
-        dec = BatchDecoder(model, num_draft_tokens=K, draft_model=draft_model, draft_min_prob=min_prob, gate=False)
+        dec = make_decoder(model, num_draft_tokens=K, draft_model=draft_model, draft_min_prob=min_prob, gate=False)
         for i, p in enumerate(PROMPTS):
             start(dec, model, i, p)
         states = list(dec.rows.values())
@@ -81,7 +81,7 @@ def test_each_row_as_alone_with_a_draft_model_joins_and_leaves(target, draft, mi
 
 def test_rows_finish_early_and_the_rest_continue():
     model = tiny("qwen3_5")
-    dec = BatchDecoder(model, num_draft_tokens=3, draft_model=model, gate=False)  # accepts all: rows near the end draft fewer
+    dec = make_decoder(model, num_draft_tokens=3, draft_model=model, gate=False)  # accepts all: rows near the end draft fewer
     for i in range(3):
         start(dec, model, i, PROMPTS[i], max_tokens=2 + 5 * i)  # near max_tokens rows draft fewer
     got = {i: [] for i in range(3)}
@@ -127,7 +127,7 @@ def test_one_round_with_rows_accepting_none_some_and_all(family):
         pytest.fail("no token to disagree on")
     zero = clean[1] + [z]  # its pending token is z: the draft's first draft comes from the wrong embedding
     prompts = [clean[0], some[0][0], zero]
-    dec = BatchDecoder(model, num_draft_tokens=K, draft_model=_disagreeing_draft(family, z), gate=False)
+    dec = make_decoder(model, num_draft_tokens=K, draft_model=_disagreeing_draft(family, z), gate=False)
     for i, p in enumerate(prompts):
         start(dec, model, i, p)
     states = [dec.rows[i] for i in range(3)]
@@ -157,7 +157,7 @@ def test_sampling_rules_per_row(sampler):
     """top_k=1 sampling is greedy in distribution: with exact speculative sampling (q from
     the draft batch) or the match rule, every row emits the greedy tokens."""
     model, draft_model = tiny("qwen3_5"), tiny("llama", 3)
-    dec = BatchDecoder(model, num_draft_tokens=K, draft_model=draft_model, gate=False)
+    dec = make_decoder(model, num_draft_tokens=K, draft_model=draft_model, gate=False)
     for i, p in enumerate(PROMPTS):
         start(dec, model, i, p, acceptor=make_acceptor(sampler) if i % 2 else None)
     got = run_rest(dec, {i: [] for i in range(len(PROMPTS))})
@@ -171,7 +171,7 @@ def test_exact_sampling_uses_each_rows_q():
     drawn from; a point mass (no q) or another row's q rejects some."""
     model = tiny("llama")
     mx.random.seed(3)
-    dec = BatchDecoder(model, num_draft_tokens=K, draft_model=model, gate=False)
+    dec = make_decoder(model, num_draft_tokens=K, draft_model=model, gate=False)
     for i, p in enumerate(PROMPTS):
         start(dec, model, i, p, acceptor=make_acceptor(Sampler(1.5)))
     states = list(dec.rows.values())
@@ -182,17 +182,17 @@ def test_exact_sampling_uses_each_rows_q():
 
 def test_draft_runtime_prefix_is_caught_up_and_a_wrong_one_refused():
     model, draft_model = tiny("qwen3_5"), tiny("llama", 3)
-    dec = BatchDecoder(model, num_draft_tokens=K, draft_model=draft_model, gate=False)
+    dec = make_decoder(model, num_draft_tokens=K, draft_model=draft_model, gate=False)
     p = PROMPTS[0]
     drt = Runtime(draft_model)
     drt.forward(p[:4])  # a prefix, e.g. resumed from the prefix store
     start(dec, model, 0, p, draft_runtime=drt)
-    assert dec.draft.tokens(0) == p[:-1]
+    assert dec.drafter.rows.tokens(0) == p[:-1]
     wrong = Runtime(draft_model)
     wrong.forward([9, 9])
     with pytest.raises(ValueError, match="not a prefix"):
         start(dec, model, 1, PROMPTS[1], draft_runtime=wrong)
-    assert dec.batch.ids == [0] and dec.draft.ids == [0]  # the refused row changed nothing
+    assert dec.batch.ids == [0] and dec.drafter.rows.ids == [0]  # the refused row changed nothing
     got = run_rest(dec, {0: []})
     assert got[0] == alone(model, p)
 
@@ -212,7 +212,7 @@ def test_shipped_models_each_row_as_mlx_lm_alone():
     ref = []
     for p in prompts:
         ref.append([r.token for r in mlx_lm.stream_generate(target, tok, p, max_tokens=n)])
-    dec = BatchDecoder(target, num_draft_tokens=K, draft_model=draft, draft_min_prob=0.25, gate=False)
+    dec = make_decoder(target, num_draft_tokens=K, draft_model=draft, draft_min_prob=0.25, gate=False)
     got = run(dec, target, prompts, join_at=3, late=(2, 3), max_tokens=n)
     for i in range(len(prompts)):
         assert got[i] == ref[i], f"row {i}"
@@ -232,12 +232,12 @@ class Flaky(GreedyMatch):
 
 def test_a_failed_step_changes_neither_batch():
     model, draft_model = tiny("qwen3_5"), tiny("qwen3_next", 1)
-    dec = BatchDecoder(model, num_draft_tokens=K, draft_model=draft_model, gate=False)
+    dec = make_decoder(model, num_draft_tokens=K, draft_model=draft_model, gate=False)
     for i, p in enumerate(PROMPTS[:3]):
         start(dec, model, i, p, acceptor=Flaky() if i == 1 else None)
     with pytest.raises(RuntimeError, match="boom"):
         dec.step()
-    assert not dec.batch.branch_open and not dec.draft.branch_open
+    assert not dec.batch.branch_open and not dec.drafter.rows.branch_open
     dec.check()  # both batches hold each row's history but the pending token, as before the step
     got = run_rest(dec, {i: [] for i in range(3)})
     for i, p in enumerate(PROMPTS[:3]):

@@ -5,7 +5,7 @@ the same request generated alone whatever the gate decides."""
 import pytest
 
 from conftest import tiny
-from segcache.batch.decoder import BatchDecoder
+from segcache.drafters import make_decoder
 from segcache.batch.gate import Acceptance, Gate, MeasuredCost
 from segcache.generation import stream_generate
 from segcache.runtime import Runtime
@@ -65,7 +65,7 @@ def counting(dec):
 def test_speculation_that_does_not_pay_never_forks_and_rows_stay_exact(drafter):
     model = tiny("llama")
     draft = model if drafter == "draft" else None  # the draft is the target: every draft accepted
-    dec = BatchDecoder(model, num_draft_tokens=K, draft_model=draft,
+    dec = make_decoder(model, num_draft_tokens=K, draft_model=draft,
                        gate=Gate(proportional, probe=0))
     forks = counting(dec)
     got, widths, states = run(dec, model)
@@ -77,7 +77,7 @@ def test_speculation_that_does_not_pay_never_forks_and_rows_stay_exact(drafter):
 @pytest.mark.parametrize("family", ("llama", "qwen3_5"))
 def test_speculation_that_pays_drafts_full_width_with_a_draft_model(family):
     model = tiny(family)
-    dec = BatchDecoder(model, num_draft_tokens=K, draft_model=model, gate=Gate(flat))
+    dec = make_decoder(model, num_draft_tokens=K, draft_model=model, gate=Gate(flat))
     forks = counting(dec)
     got, widths, states = run(dec, model)
     for i, p in enumerate(PROMPTS):
@@ -90,7 +90,7 @@ def test_speculation_that_pays_drafts_full_width_with_a_draft_model(family):
 def test_lookup_rows_draft_their_match_up_to_the_width_the_gate_picks():
     model = tiny("llama")
     # positions past 2 cost far more: K = 2 is the best width for rows that accept all
-    dec = BatchDecoder(model, num_draft_tokens=K, gate=Gate(lambda r, w: 1.0 + 0.01 * w + 10.0 * max(0, w - 2)))
+    dec = make_decoder(model, num_draft_tokens=K, gate=Gate(lambda r, w: 1.0 + 0.01 * w + 10.0 * max(0, w - 2)))
     got, widths, states = run(dec, model)
     for i, p in enumerate(PROMPTS):
         assert got[i][:MAX] == alone(model, p), f"row {i}"
@@ -147,10 +147,10 @@ def test_measured_cost_plain_first_then_each_width_then_scaled_across_row_counts
 def test_the_draft_batch_skips_plain_steps_and_catches_up_before_drafting(family):
     model = tiny(family)
     # speculation never pays by the table, so only probes draft: 2 plain steps, a probe, 4, a probe, ...
-    dec = BatchDecoder(model, num_draft_tokens=K, draft_model=model, gate=Gate(proportional, probe=2))
+    dec = make_decoder(model, num_draft_tokens=K, draft_model=model, gate=Gate(proportional, probe=2))
     lags = []
     check = dec.check
-    dec.check = lambda: (check(), lags.append([len(dec.rows[r.id].history) - 1 - len(r.tokens) for r in dec.draft.rows]))
+    dec.check = lambda: (check(), lags.append([len(dec.rows[r.id].history) - 1 - len(r.tokens) for r in dec.drafter.rows.rows]))
     got, widths, states = run(dec, model)
     for i, p in enumerate(PROMPTS):
         assert got[i][:MAX] == alone(model, p), f"row {i}"

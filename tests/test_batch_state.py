@@ -13,7 +13,7 @@ import pytest
 from conftest import tiny
 from test_batch import batch_of, solo
 from segcache.batch import BatchRuntime
-from segcache.batch.decoder import BatchDecoder
+from segcache.drafters import make_decoder
 from segcache.errors import UnsupportedModelError
 from segcache.generation import stream_generate
 from segcache.layers import BatchStateLayer
@@ -137,7 +137,7 @@ def test_batched_decoding_with_drafts_gives_each_row_its_greedy_tokens_alone(fam
     each row's greedy tokens are those of the same prompt generated alone."""
     model = tiny(family)
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11], [3, 4, 3, 4, 3, 4, 3, 4, 3]]
-    dec = BatchDecoder(model, num_draft_tokens=3, gate=False)
+    dec = make_decoder(model, num_draft_tokens=3, gate=False)
     for i, p in enumerate(prompts):
         rt = Runtime(model)
         rt.forward(p[:-1])

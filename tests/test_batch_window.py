@@ -14,7 +14,8 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import make_prompt_cache
 
 from conftest import tiny
-from segcache.batch import BatchDecoder, BatchRuntime
+from segcache.batch import BatchRuntime
+from segcache.drafters import make_decoder
 from segcache.layers.kv import BatchKVLayer
 from segcache.layers.window import BatchWindowLayer, temporal_window
 from segcache.errors import BranchError, UnsupportedModelError
@@ -181,7 +182,7 @@ def test_filter_extract_and_to_runtime_right_after_a_branch(family):
 
 def test_decoder_generates_on_a_window_model_as_alone():
     model = window_model("gemma3_text")
-    dec = BatchDecoder(model, num_draft_tokens=3, gate=False)  # prompt lookup: ragged rounds
+    dec = make_decoder(model, num_draft_tokens=3, gate=False)  # prompt lookup: ragged rounds
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7], [4, 5]]
     for i, p in enumerate(prompts):
         dec.add(i, solo(model, p[:-1]), p[-1], max_tokens=30)

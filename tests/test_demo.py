@@ -57,7 +57,7 @@ def test_demo_without_models_says_what_to_do(tmp_path):
 def test_paths_are_shown_as_a_user_reads_them(tmp_path, monkeypatch):
     from pathlib import Path
 
-    from segcache.demo import shown
+    from segcache.serve.paths import shown
 
     monkeypatch.setenv("HOME", str(tmp_path))
     assert shown(MODELS_DIR / "target") == "segcache/models/target"

@@ -231,7 +231,7 @@ def test_a_request_crosses_the_wire_whole():
     import msgpack
 
     from segcache.controls import Controls
-    from segcache.distributed.serve import decode_request, encode_request, seeded
+    from segcache.serve.ranks import decode_request, encode_request, seeded
     from segcache.serve.engine import GenRequest
 
     controls = Controls(temperature=0.7, top_k=5, logit_bias={3: -1.5, 7: 2.0},
@@ -255,7 +255,7 @@ def test_the_group_scheduler_alone_serves_as_the_scheduler():
     import mlx_lm
 
     from segcache.distributed import Channel
-    from segcache.distributed.serve import GroupScheduler
+    from segcache.serve.ranks import GroupScheduler
     from segcache.serve.engine import Chunk, Engine, Finish, GenRequest
     from segcache.serve.worker import Job, Scheduler
     from serve_util import TARGET

@@ -1,10 +1,15 @@
 """The drafter and acceptor protocols on their own (the round loop is covered by test_generate*.py)."""
 
 import mlx.core as mx
+import pytest
 
 from segcache.acceptors import ExactSpeculative, GreedyMatch, SamplerMatch, make_acceptor
-from segcache.drafters import Draft, Lookup
+from segcache.batch.decoder import BatchDecoder
+from segcache.batch.drafting import Draft
+from segcache.drafters import DraftModel, Lookup, make_decoder, make_drafter
+from segcache.mtp import MTP, MTPHead
 from segcache.sampling import Sampler
+from segcache.testing import models
 
 
 def test_make_acceptor_picks_the_rule_by_sampler():
@@ -44,3 +49,28 @@ def test_draft_verify_input_for_ids_and_lazy_chains():
     assert lazy.lazy and bool(lazy)
     assert lazy.verify_input([1, 2]).tolist() == [[1, 3, 4], [2, 5, 6]]
     assert lazy.proposals() == [[3, 4], [5, 6]]
+
+
+def test_make_drafter_makes_what_was_asked_and_the_decoder_is_handed_it():
+    model, draft = models.build("qwen3_next"), models.build("llama")
+    head = MTPHead.build(model)
+    assert make_drafter(model) is None
+    assert isinstance(make_drafter(model, prompt_lookup=True), Lookup)
+    by_draft = make_drafter(model, draft_model=draft, draft_min_prob=0.25, one_row=True)
+    assert isinstance(by_draft, DraftModel) and by_draft.min_prob == 0.25 and by_draft.model is draft
+    assert isinstance(make_drafter(model, mtp=head), MTP)
+    with pytest.raises(ValueError, match="choose one drafter"):
+        make_drafter(model, draft_model=draft, mtp=head)
+    with pytest.raises(ValueError, match="another model"):
+        make_drafter(draft, mtp=head)
+    with pytest.raises(ValueError, match="probability"):
+        make_drafter(model, draft_model=draft, draft_min_prob=2.0)
+    # the decoder takes the drafter's mode and stop rule, and refuses a width without a drafter
+    dec = BatchDecoder(model, drafter=by_draft, num_draft_tokens=3, one_row=True)
+    assert dec.mode == "draft" and dec.policy.min_prob == 0.25
+    assert make_decoder(model, num_draft_tokens=2).mode == "lookup"
+    assert make_decoder(model).mode == "plain"
+    with pytest.raises(ValueError, match="needs a drafter"):
+        BatchDecoder(model, num_draft_tokens=3)
+    with pytest.raises(ValueError, match="needs num_draft_tokens"):
+        BatchDecoder(model, drafter=Lookup())

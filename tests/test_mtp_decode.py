@@ -20,7 +20,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 
-from segcache.batch.decoder import BatchDecoder
+from segcache.drafters import make_decoder
 from segcache.errors import RowError
 from segcache.generation import stream_generate
 from segcache.mtp import MTPHead, forward_with_hidden
@@ -110,7 +110,7 @@ def test_greedy_one_row_and_batched_equal_plain_greedy(family):
     accepted = []
     for one_row in (True, False):
         for gate in (False, True):
-            dec = BatchDecoder(model, num_draft_tokens=K, mtp=head, one_row=one_row, gate=gate)
+            dec = make_decoder(model, num_draft_tokens=K, mtp=head, one_row=one_row, gate=gate)
             if one_row:
                 for i, p in enumerate(PROMPTS):
                     got, stats = run(dec, model, [p])
@@ -153,7 +153,7 @@ def test_mtp_argument_errors():
     with pytest.raises(ValueError, match="choose one drafter"):
         next(stream_generate(model, tk, [1, 2, 3], mtp=head, prompt_lookup=True))
     with pytest.raises(ValueError, match="num_draft_tokens"):
-        BatchDecoder(model, num_draft_tokens=0, mtp=head)
+        make_decoder(model, num_draft_tokens=0, mtp=head)
 
 
 def pairs_from_scratch(model, head, tokens):
@@ -169,7 +169,7 @@ def test_head_cache_is_the_committed_tokens_pairs(family):
     """After rounds (kept catch-ups, dropped deeper pairs), the head holds what a head run once on
     the committed tokens with the target's hidden states holds."""
     model, head = fitted(family)
-    dec = BatchDecoder(model, num_draft_tokens=K, mtp=head, gate=False, adaptive=False)
+    dec = make_decoder(model, num_draft_tokens=K, mtp=head, gate=False, adaptive=False)
     for i, p in enumerate(PROMPTS[:3]):
         start(dec, model, i, p)
     for _ in range(5):
@@ -190,7 +190,7 @@ def test_prefill_hidden_states_equal_recomputed():
     """A row joining with its prefill's hidden states builds the head cache a recompute builds."""
     model, head = fitted("qwen3_next")
     p = PROMPTS[0] * 3
-    dec = BatchDecoder(model, num_draft_tokens=K, mtp=head)
+    dec = make_decoder(model, num_draft_tokens=K, mtp=head)
     tap = dec.drafter.tap
     rt = Runtime(model)
     with tap.collecting() as chunks:
@@ -225,7 +225,7 @@ def test_a_failed_round_changes_nothing():
 
     model, head = fitted("qwen3_5")
     want = [reference(model, p) for p in PROMPTS[:3]]
-    dec = BatchDecoder(model, num_draft_tokens=K, mtp=head, gate=False)
+    dec = make_decoder(model, num_draft_tokens=K, mtp=head, gate=False)
     for i, p in enumerate(PROMPTS[:3]):
         start(dec, model, i, p, acceptor=Failing(GreedyMatch(), 3) if i == 1 else None)
     got = {i: [] for i in range(3)}
@@ -305,7 +305,7 @@ def test_random_steps_settles_joins_and_leaves(seed):
     rnd = random.Random(seed)
     model, head = fitted("qwen3_next" if seed % 2 == 0 else "qwen3_5")
     want = {i: reference(model, p, 24) for i, p in enumerate(PROMPTS)}
-    dec = BatchDecoder(model, num_draft_tokens=K, mtp=head, gate=rnd.random() < 0.5)
+    dec = make_decoder(model, num_draft_tokens=K, mtp=head, gate=rnd.random() < 0.5)
     got, waiting, nxt = {}, list(range(len(PROMPTS))), 0
     for _ in range(60):
         if waiting and (not dec.rows or rnd.random() < 0.3):

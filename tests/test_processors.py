@@ -19,7 +19,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors, make_sampler as mlx_make_sampler
 
 from segcache import Runtime
-from segcache.batch.decoder import BatchDecoder
+from segcache.drafters import make_decoder
 from segcache.errors import ParamError
 from segcache.processors import Processors, make_processors, normalize
 from segcache.sampling import Keys, Sampler, make_sampler, speculative_accept
@@ -349,7 +349,7 @@ def speculative_greedy(model, draft_model, prompt, procs: Processors, *, width, 
     of it (one row: a Runtime alone; more: a batch), drafting with `draft_model` (None:
     prompt lookup). Returns the first row's tokens (asserting every row's are the same)
     and the drafts proposed and accepted over all rows."""
-    dec = BatchDecoder(model, num_draft_tokens=width, draft_model=draft_model, gate=False, one_row=rows == 1)
+    dec = make_decoder(model, num_draft_tokens=width, draft_model=draft_model, gate=False, one_row=rows == 1)
     for r in range(rows):
         rt = Runtime(model)
         rt.forward(prompt[:-1])

@@ -40,7 +40,7 @@ import mlx.optimizers as optim
 import mlx_lm
 from mlx.utils import tree_flatten
 
-from segcache.batch.decoder import BatchDecoder
+from segcache.drafters import make_decoder
 from segcache.mtp import MTPHead, forward_with_hidden, load_head, save_head
 from segcache.mtp.module import _text_parts
 from segcache.runtime import Runtime
@@ -117,7 +117,7 @@ def acceptance(model, tok, head: MTPHead, *, prompts: int = 8, tokens: int = 48,
     for name in ("heldout_stdlib.txt",):
         text = (MODELS / name).read_text(encoding="utf-8")
         rounds = []
-        dec = BatchDecoder(model, num_draft_tokens=depth, mtp=head, gate=False, adaptive=False, one_row=True)
+        dec = make_decoder(model, num_draft_tokens=depth, mtp=head, gate=False, adaptive=False, one_row=True)
         for i in range(prompts):
             ids = tok.encode(text[i * 3000 : i * 3000 + 400])
             rt = Runtime(model)

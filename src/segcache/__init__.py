@@ -4,6 +4,8 @@ The public API is what this module exports. Names that need mlx-lm load on
 first use, so `import segcache` (and the store CLI) stays fast.
 """
 
+import importlib
+
 from . import _blas
 
 BLAS = _blas.preload()  # before anything imports mlx
@@ -43,6 +45,8 @@ _LAZY = {
     "PromptLookup": "lookup",
     "BatchRuntime": "batch",
     "BatchDecoder": "batch",
+    "make_drafter": "drafters",
+    "make_decoder": "drafters",
     "MTPHead": "mtp",
     "load_head": "mtp",
     "KVQuantization": "kvquant",
@@ -65,8 +69,6 @@ __all__ = [
 
 def __getattr__(name):
     if name in _LAZY:
-        import importlib
-
         value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
         globals()[name] = value
         return value

@@ -9,6 +9,9 @@ token-identical. segcache adds drafting by prompt lookup (--prompt-lookup,
     segcache generate --model PATH --prompt TEXT [--max-tokens N] [--verbose False]
         [--draft-model PATH --num-draft-tokens K | --prompt-lookup | --mtp [--mtp-weights PATH]] [--temp T --seed S]
         [--adapter-path DIR] [--kv-bits B] [--prompt-cache-file FILE | --prompt-cache-dir DIR]
+
+Its parser is built for every `segcache` command, so mlx, mlx-lm and the
+runtime load inside the functions that run the command.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 
 from . import dropin
+from .errors import SegcacheError, StoreError, StoreWarning
 
 # mlx_lm.generate's defaults (mlx_lm/generate.py's DEFAULT_*), written out so that building the
 # parser imports no mlx-lm; tests/test_dropin_help.py checks them against mlx-lm's
@@ -196,8 +201,6 @@ def _prompt_cache(args):
 
 def run(args: argparse.Namespace) -> int:
     """Run `segcache generate`; returns the process exit code."""
-    from .errors import SegcacheError
-
     try:
         return _run(args)
     except (SegcacheError, ValueError) as exc:
@@ -308,9 +311,6 @@ def _refuse_images(model, config, name) -> None:
 
 
 def _open_store(args):
-    import warnings
-
-    from .errors import StoreError, StoreWarning
     from .store import open_store
 
     try:

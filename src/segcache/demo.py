@@ -11,6 +11,9 @@
 
 `segcache demo --runtime` instead walks through fork / commit / rollback on a
 built-in random hybrid model.
+
+Its arguments are registered for every `segcache` command, so mlx, mlx-lm and
+the runtime load inside the functions that run the demo.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ import time
 from pathlib import Path
 
 from . import BLAS, __version__
-
-MODELS_DIR = Path(__file__).resolve().parent / "models"
+from .errors import UnsupportedModelError
+from .models import MODELS_DIR
+from .serve.paths import shown
 
 PROMPT = """class Settings:
 
@@ -75,16 +79,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runtime", action="store_true", help="walk through fork / commit / rollback instead")
     parser.add_argument("--prompt-tokens", type=int, default=512, help="with --runtime: prompt length")
     parser.add_argument("--seed", type=int, default=0, help="with --runtime: seed of the random model")
-
-
-def shown(path: Path) -> str:
-    """A path as a user reads it: the shipped models package-relative, home as ~."""
-    path = Path(path).resolve()
-    for base, name in ((MODELS_DIR.resolve(), "segcache/models"), (Path.home().resolve(), "~")):
-        if path == base or base in path.parents:
-            rest = path.relative_to(base).as_posix()
-            return name if rest == "." else f"{name}/{rest}"
-    return str(path)
 
 
 def default_cache_dir() -> Path:
@@ -300,7 +294,6 @@ def run(args) -> int:
 
 def _mtp_head(model, directory: Path):
     """The target's MTP head when its directory has one (and its family has heads), else None."""
-    from .errors import UnsupportedModelError
     from .mtp import load_head
 
     try:

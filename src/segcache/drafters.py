@@ -1,29 +1,38 @@
-"""Drafters of a speculative round: they propose tokens for rows, behind one small protocol.
+"""The drafters of a speculative round, and the factory that makes the one a caller asks for.
 
-    drafter.add(row_id, history, runtime, draft_runtime)    a row joins (history ends with its pending token)
-    drafter.offer(states, rooms) -> avail                    how many drafts each row can have this step
-    drafter.draft(states, widths) -> Draft                   the step's drafts, every row at once
-    ... the decoder verifies [pending] + drafts per row in one target forward ...
-    drafter.fill(proposals)                                  the drafts as read with the verify
-    drafter.close(states, keep)                              the round is over: row i kept keep[i] target tokens
-    drafter.extend(row_id, tokens) / remove(row_id)
+Two drafters here: n-gram lookup in each row's prompt + output (`Lookup`), and
+a draft model on rows of its own (`DraftModel`: a `BatchRuntime` of the draft,
+or the draft's `Runtime` as one row); the third is the target's MTP head
+(mtp/drafter.py). Each speaks the decoder's protocol (batch/drafting.py) and
+never touches the target. `make_drafter` turns what a caller asked for (a draft
+model, an MTP head, prompt lookup) into one of them; the decoder is handed it:
 
-Two drafters: n-gram lookup in each row's prompt + output (`Lookup`), and a
-draft model on rows of its own (`DraftModel`: a `BatchRuntime` of the draft,
-or the draft's `Runtime` as one row). A drafter never touches the target.
+    BatchDecoder(model, drafter=make_drafter(model, draft_model=draft), num_draft_tokens=4)
+    make_decoder(model, draft_model=draft, num_draft_tokens=4)       the same, in one call
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import mlx.core as mx
 
 from .acceptors import GreedyMatch
-from .errors import RowError
+from .batch.decoder import BatchDecoder
+from .batch.drafting import Draft, Drafter, each_row, no_draft
+from .batch.rows import OneRow
+from .batch.runtime import BatchRuntime
+from .errors import InvariantError
 from .lookup import PromptLookup
+from .mtp.drafter import MTP
+from .processors import normalize
 from .runtime import Runtime
+
+# The default `draft_min_prob` of stream_generate and the server. The shipped draft's
+# greedy token matched the target's 95-100% of the time when it gave it
+# p >= 0.3 and 50-68% below; 0.25 was among the fastest settings on
+# held-out code prompts with 4 drafts per round (docs/benchmarks.md).
+DRAFT_MIN_PROB = 0.25
 
 # A lag (tokens the target holds that the draft has not seen) up to this long
 # rides along in the draft's first forward of a round; longer lags are fed
@@ -43,91 +52,12 @@ def feed(rt: Runtime, tokens: Sequence[int], step: int) -> None:
         mx.clear_cache()
 
 
-def normalize(logits: mx.array) -> mx.array:
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-
-@dataclass
-class Draft:
-    """One step's drafts for every row.
-
-    Attributes:
-        tokens: per row a list of ids, or an unevaluated [B, J] array (a draft
-            model's chain, evaluated together with the verify forward).
-        widths: drafts row i offers for verification (its first widths[i]; an
-            array row may hold more proposals, computed but never kept).
-        q: per row the distributions its drafts were drawn from, [w_i, V], or None.
-    """
-
-    tokens: list | mx.array
-    widths: list[int]
-    q: list = field(default_factory=list)
-
-    @property
-    def lazy(self) -> bool:
-        return isinstance(self.tokens, mx.array)
-
-    def __bool__(self) -> bool:
-        return any(self.widths)
-
-    def verify_input(self, pending: list[int]):
-        """The verify forward's input: each row's pending token, then its drafts."""
-        if self.lazy:
-            head = mx.array(pending, dtype=self.tokens.dtype)[:, None]
-            return mx.concatenate([head, self.tokens], axis=1)
-        return [[p] + d for p, d in zip(pending, self.tokens)]
-
-    def proposals(self) -> list[list[int]]:
-        """Every row's proposals as ids (evaluates a lazy chain)."""
-        return self.tokens.tolist() if self.lazy else [list(d) for d in self.tokens]
-
-
-def each_row(states: list, fn) -> list:
-    """fn(i, state) for every row, a failure attributed to its row (`RowError`)."""
-    out = []
-    for i, s in enumerate(states):
-        try:
-            out.append(fn(i, s))
-        except Exception as exc:
-            raise RowError(s.row_id, exc) from exc
-    return out
-
-
-def no_draft(rows: int) -> Draft:
-    return Draft([[] for _ in range(rows)], [0] * rows, [None] * rows)
-
-
-class Drafter(Protocol):
-    """Proposes tokens for rows to verify. Per-row state (an n-gram index, a draft
-    model's row) lives here, keyed by row id."""
-
-    def add(self, row_id, history: list, runtime: Runtime, draft_runtime: Runtime | None) -> None:
-        """A row joins holding `history[:-1]` in `runtime`; raises (changing nothing) if it cannot."""
-
-    def remove(self, row_id) -> None:
-        """The row leaves."""
-
-    def offer(self, states: list, rooms: list[int]) -> list[int]:
-        """How many drafts each row can have this step, at most its room."""
-
-    def draft(self, states: list, widths: list[int]) -> Draft:
-        """The step's drafts: up to widths[i] for row i (states[i].history ends with its pending token)."""
-
-    def fill(self, proposals: list[list[int]]) -> None:
-        """The round's drafts as read (every row's proposals, kept or not)."""
-
-    def close(self, states: list, keep: list[int]) -> None:
-        """End the round: row i kept keep[i] target tokens of it (its pending token included)."""
-
-    def rollback(self) -> None:
-        """Drop the round (a failed step)."""
-
-    def extend(self, row_id, tokens: Sequence[int]) -> None:
-        """Tokens row `row_id` emitted (and kept) after the ones the drafter has seen."""
-
-
 class Lookup:
     """Prompt lookup: each row's drafts copied from the last earlier match of its history's suffix."""
+
+    mode = "lookup"
+    min_prob = 0.0
+    draft_runtimes = False
 
     def __init__(self):
         self.index: dict = {}  # row id -> PromptLookup of its history
@@ -163,6 +93,10 @@ class Lookup:
     def extend(self, row_id, tokens):
         self.index[row_id].extend(tokens)
 
+    def check(self, states, settled):
+        if set(self.index) != {s.row_id for s in states}:
+            raise InvariantError(f"lookup rows {list(self.index)} but target rows {[s.row_id for s in states]}")
+
 
 class DraftModel:
     """A draft model on rows of its own, forked for each round:
@@ -189,6 +123,9 @@ class DraftModel:
         prefill_step: tokens per forward when a joining row's draft runtime is
             brought up to the target's tokens.
     """
+
+    mode = "draft"
+    draft_runtimes = True
 
     def __init__(self, rows, *, min_prob: float = 0.0, prefill_step: int = 2048):
         self.rows = rows
@@ -297,6 +234,19 @@ class DraftModel:
     def extend(self, row_id, tokens):
         pass  # the next round's catch-up feeds them
 
+    def check(self, states, settled):
+        """The draft rows: the target's, in its order, each (between rounds) holding a prefix of its
+        history but the pending token."""
+        self.rows.check()
+        ids = [s.row_id for s in states]
+        if self.rows.ids != ids:
+            raise InvariantError(f"draft rows {self.rows.ids} but target rows {ids}")
+        for s in states if settled else ():
+            held = self.rows.tokens(s.row_id)
+            if held != s.history[: len(held)] or len(held) >= len(s.history):
+                raise InvariantError(f"draft row {s.row_id!r} holds {len(held)} tokens, not a prefix of its "
+                                     "history but the pending token")
+
     def _catch_up(self, states) -> list[list[int]]:
         """Feed the draft rows what they lack but what rides along in the first forward."""
         rows = self.rows
@@ -313,3 +263,56 @@ class DraftModel:
         rows.forward([lag or [0] for lag in lags])
         rows.commit([len(lag) for lag in lags])
         return [[] for _ in lags]
+
+
+def make_drafter(model, *, draft_model=None, mtp=None, prompt_lookup: bool = False, draft_min_prob: float = 0.0,
+                 prefill_step: int = 2048, one_row: bool = False, recurrent_strategy: str = "auto") -> Drafter | None:
+    """The drafter for what the caller asked: a draft model, the target's MTP head, prompt lookup, or none.
+
+    Args:
+        model: the target model (the MTP head must be bound to it).
+        draft_model: a draft model sharing the target's vocabulary (dense or hybrid), on
+            rows of its own: the draft's Runtime itself with `one_row`, else a `BatchRuntime`
+            (`recurrent_strategy` as for `Runtime`).
+        mtp: the target's `MTPHead`.
+        prompt_lookup: n-gram lookup in each row's prompt and output.
+        draft_min_prob: with a draft model, a row drafts no further after a draft the draft
+            model gives less than this (that draft is still verified).
+        prefill_step: tokens per forward when a joining row's draft state is brought up to
+            the target's tokens.
+
+    Raises:
+        ValueError: two drafters asked for, a `draft_min_prob` outside [0, 1], or a head of
+            another model.
+    """
+    if draft_model is not None and mtp is not None:
+        raise ValueError("choose one drafter: a draft model or the MTP head, not both")
+    if not 0.0 <= draft_min_prob <= 1.0:
+        raise ValueError(f"draft_min_prob must be a probability in [0, 1], got {draft_min_prob}")
+    if draft_model is not None:
+        rows = OneRow(draft_model) if one_row else BatchRuntime(draft_model, recurrent_strategy=recurrent_strategy)
+        return DraftModel(rows, min_prob=draft_min_prob, prefill_step=prefill_step)
+    if mtp is not None:
+        if mtp.model is not model:
+            raise ValueError("the MTP head is bound to another model than this decoder's target")
+        return MTP(mtp, prefill_step=prefill_step)
+    return Lookup() if prompt_lookup else None
+
+
+def make_decoder(model, *, num_draft_tokens: int = 0, draft_model=None, mtp=None, draft_min_prob: float = 0.0,
+                 prefill_step: int = 2048, recurrent_strategy: str = "auto", one_row: bool = False,
+                 **options) -> BatchDecoder:
+    """A `BatchDecoder` with the drafter `make_drafter` makes: `num_draft_tokens` drafts per row per
+    round by `draft_model`, else by `mtp`, else by prompt lookup (0: plain decoding). `options`:
+    the decoder's own (`gate`, `pipeline`, `adaptive`).
+
+    Raises:
+        ValueError: a draft model or head with `num_draft_tokens` < 1, or as `make_drafter`.
+    """
+    if (draft_model is not None or mtp is not None) and num_draft_tokens < 1:
+        raise ValueError(f"a draft model or MTP head needs num_draft_tokens >= 1, got {num_draft_tokens}")
+    drafter = make_drafter(model, draft_model=draft_model, mtp=mtp, prompt_lookup=num_draft_tokens > 0,
+                           draft_min_prob=draft_min_prob, prefill_step=prefill_step, one_row=one_row,
+                           recurrent_strategy=recurrent_strategy)
+    return BatchDecoder(model, drafter=drafter, num_draft_tokens=num_draft_tokens,
+                        recurrent_strategy=recurrent_strategy, one_row=one_row, **options)

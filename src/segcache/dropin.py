@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .errors import ModelError
 from .kvquant import DEFAULT_GROUP_SIZE, DEFAULT_START, KVQuantization
 
 
@@ -70,11 +71,8 @@ def load(path: str, *, what: str = "model", adapter_path: str | None = None, tru
     Raises:
         ModelError: the directory (or the adapter) cannot be loaded.
     """
+    import mlx.core as mx  # the flags above are registered without loading mlx
     from mlx_lm import load as mlx_load
-
-    from .errors import ModelError
-
-    import mlx.core as mx
 
     tokenizer_config = dict(tokenizer_config or {})
     tokenizer_config["trust_remote_code"] = trust_remote_code

@@ -34,7 +34,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .acceptors import make_acceptor
 from .batch.decoder import BatchDecoder
-from .drafters import eval_cache, feed
+from .drafters import DRAFT_MIN_PROB, eval_cache, feed, make_decoder
 from .errors import BranchError
 from .kvquant import KVQuantization
 from .processors import Processors
@@ -43,12 +43,6 @@ from .sampling import Keys
 from .stats import GenerationStats
 
 __all__ = ["DRAFT_MIN_PROB", "GenerationResponse", "GenerationStats", "generate", "stream_generate"]
-
-# The default `draft_min_prob` (see stream_generate). The shipped draft's
-# greedy token matched the target's 95-100% of the time when it gave it
-# p >= 0.3 and 50-68% below; 0.25 was among the fastest settings on
-# held-out code prompts with 4 drafts per round (docs/benchmarks.md).
-DRAFT_MIN_PROB = 0.25
 
 
 @dataclass
@@ -324,7 +318,7 @@ def stream_generate(
             rt.check_quantize_kv(quantization)
         for rt in filter(None, (runtime, draft)):
             rt.quantize_kv(quantization)
-    decoder = BatchDecoder(
+    decoder = make_decoder(
         model, num_draft_tokens=num_draft_tokens if draft is not None or prompt_lookup or head else 0,
         draft_model=draft_model if draft is not None else None, prefill_step=prefill_step_size,
         draft_min_prob=draft_min_prob if adaptive and draft is not None else 0.0,

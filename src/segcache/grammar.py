@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .errors import GrammarError, InvariantError
 
@@ -104,7 +105,6 @@ class Grammars:
 
     def __init__(self, tokenizer, vocab_size: int):
         llg = _llguidance()
-        from mlx_lm.tokenizer_utils import TokenizerWrapper
 
         hf = tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
         eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [hf.eos_token_id])

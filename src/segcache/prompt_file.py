@@ -14,8 +14,13 @@ the same count), so a file of a model with recurrent layers only is refused.
 
 from __future__ import annotations
 
-from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
+from pathlib import Path
 
+from mlx_lm.models.cache import (ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache,
+                                load_prompt_cache)
+
+from .layers.composite import CompositeLayer
+from .layers.quantized import QuantizedKVLayer
 from .runtime import Runtime
 
 
@@ -25,10 +30,6 @@ def load(path: str):
     Raises:
         ValueError: the file is missing or is not a prompt cache file.
     """
-    from pathlib import Path
-
-    from mlx_lm.models.cache import load_prompt_cache
-
     if not Path(path).is_file():
         raise ValueError(f"no prompt cache file at {path!r}")
     try:
@@ -58,14 +59,10 @@ def _convert(native, own, tokens: int):
     if hasattr(native, "committed_offset"):  # a segcache layer already (a file saved from rt.cache)
         return native
     if isinstance(native, CacheList):
-        from .layers.composite import CompositeLayer
-
         if not isinstance(own, CompositeLayer) or len(own.caches) != len(native.caches):
             raise ValueError(f"a CacheList of {len(native.caches)} caches where this model has {type(own).__name__}")
         return CompositeLayer(*(_convert(n, o, tokens) for n, o in zip(native.caches, own.caches)))
     if isinstance(native, QuantizedKVCache):
-        from .layers.quantized import QuantizedKVLayer
-
         return QuantizedKVLayer.from_state(native.state)
     if isinstance(native, ArraysCache):
         slots = list(native.cache)

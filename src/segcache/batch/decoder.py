@@ -10,9 +10,11 @@ This is the only speculative round in segcache. A single sequence is a batch
 of one: `stream_generate` and the server at `--decode-concurrency 1` run it
 on `OneRow` (the Runtime itself, every layer kind, forwards outside branches
 exactly mlx-lm's), the server's batches on a `BatchRuntime` (batch/rows.py).
-Drafters propose for all rows at once (drafters.py: prompt lookup, a draft
-model on rows of its own); acceptors decide per row (acceptors.py); how far
-each row drafts is decided in one place (`DraftPolicy`, gate.py).
+Drafters propose for all rows at once (the protocol: drafting.py; prompt
+lookup and a draft model on rows of its own: drafters.py; the MTP head:
+mtp/drafter.py), and the decoder is handed the one the caller asked for
+(`make_drafter`, drafters.py); acceptors decide per row (acceptors.py); how
+far each row drafts is decided in one place (`DraftPolicy`, gate.py).
 
 A row's runtime holds its history but the last emitted token (`pending`, fed
 by the next step). The round stays open after a step until the next step,
@@ -40,11 +42,11 @@ from typing import Hashable
 import mlx.core as mx
 
 from ..acceptors import Acceptor, GreedyMatch
-from ..drafters import DraftModel, Drafter, Lookup, each_row, no_draft, normalize
 from ..errors import InvariantError, RowError
-from ..processors import Processors
+from ..processors import Processors, normalize
 from ..runtime import Runtime
 from ..stats import GenerationStats
+from .drafting import Drafter, each_row, no_draft
 from .gate import Acceptance, DraftPolicy, Gate, MeasuredCost
 from .rows import OneRow
 from .runtime import BatchRuntime
@@ -122,16 +124,10 @@ class BatchDecoder:
 
     Args:
         model: the target model.
-        num_draft_tokens: drafts per row per round (0: plain decoding), by
-            prompt lookup, or by `draft_model` when one is given.
-        recurrent_strategy: as for `Runtime` (both batches; a lone row's runtime has its own).
-        draft_model: a draft model sharing the target's vocabulary (dense or
-            hybrid), on rows of its own; None: prompt lookup.
-        draft_min_prob: with a draft model, a row drafts no further after a
-            draft its draft model gives less than this (that draft is still
-            verified); the round ends when every row stopped.
-        prefill_step: tokens per forward when a joining row's draft runtime is
-            brought up to the target's tokens.
+        drafter: what proposes the drafts (`make_drafter`, drafters.py: prompt lookup,
+            a draft model on rows of its own, the MTP head), or None: plain decoding.
+        num_draft_tokens: drafts per row per round (0 without a drafter).
+        recurrent_strategy: as for `Runtime` (the batch's; a lone row's runtime has its own).
         gate: True: each step's draft width is chosen by a `Gate` on step
             costs measured online (0 when speculation does not pay); a `Gate`:
             that one (e.g. on a fixed cost table); False: every row drafts its
@@ -141,47 +137,29 @@ class BatchDecoder:
             docstring). False: one forward per step, synced before the next is built.
         one_row: hold at most one row, as the Runtime given to `add` itself (any
             layer kind; forks, commits and plain forwards in place). False: rows in
-            a `BatchRuntime` (full attention, sliding window, Gated DeltaNet).
-        adaptive: without a gate or `draft_min_prob`, halve a row's width after
+            a `BatchRuntime` (full attention, sliding window, Gated DeltaNet). A draft
+            model's rows must be of the same kind (`make_drafter(one_row=)`).
+        adaptive: without a gate or the drafter's `min_prob`, halve a row's width after
             a round that accepted nothing and double it after one that accepted all.
     """
 
-    def __init__(self, model, *, num_draft_tokens: int = 0, recurrent_strategy: str = "auto",
-                 draft_model=None, draft_min_prob: float = 0.0, prefill_step: int = 2048,
-                 gate: bool | Gate = True, pipeline: bool = True, one_row: bool = False, adaptive: bool = True,
-                 mtp=None):
-        if (draft_model is not None or mtp is not None) and num_draft_tokens < 1:
-            raise ValueError(f"a draft model or MTP head needs num_draft_tokens >= 1, got {num_draft_tokens}")
-        if draft_model is not None and mtp is not None:
-            raise ValueError("choose one drafter: a draft model or the MTP head, not both")
-        if not 0.0 <= draft_min_prob <= 1.0:
-            raise ValueError(f"draft_min_prob must be a probability in [0, 1], got {draft_min_prob}")
+    def __init__(self, model, *, drafter: Drafter | None = None, num_draft_tokens: int = 0,
+                 recurrent_strategy: str = "auto", gate: bool | Gate = True, pipeline: bool = True,
+                 one_row: bool = False, adaptive: bool = True):
         if num_draft_tokens < 0:
             raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
+        if (drafter is not None) != (num_draft_tokens > 0):
+            raise ValueError(f"a drafter needs num_draft_tokens >= 1 and num_draft_tokens needs a drafter; got "
+                             f"{num_draft_tokens} and {'a' if drafter is not None else 'no'} drafter")
         self.model = model
         self.one_row = one_row
         self.batch = OneRow(model) if one_row else BatchRuntime(model, recurrent_strategy=recurrent_strategy)
-        self.draft = None
-        self.drafter: Drafter | None = None
-        if draft_model is not None:
-            rows = OneRow(draft_model) if one_row else BatchRuntime(draft_model, recurrent_strategy=recurrent_strategy)
-            self.draft = rows
-            self.drafter = DraftModel(rows, min_prob=draft_min_prob, prefill_step=prefill_step)
-        elif mtp is not None:
-            from ..mtp.drafter import MTP  # mlx-lm's qwen3 modules load only with MTP on
-
-            if mtp.model is not model:
-                raise ValueError("the MTP head is bound to another model than this decoder's target")
-            self.drafter = MTP(mtp, prefill_step=prefill_step)
-        elif num_draft_tokens:
-            self.drafter = Lookup()
-        self.mode = ("draft" if draft_model is not None else "mtp" if mtp is not None
-                     else "lookup" if num_draft_tokens else "plain")
+        self.drafter = drafter
+        self.mode = drafter.mode if drafter is not None else "plain"
         self.gate = None if not num_draft_tokens or gate is False else Gate() if gate is True else gate
         self.policy = DraftPolicy(num_draft_tokens, gate=self.gate,
-                                  min_prob=draft_min_prob if draft_model is not None else 0.0, adaptive=adaptive)
+                                  min_prob=drafter.min_prob if drafter is not None else 0.0, adaptive=adaptive)
         self.width = num_draft_tokens
-        self.prefill_step = prefill_step
         self.rows: dict[Hashable, RowState] = {}
         self.pipeline = pipeline and not num_draft_tokens
         # The lookahead in flight: (its logits [B, 1, V], the row ids it was built for, in order),
@@ -222,7 +200,7 @@ class BatchDecoder:
             raise ValueError(f"add({row_id!r}): this decoder holds one row, {next(iter(self.rows))!r}, already")
         if runtime.model is not self.model:
             raise ValueError(f"add({row_id!r}): the runtime is of another model")
-        if draft_runtime is not None and self.draft is None and self.mode != "mtp":
+        if draft_runtime is not None and not (self.drafter is not None and self.drafter.draft_runtimes):
             raise ValueError(f"add({row_id!r}): a draft runtime without a draft model")
         history = runtime.tokens + [pending]
         self._close()  # a row joins settled rows
@@ -548,14 +526,10 @@ class BatchDecoder:
             logits, launched, _ = self._ahead
             if not self.pipeline or logits.shape[0] != len(launched) or any(r not in launched for r in self.batch.ids):
                 raise InvariantError(f"lookahead built for rows {launched}, batch rows {self.batch.ids}")
-        if self.draft is not None:
-            self.draft.check()
-            if self.draft.ids != self.batch.ids:
-                raise InvariantError(f"draft rows {self.draft.ids} but target rows {self.batch.ids}")
+        if self.drafter is not None:
+            self.drafter.check([self.rows[r] for r in self.batch.ids], settled=self._round is None)
         for s in self.rows.values():
             s.estimate.check()
-        if self.mode == "mtp" and self._round is None:
-            self.drafter.check([self.rows[r] for r in self.batch.ids])
         if self.gate is not None and isinstance(self.gate.cost, MeasuredCost):
             self.gate.cost.check()
         for rid in self.batch.ids:
@@ -574,8 +548,3 @@ class BatchDecoder:
                 raise InvariantError(f"row {rid!r} holds {len(held)} tokens, not its history"
                                      + (" (its pending token fed ahead)" if self._ahead is not None else
                                         " but the pending token"))
-        for rid in self.draft.ids if self.draft is not None else []:
-            held, history = self.draft.tokens(rid), self.rows[rid].history
-            if self._round is None and (held != history[: len(held)] or len(held) >= len(history)):
-                raise InvariantError(f"draft row {rid!r} holds {len(held)} tokens, not a prefix of its history "
-                                     "but the pending token")

@@ -5,7 +5,8 @@
     lockstep.py   lockstep(): a step every rank runs, or none does
     store.py      open_rank_store(): each rank's own prefix store (rank-<r>-of-<n>)
 
-See docs/distributed.md.
+`segcache serve` across ranks (Group, GroupScheduler) is part of the server:
+serve/ranks.py. See docs/distributed.md.
 """
 
 from .channel import Channel, ChannelStats, Step, Verdict, fingerprint

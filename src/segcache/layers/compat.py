@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import warnings
 
+from mlx_lm.models import cache as mlx_cache
+
 from ..errors import InvariantError, UnsupportedOperationError
 
 BATCHING = (
@@ -123,12 +125,10 @@ def register_names(*classes: type) -> None:
     (hence `segcache.Runtime`) does it; a name mlx-lm already uses for
     something else is left alone, with a warning.
     """
-    from mlx_lm.models import cache as module
-
     for cls in classes:
-        present = vars(module).get(cls.__name__)
+        present = vars(mlx_cache).get(cls.__name__)
         if present is None:
-            setattr(module, cls.__name__, cls)
+            setattr(mlx_cache, cls.__name__, cls)
         elif present is not cls:
             warnings.warn(
                 f"mlx_lm.models.cache defines {cls.__name__} already; load_prompt_cache will not "

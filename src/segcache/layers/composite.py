@@ -14,6 +14,7 @@ K/V rows, not only a summary). A composite of "pages" children only is a
 
 from __future__ import annotations
 
+from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import CacheList
 
 from ..errors import BranchError, InvariantError, UnsupportedOperationError
@@ -95,8 +96,6 @@ class CompositeLayer(CacheList):
     @classmethod
     def from_state(cls, state) -> "CompositeLayer":
         """A composite of the saved children (mlx-lm's `load_prompt_cache` calls this)."""
-        from mlx_lm.models import cache as mlx_cache
-
         children = []
         for child_state, name in state:
             kind = vars(mlx_cache).get(name)

@@ -27,6 +27,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlx_lm import generate
+
 SYSTEM_PROMPT = "You are a coding assistant working in a Python repository."  # as in training
 SEARCH_LIMIT = 5
 READ_LIMIT = 20
@@ -187,8 +189,6 @@ def agent_loop(model, tokenizer, workspace: Workspace, messages: list[dict], *,
         after ``max_calls`` rounds of calls, the model's next reply with its calls
         not run.
     """
-    from mlx_lm import generate
-
     messages = list(messages)
     for n in range(max_calls + 1):
         prompt = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,

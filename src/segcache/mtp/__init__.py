@@ -17,6 +17,8 @@ docs/mtp.md describes the module, the hidden state that feeds it, and the file.
 Names load on first use, so registering the ``segcache mtp`` command stays cheap.
 """
 
+import importlib
+
 _LAZY = {
     "forward_with_hidden": "hidden",
     "MTPHead": "module",
@@ -36,8 +38,6 @@ __all__ = sorted(_LAZY)
 
 def __getattr__(name):
     if name in _LAZY:
-        import importlib
-
         value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
         globals()[name] = value
         return value

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..errors import SegcacheError
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register the `mtp` subcommand on an argparse `subparsers` object."""
@@ -28,8 +30,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from ..errors import SegcacheError
-    from .weights import extract
+    from .weights import extract  # mlx and mlx-lm: only when the command runs
 
     try:
         done = extract(args.source, args.target, bits=args.bits, group_size=args.group_size,

@@ -1,6 +1,6 @@
 """MTP self-speculation: the target's own multi-token-prediction head as a drafter.
 
-The drafter follows the decoder's protocol (drafters.py). Per row it keeps the
+The drafter follows the decoder's protocol (batch/drafting.py). Per row it keeps the
 head's KV cache and the target's hidden states it has not fed to the head yet:
 
     head cache:  pairs (hidden[p], token[p+1]) for p < held      committed
@@ -38,8 +38,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..acceptors import GreedyMatch
-from ..drafters import Draft, each_row, no_draft, normalize
+from ..batch.drafting import Draft, each_row, no_draft
 from ..errors import InvariantError
+from ..processors import normalize
 from .module import MTPHead, _text_parts
 from .tap import install
 
@@ -93,6 +94,10 @@ class MTP:
         prefill_step: positions per head call (and per target forward when a row's
             prompt hidden states must be recomputed) when a row joins.
     """
+
+    mode = "mtp"
+    min_prob = 0.0
+    draft_runtimes = True  # the prefill's HiddenStates
 
     def __init__(self, head: MTPHead, *, prefill_step: int = 2048):
         self.head = head
@@ -254,9 +259,9 @@ class MTP:
     def extend(self, row_id, tokens: Sequence[int]):
         pass  # the row's history (the decoder's) has them; its hidden states come at close
 
-    def check(self, states) -> None:
+    def check(self, states, settled: bool = True) -> None:
         """Between rounds: each row's head holds `held` pairs and held + tail = the target's tokens."""
-        for s in states:
+        for s in states if settled else ():
             row = self.rows.get(s.row_id)
             if row is None:
                 raise InvariantError(f"MTP: no head state for row {s.row_id!r}")

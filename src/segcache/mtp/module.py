@@ -27,6 +27,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
+from mlx_lm.models.qwen3_5 import DecoderLayer
+from mlx_lm.models.qwen3_next import Qwen3NextDecoderLayer
 
 from ..errors import UnsupportedModelError
 
@@ -58,16 +60,12 @@ class MTPModule(nn.Module):
 
 
 def _qwen3_5_layer(args) -> nn.Module:
-    from mlx_lm.models.qwen3_5 import DecoderLayer
-
     layer = DecoderLayer(args, layer_idx=args.full_attention_interval - 1)
     assert not layer.is_linear
     return layer
 
 
 def _qwen3_next_layer(args) -> nn.Module:
-    from mlx_lm.models.qwen3_next import Qwen3NextDecoderLayer
-
     # The checkpoints' MTP layer has the routed MLP whenever the model has experts
     # (vLLM builds it as layer 0 of the sparse schedule); mlx-lm decides from
     # layer_idx, so pick the first full-attention index that gets the same MLP.

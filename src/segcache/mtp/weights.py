@@ -27,6 +27,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.utils import hf_repo_to_path, load_model
 
 from ..errors import ModelError
 from .module import MTPHead, MTPModule, _text_parts, num_mtp_layers
@@ -264,8 +265,6 @@ def extract(checkpoint: Path, model_dir: Path, *, bits: Optional[int] = None,
     Raises:
         ModelError: no head in the checkpoint, or it does not fit the model.
     """
-    from mlx_lm.utils import load_model
-
     checkpoint, model_dir = Path(checkpoint), Path(model_dir)
     try:
         model, config = load_model(model_dir, lazy=True)
@@ -314,8 +313,6 @@ def head_for(model: nn.Module, model_path, mtp_weights=None) -> MTPHead:
     directory = Path(model_path)
     if mtp_weights is None and not directory.is_dir():
         try:
-            from mlx_lm.utils import hf_repo_to_path
-
             directory = hf_repo_to_path(str(model_path))
         except Exception:  # not a cached repo: no directory to look in
             pass

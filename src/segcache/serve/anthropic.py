@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import TYPE_CHECKING
 
 from starlette.responses import JSONResponse, Response
 
@@ -33,12 +32,10 @@ from . import schemas
 from .engine import Chunk, Failure, Finish
 from .errors import APIError
 from .output import Call, Text, new_call_id
-from .pipeline import ChatTurn, ClientGone, failed
+from .pipeline import ChatTurn, ClientGone, Run, failed
+from .service import ChatService
 from .shapes import sse
 
-if TYPE_CHECKING:
-    from .app import Server
-    from .pipeline import Run
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -184,14 +181,14 @@ def _message(mid: str, model: str, content: list, stop_reason, stop_sequence, us
             "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
 
 
-async def messages(server: "Server", request, raw: bytes, key) -> Response:
+async def messages(server: ChatService, request, raw: bytes, key) -> Response:
     req = schemas.parse(raw, schemas.MessagesRequest)
-    server._check_model(req.model)
+    server.check_model(req.model)
     run = await server.start_chat(turn(req), "msg", key)
     mid = "msg_" + uuid.uuid4().hex[:24]
-    model = server.settings.served_name
+    model = server.served_name
     if req.stream:
-        return server._sse(_stream(run, mid, model), run)
+        return server.stream(_stream(run, mid, model), run)
     try:
         pieces, _, finish = await run.collect(request, _new_tool_id)
     except ClientGone:
@@ -201,9 +198,9 @@ async def messages(server: "Server", request, raw: bytes, key) -> Response:
     return JSONResponse(_message(mid, model, content_blocks(pieces), reason, seq, _usage(finish.usage)))
 
 
-async def count_tokens(server: "Server", request, raw: bytes) -> Response:
+async def count_tokens(server: ChatService, request, raw: bytes) -> Response:
     req = schemas.parse(raw, schemas.CountTokensRequest)
-    server._check_model(req.model)
+    server.check_model(req.model)
     prompt = await server.render(turn(req))
     return JSONResponse({"input_tokens": len(prompt.ids)})
 

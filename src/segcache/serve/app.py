@@ -83,7 +83,8 @@ class Settings:
 
 
 class Server:
-    """The routes and what they share: settings, the prompter, the scheduler, the worker."""
+    """The routes and what they share: settings, the prompter, the scheduler, the worker. The chat
+    surfaces (anthropic.py, responses.py) are handed it as a `ChatService` (service.py)."""
 
     def __init__(self, settings: Settings, prompter: Prompter, scheduler: Scheduler, worker: Worker, store=None):
         self.settings = settings
@@ -129,7 +130,11 @@ class Server:
             raise too_big
         return b"".join(chunks)
 
-    def _check_model(self, name: Optional[str]) -> None:
+    @property
+    def served_name(self) -> str:
+        return self.settings.served_name
+
+    def check_model(self, name: Optional[str]) -> None:
         if name is not None and name not in self.settings.names:
             raise APIError(404, f"model '{name}' is not served here; this server serves "
                                 f"'{self.settings.served_name}' (or send 'default_model')",
@@ -247,7 +252,7 @@ class Server:
     async def completions(self, request: Request) -> Response:
         key = self._authorize(request)
         req = schemas.parse(await self._body(request), schemas.CompletionRequest)
-        self._check_model(req.model)
+        self.check_model(req.model)
         self._check_adapter(req.adapters)
         loop = asyncio.get_running_loop()
         ids = await loop.run_in_executor(self._tokenize, self.prompter.completion, req.prompt)
@@ -259,7 +264,7 @@ class Server:
                                      req.top_logprobs(), key, req.cache_salt, req.n or 1))
         shape = Shape(run.gen.id, self.settings.served_name, self.created, False)
         if req.stream:
-            return self._sse(shapes.completion_stream(run, shape, req.include_usage()), run)
+            return self.stream(shapes.completion_stream(run, shape, req.include_usage()), run)
         try:
             return JSONResponse(await shapes.completion_whole(run, shape, request))
         except ClientGone:
@@ -268,12 +273,12 @@ class Server:
     async def chat_completions(self, request: Request) -> Response:
         key = self._authorize(request)
         req = schemas.parse(await self._body(request), schemas.ChatRequest)
-        self._check_model(req.model)
+        self.check_model(req.model)
         self._check_adapter(req.adapters)
         run = await self.start_chat(shapes.chat_turn(req), "chatcmpl", key)
         shape = Shape(run.gen.id, self.settings.served_name, self.created, True)
         if req.stream:
-            return self._sse(shapes.chat_stream(run, shape, req.include_usage()), run)
+            return self.stream(shapes.chat_stream(run, shape, req.include_usage()), run)
         try:
             return JSONResponse(await shapes.chat_whole(run, shape, request))
         except ClientGone:
@@ -351,7 +356,7 @@ class Server:
                            type="rate_limit_error", headers={"Retry-After": "1"}) from None
         return Run(gen, job, events, turn, prompt, self.prompter.markup)
 
-    def _sse(self, body, run: Run, headers: Optional[dict] = None) -> Response:
+    def stream(self, body, run: Run, headers: Optional[dict] = None) -> Response:
         async def guarded():
             try:
                 async for event in body:

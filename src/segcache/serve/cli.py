@@ -5,6 +5,9 @@ Every flag of mlx_lm.server is taken with its name and meaning
 with --kv-bits requests decode one at a time, as mlx_lm.server serves them);
 a few defaults differ on purpose (CORS off, one request decoded at a time:
 tests/test_dropin_help.py lists them).
+Its parser is built for every `segcache` command, so mlx, mlx-lm, uvicorn and
+the server load inside `run` (after `raise_open_files`: mlx-lm's import would
+lower the hard limit of open files).
 SIGINT/SIGTERM: uvicorn stops accepting, lets requests in flight end, then the
 worker drains and the store is flushed and closed.
 """
@@ -19,9 +22,13 @@ import os
 import re
 import sys
 import warnings
+from decimal import Decimal
 from pathlib import Path
 
-from .paths import default_cache_dir, private_dirs
+from .. import dropin
+from ..errors import ModelError, SegcacheError, StoreError
+from .isolation import read_keys
+from .paths import default_cache_dir, private_dirs, shown
 
 log = logging.getLogger("segcache.serve")
 
@@ -136,8 +143,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _add_mlx_lm_flags(p: argparse.ArgumentParser) -> None:
-    from .. import dropin
-
     dropin.add_load_flags(p)
     dropin.add_default_template_flag(p)
     p.add_argument("--prompt-cache-bytes", type=parse_decimal_size, default=None,
@@ -159,15 +164,11 @@ def parse_decimal_size(text: str) -> int:
     m = re.match(r"^\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*$", text)
     if not m or m.group(2).upper() not in _DECIMAL:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1000000, 500M, 2G, 1.5GB)")
-    from decimal import Decimal
-
     return int(Decimal(m.group(1)) * _DECIMAL[m.group(2).upper()])
 
 
 def _mlx_lm_flags_check(args):
     """(why the mlx_lm.server flags given cannot be served or None, the KV quantization or None)."""
-    from .. import dropin
-
     try:
         kv = dropin.kv_setting(args)
     except ValueError as exc:
@@ -177,8 +178,6 @@ def _mlx_lm_flags_check(args):
 
 def _apply_mlx_lm_flags(args, tokenizer, kv) -> None:
     """What the mlx_lm.server flags change once the model is loaded."""
-    from .. import dropin
-
     if args.use_default_chat_template:
         dropin.use_default_chat_template(tokenizer, "segcache serve")
     if args.prompt_cache_bytes is not None:
@@ -230,7 +229,6 @@ def _lookup(cfg: dict, *keys):
 
 
 def _open_store(args, model):
-    from ..errors import StoreError
     from ..store import model_identity, open_store
 
     path = Path(args.prompt_cache_dir).expanduser() if args.prompt_cache_dir else default_cache_dir(model_identity(model))
@@ -249,7 +247,7 @@ def _group():
 
     if mx.distributed.init().size() == 1:
         return None
-    from ..distributed.serve import Group
+    from .ranks import Group
 
     return Group()
 
@@ -260,8 +258,6 @@ def api_keys(args) -> list[str]:
     Raises:
         ValueError: the keys file cannot be read, or a key is malformed.
     """
-    from .isolation import read_keys
-
     given = args.api_key if args.api_key else [os.environ.get("SEGCACHE_API_KEY") or ""]
     return read_keys(given, args.api_key_file)
 
@@ -317,9 +313,6 @@ def run(args: argparse.Namespace) -> int:
     # uvicorn's and asyncio's records reach the root handler too (log_config=None below), so
     # one filter there holds every repeated warning or error to one line per interval
     install_repeats()
-    from .. import dropin
-    from ..demo import shown
-    from ..errors import ModelError
     from .chat import Prompter
     from .engine import Engine
     from .worker import Scheduler, Worker, release_streams
@@ -366,7 +359,6 @@ def run(args: argparse.Namespace) -> int:
         print("segcache serve: --mtp-weights needs --mtp", file=sys.stderr)
         return 2
     if getattr(args, "mtp", False):
-        from ..errors import SegcacheError
         from ..mtp import head_for
 
         try:

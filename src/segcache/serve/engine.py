@@ -41,10 +41,9 @@ from typing import Generator, Iterator, Optional
 import mlx.core as mx
 
 from ..acceptors import make_acceptor
-from ..batch.decoder import BatchDecoder
 from ..batch.prefill import PrefillBatch
 from ..errors import RowError
-from ..generation import DRAFT_MIN_PROB
+from ..drafters import DRAFT_MIN_PROB, make_decoder
 from ..runtime import Runtime
 from ..controls import Controls
 from ..grammar import Grammars
@@ -294,7 +293,7 @@ class Engine:
         one = decode_concurrency == 1
         # One row: the speculative width adapts per round, as stream_generate's (the cost gate
         # is for batches, where a wider verify multiplies over rows).
-        self.decoder = BatchDecoder(model, num_draft_tokens=num_draft_tokens if drafting else 0,
+        self.decoder = make_decoder(model, num_draft_tokens=num_draft_tokens if drafting else 0,
                                     draft_model=draft_model, prefill_step=prefill_step,
                                     draft_min_prob=DRAFT_MIN_PROB if draft_model is not None else 0.0,
                                     gate=not one and group is None, one_row=one, mtp=mtp)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from starlette.responses import JSONResponse, Response
 
@@ -37,12 +37,10 @@ from .chat import template_messages
 from .engine import Chunk, Failure, Finish
 from .errors import APIError
 from .output import Call, Text
-from .pipeline import ChatTurn, ClientGone, failed
+from .pipeline import ChatTurn, ClientGone, Run, failed
+from .service import ChatService
 from .shapes import sse
 
-if TYPE_CHECKING:
-    from .app import Server
-    from .pipeline import Run
 
 
 def _id(prefix: str) -> str:
@@ -110,11 +108,11 @@ def turn(req: schemas.ResponsesRequest) -> ChatTurn:
 class _Response:
     """The response object of one request, as it grows."""
 
-    def __init__(self, server: "Server", req: schemas.ResponsesRequest):
+    def __init__(self, server: ChatService, req: schemas.ResponsesRequest):
         self.id = _id("resp_")
         self.created = int(time.time())
         self.req = req
-        self.model = server.settings.served_name
+        self.model = server.served_name
         self.output: list[dict] = []
 
     def body(self, status: str, usage=None, incomplete: Optional[str] = None) -> dict:
@@ -173,13 +171,13 @@ def output_items(pieces) -> list[dict]:
     return [it for it in items if it["type"] != "message" or it["content"][0]["text"].strip()]
 
 
-async def create(server: "Server", request, raw: bytes, key) -> Response:
+async def create(server: ChatService, request, raw: bytes, key) -> Response:
     req = schemas.parse(raw, schemas.ResponsesRequest)
-    server._check_model(req.model)
+    server.check_model(req.model)
     run = await server.start_chat(turn(req), "resp", key)
     resp = _Response(server, req)
     if req.stream:
-        return server._sse(_stream(run, resp), run)
+        return server.stream(_stream(run, resp), run)
     try:
         pieces, _, finish = await run.collect(request)
     except ClientGone:

@@ -20,6 +20,8 @@ import threading
 import time
 from typing import Callable
 
+import mlx.core as mx
+
 from .engine import Engine, Failure, Finish, GenRequest
 
 log = logging.getLogger("segcache.serve")
@@ -200,8 +202,6 @@ def release_streams() -> None:
     an active exception", ml-explore/mlx#3126; mlx-vlm#1945). MLX versions
     without `clear_streams` clean up on their own.
     """
-    import mlx.core as mx
-
     clear = getattr(mx, "clear_streams", None)
     if clear is not None:
         clear()

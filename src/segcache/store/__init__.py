@@ -7,6 +7,8 @@ use: they need the layer kinds (and so mlx-lm), which the store's own commands
 do not.
 """
 
+import importlib
+
 from .codec import CorruptRecordError
 from .identity import model_identity, weights_fingerprint
 from .keys import chain_key, prefix_keys, root_key
@@ -33,8 +35,6 @@ __all__ = [
 
 def __getattr__(name):
     if name in _LAZY:
-        import importlib
-
         value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
         globals()[name] = value
         return value

@@ -32,6 +32,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
+from tokenizers import models as token_models
+from transformers import PreTrainedTokenizerFast
+
+from .models import build as build_model
+from .models import config as model_config
 
 EOS = "<eos>"
 UNK = "<unk>"
@@ -152,11 +158,6 @@ def build(directory, *, family: str | None = "json_tools", scripts: dict | None 
     Returns:
         The directory's path.
     """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from .models import build as build_model
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     scripts = dict(scripts or {})
@@ -170,7 +171,7 @@ def build(directory, *, family: str | None = "json_tools", scripts: dict | None 
     markers_ = ROLE_TOKENS + (list(THINK) if thinking else []) + [h for h in heads.values() if h != "\n"]
     pieces = [p for chain in chains.values() for p in chain]
     base = [EOS, UNK] + CHARS
-    core = Tokenizer(models.WordLevel({t: i for i, t in enumerate(base)}, unk_token=UNK))
+    core = Tokenizer(token_models.WordLevel({t: i for i, t in enumerate(base)}, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
     # Markers are matched in a prompt before pieces (non-normalized added tokens are split
@@ -202,8 +203,6 @@ def build(directory, *, family: str | None = "json_tools", scripts: dict | None 
                       num_attention_heads=2, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=vocab,
                       rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=32768)
     else:
-        from .models import config as model_config
-
         config = model_config(arch, hidden_size=hidden, vocab_size=vocab, intermediate_size=16,
                               max_position_embeddings=32768)
     model = build_model(arch, **{k: v for k, v in config.items() if k != "model_type"})

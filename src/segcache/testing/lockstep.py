@@ -22,10 +22,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
+from mlx_lm.utils import save_config
+from mlx_lm.utils import save_model as save_weights
 
 from ..distributed import Channel, fingerprint, lockstep
 from ..lookup import PromptLookup
 from ..sampling import match_accept
+from . import models, tokenizer
 
 NO_BRANCH = -1  # the commit word when the round opened no branch
 
@@ -139,11 +142,6 @@ def save_model(family: str, directory, *, seed: int = 0, **overrides) -> Path:
     Writes config.json, the weights with model.safetensors.index.json (which
     mlx-lm's pipeline loading reads) and the test tokenizer.
     """
-    from mlx_lm.utils import save_config
-    from mlx_lm.utils import save_model as save_weights
-
-    from . import models, tokenizer
-
     directory = Path(directory)
     save_weights(directory, models.build(family, seed=seed, **overrides))
     save_config(models.config(family, **overrides), directory / "config.json")

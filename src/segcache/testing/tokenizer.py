@@ -10,6 +10,11 @@ from __future__ import annotations
 
 import string
 
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+from tokenizers import models as token_models
+from transformers import PreTrainedTokenizerFast
+
 from .models import VOCAB
 
 EOS = "<eos>"
@@ -28,11 +33,8 @@ def hf_tokenizer(eos: bool = True):
         eos: declare "<eos>" (id 0) as the EOS token; False for a tokenizer
             without one, so generation stops only at max_tokens.
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     vocab = {tok: i for i, tok in enumerate(TOKENS)}
-    core = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+    core = Tokenizer(token_models.WordLevel(vocab, unk_token=UNK))
     core.normalizer = normalizers.Lowercase()
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
@@ -48,8 +50,6 @@ def tokenizer(eos: bool = True, eos_token_ids=None):
         eos: as in `hf_tokenizer`.
         eos_token_ids: more ids that stop generation.
     """
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
-
     return TokenizerWrapper(hf_tokenizer(eos), eos_token_ids=eos_token_ids)
 
 

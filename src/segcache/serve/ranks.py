@@ -39,19 +39,30 @@ from its own store (`<store>/rank-<r>-of-<n>`).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import secrets
+import signal
+import sys
+import threading
 import time
+import warnings
+from pathlib import Path
 from typing import Callable, Optional
 
+import msgpack
 import numpy as np
 
 from ..controls import Controls
-from ..errors import DistributedError, RankDivergedError
-from ..serve.engine import Chunk, Engine, Failure, Finish, GenRequest
-from ..serve.paths import default_cache_dir, private_dirs
-from ..serve.worker import Job, Scheduler
-from .channel import Channel, Verdict, fingerprint
+from ..distributed.channel import LOST_EXIT, Channel, Verdict, fingerprint
+from ..distributed.shard import load as load_shard
+from ..distributed.store import open_rank_store
+from ..errors import DistributedError, RankDivergedError, StoreError
+from ..store import model_identity
+from .engine import Chunk, Engine, Failure, Finish, GenRequest
+from .paths import default_cache_dir, private_dirs, shown
+from .worker import Job, Scheduler, release_streams
 
 log = logging.getLogger("segcache.serve")
 
@@ -291,14 +302,10 @@ class GroupScheduler(Scheduler):
 
 
 def _pack(obj) -> bytes:
-    import msgpack
-
     return msgpack.packb(obj, use_bin_type=True)
 
 
 def _unpack(data: bytes):
-    import msgpack
-
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
@@ -307,9 +314,6 @@ def _unpack(data: bytes):
 
 def settings_fingerprint(args) -> int:
     """What every rank's command line must agree on (what shapes the steps every rank runs)."""
-    import json
-    from pathlib import Path
-
     try:
         config = json.loads((Path(args.model) / "config.json").read_text())
     except (OSError, ValueError):
@@ -349,9 +353,7 @@ class Group:
 
     def load(self, path, pipeline: bool):
         """The model sharded over the group (tensor parallel, or pipeline with `pipeline`)."""
-        from .shard import load
-
-        model, tokenizer, self.shard = load(path, pipeline=pipeline, group=self.channel.group)
+        model, tokenizer, self.shard = load_shard(path, pipeline=pipeline, group=self.channel.group)
         return model, tokenizer
 
     def loaded(self, failure: Optional[str], args) -> Optional[str]:
@@ -373,13 +375,6 @@ class Group:
         """This rank's prefix store under the deployment's directory, and that directory; the
         store is None on every rank if some rank cannot open its own (a prefix is a hit only
         where every rank holds it)."""
-        import warnings
-        from pathlib import Path
-
-        from ..errors import StoreError
-        from ..store import model_identity
-        from .store import open_rank_store
-
         if args.prompt_cache_dir:
             path = Path(args.prompt_cache_dir).expanduser()
         else:  # one directory for the deployment, named by rank 0's identity, on every rank
@@ -420,10 +415,6 @@ class Group:
     def _stop_serving(self, exc: BaseException) -> None:
         """Rank 0 lost the group: stop the HTTP server as SIGTERM would (the requests in flight got
         their Failure); `exit` then ends the process. A shutdown that hangs ends it anyway."""
-        import os
-        import signal
-        import threading
-
         self.lost = exc
         timer = threading.Timer(30.0, self.exit)
         timer.daemon = True
@@ -432,11 +423,6 @@ class Group:
 
     def exit(self) -> None:
         """End this process after the group was lost, saying why (exit status 75: start every rank again)."""
-        import os
-        import sys
-
-        from .channel import LOST_EXIT
-
         sys.stderr.write(
             f"segcache serve: rank {self.channel.rank} of {self.size} stops: {type(self.lost).__name__}: {self.lost}\n"
             f"segcache serve: another rank is gone or out of step; start every rank again "
@@ -448,9 +434,6 @@ class Group:
     def follow(self, engine: Engine, args, store, path) -> int:
         """A rank other than 0: run rank 0's steps until it stops (exit 0) or the group is lost
         (exit 75, saying why). Returns the exit status."""
-        from ..demo import shown
-        from ..serve.worker import release_streams
-
         self.channel.set_timeout(args.rank_timeout)
         scheduler = GroupScheduler(engine, self.channel, max_queue=0, max_running=args.decode_concurrency)
         log.info("rank %d of %d (%s parallel, layers %s): running rank 0's steps; prefix store: %s",

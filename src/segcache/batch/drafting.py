@@ -1,0 +1,119 @@
+"""What the decoder asks of a drafter, and the helpers the decoder and the drafters share.
+
+    drafter.add(row_id, history, runtime, draft_runtime)    a row joins (history ends with its pending token)
+    drafter.offer(states, rooms) -> avail                    how many drafts each row can have this step
+    drafter.draft(states, widths) -> Draft                   the step's drafts, every row at once
+    ... the decoder verifies [pending] + drafts per row in one target forward ...
+    drafter.fill(proposals)                                  the drafts as read with the verify
+    drafter.close(states, keep)                              the round is over: row i kept keep[i] target tokens
+    drafter.extend(row_id, tokens) / remove(row_id)
+
+The drafters themselves (prompt lookup, a draft model: drafters.py; the target's MTP head:
+mtp/drafter.py) stand above the decoder: `make_drafter` (drafters.py) builds the one the
+caller asked for, and the decoder is handed it (`BatchDecoder(model, drafter=...)`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import mlx.core as mx
+
+from ..errors import RowError
+from ..runtime import Runtime
+
+
+@dataclass
+class Draft:
+    """One step's drafts for every row.
+
+    Attributes:
+        tokens: per row a list of ids, or an unevaluated [B, J] array (a draft
+            model's chain, evaluated together with the verify forward).
+        widths: drafts row i offers for verification (its first widths[i]; an
+            array row may hold more proposals, computed but never kept).
+        q: per row the distributions its drafts were drawn from, [w_i, V], or None.
+    """
+
+    tokens: list | mx.array
+    widths: list[int]
+    q: list = field(default_factory=list)
+
+    @property
+    def lazy(self) -> bool:
+        return isinstance(self.tokens, mx.array)
+
+    def __bool__(self) -> bool:
+        return any(self.widths)
+
+    def verify_input(self, pending: list[int]):
+        """The verify forward's input: each row's pending token, then its drafts."""
+        if self.lazy:
+            head = mx.array(pending, dtype=self.tokens.dtype)[:, None]
+            return mx.concatenate([head, self.tokens], axis=1)
+        return [[p] + d for p, d in zip(pending, self.tokens)]
+
+    def proposals(self) -> list[list[int]]:
+        """Every row's proposals as ids (evaluates a lazy chain)."""
+        return self.tokens.tolist() if self.lazy else [list(d) for d in self.tokens]
+
+
+def each_row(states: list, fn) -> list:
+    """fn(i, state) for every row, a failure attributed to its row (`RowError`)."""
+    out = []
+    for i, s in enumerate(states):
+        try:
+            out.append(fn(i, s))
+        except Exception as exc:
+            raise RowError(s.row_id, exc) from exc
+    return out
+
+
+def no_draft(rows: int) -> Draft:
+    return Draft([[] for _ in range(rows)], [0] * rows, [None] * rows)
+
+
+class Drafter(Protocol):
+    """Proposes tokens for rows to verify. Per-row state (an n-gram index, a draft
+    model's row) lives here, keyed by row id.
+
+    Attributes:
+        mode: what a row's `GenerationStats` reports ("lookup", "draft", "mtp").
+        min_prob: a row drafts no further after a draft its drafter gives less than
+            this (0: every row drafts the width the decoder's policy gives it).
+        draft_runtimes: whether a row may bring state of its own to `add` (a draft
+            model's `Runtime`, the prefill's MTP `HiddenStates`).
+    """
+
+    mode: str
+    min_prob: float
+    draft_runtimes: bool
+
+    def add(self, row_id, history: list, runtime: Runtime, draft_runtime) -> None:
+        """A row joins holding `history[:-1]` in `runtime`; raises (changing nothing) if it cannot."""
+
+    def remove(self, row_id) -> None:
+        """The row leaves."""
+
+    def offer(self, states: list, rooms: list[int]) -> list[int]:
+        """How many drafts each row can have this step, at most its room."""
+
+    def draft(self, states: list, widths: list[int]) -> Draft:
+        """The step's drafts: up to widths[i] for row i (states[i].history ends with its pending token)."""
+
+    def fill(self, proposals: list[list[int]]) -> None:
+        """The round's drafts as read (every row's proposals, kept or not)."""
+
+    def close(self, states: list, keep: list[int]) -> None:
+        """End the round: row i kept keep[i] target tokens of it (its pending token included)."""
+
+    def rollback(self) -> None:
+        """Drop the round (a failed step)."""
+
+    def extend(self, row_id, tokens: Sequence[int]) -> None:
+        """Tokens row `row_id` emitted (and kept) after the ones the drafter has seen."""
+
+    def check(self, states: list, settled: bool) -> None:
+        """Raise `InvariantError` unless the drafter's rows agree with the decoder's `states` (in
+        the target batch's order); `settled`: no round is open."""
