@@ -47,11 +47,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from training.common import DEFAULT_OUT_DIR, DEFAULT_WORK_DIR  # noqa: E402
 
 # stage -> its module in tools/training (each has run(args)); imported when its stage runs,
-# so a stage loads only what it needs
+# so a stage loads only what it needs. "all" is prepare, train target and draft, finalize.
 STAGES = {
     "prepare": "prepare",
     "train": "train",
     "finalize": "finalize",
+    "all": None,
     "distill": "distill",
     "ship-distilled": "ship_distilled",
     "chat-prepare": "chat_prepare",
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     """Parses the command line and runs the requested stage(s)."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("stage", choices=["all", *STAGES])
+    parser.add_argument("stage", choices=list(STAGES))
     parser.add_argument("model", nargs="?", choices=["target", "draft"])
     parser.add_argument("--out-dir", default=str(DEFAULT_OUT_DIR))
     parser.add_argument("--work-dir", default=str(DEFAULT_WORK_DIR))
