@@ -17,7 +17,7 @@ test: $(STAMP) mlx-lm-tests
 # The store's state machine for 5,000 programs (operations and damage), 2,000 fuzzed
 # request bodies against a real server, 24 fork / commit / rollback programs per
 # sharded model on two ranks (not 2), the two-rank server pipeline parallel too, and
-# 200 json_schema requests per drafter (not 20);
+# 200 json_schema requests per drafter (not 20), 220 runtime state-machine programs (not 110);
 # minutes, not seconds.
 test-long: $(STAMP)
 	SEGCACHE_LONG=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_store_state.py tests/test_serve_fuzz.py \
@@ -25,6 +25,7 @@ test-long: $(STAMP)
 	SEGCACHE_LONG=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_serve_sampling.py -k json_schema_requests
 	SEGCACHE_LONG=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_distributed.py -k "programs or slice"
 	SEGCACHE_LONG=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_distributed_serve.py -k pipeline
+	SEGCACHE_LONG=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_state_machine.py
 
 # mlx-lm's own test files (tests/test_compat_mlx_lm.py runs its cache tests on
 # segcache's layers). They are not in the wheel: fetched from the PyPI sdist of

@@ -45,6 +45,12 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "Server":
+        """Launch the process and wait (bounded) until it answers /health."""
+        return self.launch().wait_ready()
+
+    def launch(self) -> "Server":
+        """Launch the process without waiting for it (`wait_ready` next): servers launched
+        together start up side by side."""
         self.port = free_port()
         cmd = [sys.executable, "-m", "segcache.cli", "serve", "--model", str(self.model), "--port", str(self.port),
                "--prompt-cache-dir", str(self.cache_dir), *self.args]
@@ -52,6 +58,10 @@ class Server:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])))
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        return self
+
+    def wait_ready(self) -> "Server":
+        """Wait until the launched process answers /health (killed after START_TIMEOUT s)."""
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -124,8 +124,9 @@ def served(request, tmp_path_factory):
     group = Deployment(root, root / "store", *flags, model=model)
     one = Server(root / "one-store", *flags, model=TARGET)
     try:
-        one.start()
+        one.launch()  # starts up beside the ranks
         group.wait_ready()
+        one.wait_ready()
         yield {"root": root, "group": group, "got": answers(group.client()), "want": answers(one.client()),
                "mode": mode, "model": model, "flags": flags}
     finally:

@@ -72,15 +72,14 @@ def _last_tier(srv) -> str:
 
 
 def test_kv_bits_text_of_mlx_lm_server_and_a_restart_resumes_quantized_pages(tmp_path):
-    with MlxServer(*KV, log_path=tmp_path / "mlx.log") as ref:
-        want = complete(f"http://127.0.0.1:{ref.port}")["choices"][0]["text"]
-    model, tok = mlx_lm.load(str(TARGET))  # the flags matter here: unquantized, the text differs
-    assert mlx_lm.generate(model, tok, tok.encode(PROMPT), max_tokens=32) != want
-
     store = tmp_path / "store"
-    srv = Server(store, *KV, log_path=tmp_path / "serve.log").start()
+    srv = Server(store, *KV, log_path=tmp_path / "serve.log").launch()  # starts up beside mlx_lm.server
     try:
-        first = complete(srv.url)
+        with MlxServer(*KV, log_path=tmp_path / "mlx.log") as ref:
+            want = complete(f"http://127.0.0.1:{ref.port}")["choices"][0]["text"]
+        model, tok = mlx_lm.load(str(TARGET))  # the flags matter here: unquantized, the text differs
+        assert mlx_lm.generate(model, tok, tok.encode(PROMPT), max_tokens=32) != want
+        first = complete(srv.wait_ready().url)
         assert first["choices"][0]["text"] == want
     finally:
         assert srv.stop() in (0, -signal.SIGTERM)  # flushes the store
@@ -109,11 +108,11 @@ def test_kv_bits_text_of_mlx_lm_server_and_a_restart_resumes_quantized_pages(tmp
 
 def test_adapter_path_text_of_mlx_lm_server_and_the_adapters_field(tmp_path):
     adapter = make_adapter(tmp_path / "adapter", seed=3, scale=8.0)
-    with MlxServer("--adapter-path", adapter, log_path=tmp_path / "mlx.log") as ref:
-        want = complete(f"http://127.0.0.1:{ref.port}")["choices"][0]["text"]
-    srv = Server(tmp_path / "store", "--adapter-path", adapter, log_path=tmp_path / "serve.log").start()
-    try:
-        assert complete(srv.url)["choices"][0]["text"] == want
+    srv = Server(tmp_path / "store", "--adapter-path", adapter, log_path=tmp_path / "serve.log").launch()
+    try:  # ours starts up beside mlx_lm.server
+        with MlxServer("--adapter-path", adapter, log_path=tmp_path / "mlx.log") as ref:
+            want = complete(f"http://127.0.0.1:{ref.port}")["choices"][0]["text"]
+        assert complete(srv.wait_ready().url)["choices"][0]["text"] == want
         assert complete(srv.url, adapters=adapter)["choices"][0]["text"] == want  # the served one: honoured
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4,
                                                           "adapters": str(tmp_path / "another")}, timeout=60)

@@ -40,12 +40,13 @@ def _last_tier(srv) -> str:
 def test_restart_by_sigterm_and_by_sigkill_resumes_from_disk(tmp_path, ref):
     store = tmp_path / "store"
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "def load(path):"}]
-    srv = Server(store, log_path=tmp_path / "serve.log").start()
+    srv = Server(store, log_path=tmp_path / "serve.log").launch()
     try:
-        a1, _, ids1 = _turn(srv, ref, msgs)
-        # a long streamed request in flight when SIGTERM arrives still ends whole
+        # a long streamed request in flight when SIGTERM arrives still ends whole (its reference
+        # computed while the server starts up)
         ids = ref[1].encode("def handle(request):\n")
         want = mlx_lm.generate(*ref, prompt=ids, max_tokens=300)
+        a1, _, ids1 = _turn(srv.wait_ready(), ref, msgs)
         with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
                           json={"prompt": "def handle(request):\n", "max_tokens": 300, "stream": True}) as r:
             lines = r.iter_lines()

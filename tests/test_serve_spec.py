@@ -3,6 +3,8 @@ the same text as mlx-lm's plain greedy decoding, cold and resumed."""
 
 import segcache  # noqa: F401, I001  (binds the system BLAS before mlx loads)
 
+import functools
+
 import mlx_lm
 import pytest
 from mlx_lm.server import convert_chat
@@ -17,13 +19,23 @@ def ref():
     return mlx_lm.load(str(TARGET))
 
 
+@pytest.fixture(scope="module")
+def greedy(ref):
+    """mlx-lm's plain greedy text of (prompt ids, max_tokens), computed once for both servers."""
+    @functools.lru_cache(maxsize=None)
+    def text(ids: tuple, max_tokens: int) -> str:
+        return mlx_lm.generate(*ref, prompt=list(ids), max_tokens=max_tokens)
+
+    return text
+
+
 @pytest.mark.parametrize("flags, mode", [(("--draft-model", DRAFT), "draft"), (("--prompt-lookup",), "lookup")])
-def test_speculative_serving_is_identical_to_plain(tmp_path, ref, flags, mode):
+def test_speculative_serving_is_identical_to_plain(tmp_path, ref, greedy, flags, mode):
     srv = Server(tmp_path / "store", *flags, "--num-draft-tokens", "4", log_path=tmp_path / "serve.log").start()
     try:
         client = srv.client()
         ids = ref[1].encode(CODE)
-        want = mlx_lm.generate(*ref, prompt=ids, max_tokens=64)
+        want = greedy(tuple(ids), 64)
         for _ in range(2):  # cold, then resumed from the prefix cache
             r = client.completions.create(model="target", prompt=CODE, max_tokens=64)
             assert r.choices[0].text == want
@@ -32,7 +44,7 @@ def test_speculative_serving_is_identical_to_plain(tmp_path, ref, flags, mode):
         for q in ("def close(self):", "def flush(self):"):
             r = client.chat.completions.create(model="target", messages=msgs, max_tokens=48)
             got = r.choices[0].message.content
-            assert got == mlx_lm.generate(*ref, prompt=ref[1].encode(convert_chat(msgs)), max_tokens=48)
+            assert got == greedy(tuple(ref[1].encode(convert_chat(msgs))), 48)
             msgs = msgs + [{"role": "assistant", "content": got}, {"role": "user", "content": q}]
         assert f"{mode} accepted" in srv.log()
     finally:

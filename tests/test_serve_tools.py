@@ -224,12 +224,16 @@ def test_agent_turns_resume_all_but_the_new_messages(models, tmp_path):
 def test_same_tool_calls_and_prompt_tokens_as_mlx_lm_server(models, tmp_path):
     reqs = [dict(messages=ASK, tools=TOOLS), dict(messages=_history_turn(), tools=TOOLS),
             dict(messages=ASK, tools=TOOLS, extra_body={"chat_template_kwargs": {"script": "two"}})]
+    mine, refs = {}, {}
     for name in ("tools", "think"):
         with LocalServer(models[name]) as ours:
-            mine = [ours.openai().chat.completions.create(model="default_model", **kw) for kw in reqs]
-        with MlxLmServer(models[name], tmp_path / f"mlx-{name}.log") as theirs:
-            ref = [theirs.openai().chat.completions.create(model="default_model", **kw) for kw in reqs]
-        for a, b in zip(mine, ref):
+            mine[name] = [ours.openai().chat.completions.create(model="default_model", **kw) for kw in reqs]
+    # one mlx_lm.server for both models: a request naming a model directory has it load that one
+    with MlxLmServer(models["tools"], tmp_path / "mlx.log") as theirs:
+        for name in ("tools", "think"):
+            refs[name] = [theirs.openai().chat.completions.create(model=str(models[name]), **kw) for kw in reqs]
+    for name in ("tools", "think"):
+        for a, b in zip(mine[name], refs[name]):
             assert a.usage.prompt_tokens == b.usage.prompt_tokens
             ca, cb = a.choices[0].message.tool_calls or [], b.choices[0].message.tool_calls or []
             assert [(t.function.name, json.loads(t.function.arguments)) for t in ca] == \

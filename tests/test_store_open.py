@@ -190,11 +190,19 @@ def test_generate_goes_on_without_a_damaged_store(tmp_path):
     make_store(tmp_path / "s", n=3)
     base = [sys.executable, "-m", "segcache.cli", "generate", "--model", model, "--prompt", "def f(", "-m", "5", "--ignore-chat-template",
             "--verbose", "False"]  # the text only (verbose, the default as in mlx_lm.generate, adds timings)
-    plain = subprocess.run(base, capture_output=True, text=True, timeout=300, env=ENV)
-    assert plain.returncode == 0, plain.stderr[-2000:]
     with open(tmp_path / "s" / "data.mdb", "r+b") as f:
         f.truncate(9000)
-    got = subprocess.run(base + ["--prompt-cache-dir", str(tmp_path / "s")], capture_output=True, text=True, timeout=300, env=ENV)
+    # both runs at once (the plain one reads no store): their start-ups overlap
+    runs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+            for argv in (base, base + ["--prompt-cache-dir", str(tmp_path / "s")])]
+    try:
+        plain, got = [subprocess.CompletedProcess(p.args, 0, *p.communicate(timeout=300)) for p in runs]
+        plain.returncode, got.returncode = (p.returncode for p in runs)
+    finally:
+        for p in runs:
+            if p.poll() is None:
+                p.kill()
+    assert plain.returncode == 0, plain.stderr[-2000:]
     assert got.returncode == 0, got.stderr[-2000:]
     assert got.stdout == plain.stdout
     assert "StoreWarning" in got.stderr and "generating without the prompt cache" in got.stderr

@@ -33,8 +33,8 @@ def test_a_conversation_started_on_one_server_continues_on_another(tmp_path, red
     one = Server(tmp_path / "one", *flags, log_path=tmp_path / "one.log")
     two = Server(tmp_path / "two", *flags, log_path=tmp_path / "two.log")
     try:
-        one.start()
-        two.start()
+        one.launch(), two.launch()  # both start up at once
+        one.wait_ready(), two.wait_ready()
         msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "def load(path):"}]
         r1 = one.client().chat.completions.create(model="target", messages=msgs, max_tokens=16)
         assert r1.usage.prompt_tokens_details.cached_tokens == 0
