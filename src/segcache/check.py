@@ -43,6 +43,7 @@ from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import seed as use_seed
 from hypothesis import strategies as st
 from hypothesis.database import InMemoryExampleDatabase
+from hypothesis.internal.conjecture import engine as hypothesis_engine
 from hypothesis.stateful import run_state_machine_as_test
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import CacheList, RotatingKVCache, make_prompt_cache
@@ -78,6 +79,8 @@ MIN_CONTEXT, MIN_PROMPT, MIN_GENERATE = 16, 16, 8
 CROSSED_WINDOW = 128  # a sliding window this short is crossed: contexts reach past it
 MAX_CALLS = 5  # a shrunk program longer than this gets more shrinking passes
 SHRINK_PASSES = 2
+SHRINK_SECONDS = 10  # per shrinking pass at scale 1, SHRINK_SECONDS / scale beyond (at most MAX_SHRINK_SECONDS)
+MAX_SHRINK_SECONDS = 120  # hypothesis's own limit is 300 s: long for a command
 MEMORY_HEADROOM = 1.25  # the weights, plus caches, the references and the store's RAM tier
 MEMORY_SLACK = 512 << 20
 
@@ -105,6 +108,7 @@ class Budget:
     batch_prompt: int  # longest prompt a batch row joins with
     batch_chunk: int  # longest forward of a batch row
     window: Optional[int]  # the shortest sliding window, if the model has one
+    shrink_seconds: float  # how long one shrinking pass of a failure may take
 
 
 @dataclass
@@ -119,6 +123,7 @@ class Subject:
     weight_bytes: int
     vocab: int
     window: Optional[int]
+    quantization: str = ""  # e.g. "4-bit", from the config mlx_lm.convert wrote
     draft_path: Optional[str] = None
     draft: object = None
     head: object = None
@@ -132,7 +137,7 @@ class Subject:
 
 @dataclass
 class Result:
-    """One property's outcome: status "pass", "fail" or "skip"."""
+    """One property's outcome: status "pass", "fail", "skip" (saying why) or "not run" (after a failure)."""
 
     name: str
     status: str
@@ -234,6 +239,11 @@ def _vocab(model, config: dict) -> int:
     return int(model.model.embed_tokens.weight.shape[0])
 
 
+def _quantization(config: dict) -> str:
+    q = config.get("quantization") or {}
+    return f"{q['bits']}-bit" if isinstance(q, dict) and q.get("bits") else ""
+
+
 def load(path: str, draft_path: Optional[str] = None) -> Subject:
     """The model (and draft) as `segcache serve` loads them, after refusing what cannot fit.
 
@@ -254,7 +264,7 @@ def load(path: str, draft_path: Optional[str] = None) -> Subject:
     subject = Subject(
         path=str(path), model=model, tokenizer=tokenizer, family=config.get("model_type", type(model).__module__),
         dtype=compute_dtype(model), weight_bytes=sizes[next(iter(sizes))], vocab=_vocab(model, config),
-        window=shortest_window(model),
+        window=shortest_window(model), quantization=_quantization(config),
     )
     if draft_where is not None:
         draft, _, draft_config = dropin.load(str(draft_where), what="draft model")
@@ -289,6 +299,7 @@ def budget_for(subject: Subject, examples: Optional[int] = None) -> Budget:
         scale=scale, examples=counts, steps=STEPS, context=context,
         prompt=max(MIN_PROMPT, round(PROMPT * length)), generate=max(MIN_GENERATE, round(GENERATE * length)),
         batch_prompt=batch_prompt, batch_chunk=batch_chunk, window=window,
+        shrink_seconds=min(MAX_SHRINK_SECONDS, SHRINK_SECONDS / scale),
     )
 
 
@@ -320,7 +331,7 @@ def machine(kind: str, path: str, draft_path: Optional[str] = None) -> Stepper:
 def _settings(examples: int, db, phases=tuple(Phase), steps: int = STEPS) -> settings:
     return settings(
         max_examples=examples, stateful_step_count=steps, deadline=None, database=db, phases=phases,
-        suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet, report_multiple_bugs=False,
+        suppress_health_check=list(HealthCheck), verbosity=Verbosity.normal, report_multiple_bugs=False,
         print_blob=False,
     )
 
@@ -353,7 +364,7 @@ def _run_machine(kind: str, name: str, subject: Subject, budget: Budget, seed: i
     examples = budget.examples[kind]
     db = InMemoryExampleDatabase()
     start = time.perf_counter()
-    failure = _attempt(counted, _settings(examples, db, steps=budget.steps))
+    failure = _attempt(counted, _settings(examples, db, steps=budget.steps), budget.shrink_seconds)
     if failure is None:
         return Result(name, "pass", runs[0], time.perf_counter() - start)
     construct = f'state = check.machine({kind!r}, {subject.path!r}' + (
@@ -362,7 +373,8 @@ def _run_machine(kind: str, name: str, subject: Subject, budget: Budget, seed: i
     for _ in range(SHRINK_PASSES):  # more shrinking from the stored counterexample, while it is long
         if calls <= MAX_CALLS:
             break
-        again = _attempt(counted, _settings(examples, db, phases=(Phase.reuse, Phase.shrink), steps=budget.steps))
+        again = _attempt(counted, _settings(examples, db, phases=(Phase.reuse, Phase.shrink), steps=budget.steps),
+                         budget.shrink_seconds)
         if again is None:
             break
         shorter, fewer = render(getattr(again, "__notes__", []), base, construct)
@@ -374,13 +386,24 @@ def _run_machine(kind: str, name: str, subject: Subject, budget: Budget, seed: i
                   preamble + program + [f"# -> {_summary(failure)}"], calls)
 
 
-def _attempt(machine: type, cfg: settings) -> Optional[BaseException]:
+def _attempt(machine: type, cfg: settings, shrink_seconds: float) -> Optional[BaseException]:
     try:
-        with _quiet():
+        with _quiet(), _shrink_limit(shrink_seconds):
             run_state_machine_as_test(machine, settings=cfg)
     except Exception as exc:  # any failure of a program is the property's
         return exc
     return None
+
+
+@contextlib.contextmanager
+def _shrink_limit(seconds: float):
+    """Hypothesis shrinks for up to MAX_SHRINKING_SECONDS (no setting names it): bound it here."""
+    saved = hypothesis_engine.MAX_SHRINKING_SECONDS
+    hypothesis_engine.MAX_SHRINKING_SECONDS = seconds
+    try:
+        yield
+    finally:
+        hypothesis_engine.MAX_SHRINKING_SECONDS = saved
 
 
 def _speculative(name: str, subject: Subject, budget: Budget, seed: int, drafter: dict, setup: list) -> Result:
@@ -416,7 +439,7 @@ def _speculative(name: str, subject: Subject, budget: Budget, seed: int, drafter
 
     start = time.perf_counter()
     try:
-        with _quiet():
+        with _quiet(), _shrink_limit(budget.shrink_seconds):
             identical()
     except Exception as exc:  # any failure of an example is the property's
         seconds = time.perf_counter() - start
@@ -453,27 +476,49 @@ def _drafter_source(drafter: dict) -> dict:
 def run(subject: Subject, budget: Budget, *, seed: int = 0, store_dir: Optional[str] = None) -> Iterator[Result]:
     """Run every property on `subject`, yielding each one's Result as it finishes (PROPERTIES' order).
 
+    The first failure ends the run: the properties after it build on what failed, so they are
+    yielded as "not run" (their counterexamples would be the same bug, and slow to shrink).
+
     Args:
         store_dir: the directory the store property's temporary stores are made in (each
             removed after its program); None for the system's temporary directory.
     """
     if store_dir is not None:
         Path(store_dir).mkdir(parents=True, exist_ok=True)
-    yield _run_machine("runtime", PROPERTIES[0], subject, budget, seed, store_dir)
-    if subject.batch_reason:
-        yield Result(PROPERTIES[1], "skip", detail=f"not batched: {subject.batch_reason}")
-    else:
-        yield _run_machine("batch", PROPERTIES[1], subject, budget, seed, store_dir)
-    yield _run_machine("store", PROPERTIES[2], subject, budget, seed, store_dir)
-    yield _speculative(PROPERTIES[3], subject, budget, seed, {"prompt_lookup": True}, [])
-    if subject.draft is None:
-        yield Result(PROPERTIES[4], "skip", detail="no --draft-model given")
-    else:
-        setup = [f"draft, _ = mlx_lm.load({subject.draft_path!r})"]
-        yield _speculative(PROPERTIES[4], subject, budget, seed, {"draft_model": subject.draft}, setup)
-    if subject.head is None:
-        yield Result(PROPERTIES[5], "skip", detail=subject.head_reason)
-    else:
-        setup = ["from segcache.mtp import head_for", f"head = head_for(model, {subject.path!r})"]
-        yield _speculative(PROPERTIES[5], subject, budget, seed, {"mtp": subject.head}, setup)
+    failed = None
+    for name, check in _properties(subject, budget, seed, store_dir):
+        if failed is not None:
+            yield Result(name, "not run", detail=f"{failed} failed first (its counterexample is the one to fix)")
+            continue
+        result = check()
+        if result.status == "fail":
+            failed = name
+        yield result
+
+
+def _properties(subject: Subject, budget: Budget, seed: int, store_dir: Optional[str]) -> list:
+    """(name, thunk giving its Result) per property, in PROPERTIES' order: the lower floors first."""
+    def skip(name, why):
+        return name, lambda: Result(name, "skip", detail=why)
+
+    def machine_run(kind, name):
+        return name, lambda: _run_machine(kind, name, subject, budget, seed, store_dir)
+
+    def speculative(name, drafter, setup):
+        return name, lambda: _speculative(name, subject, budget, seed, drafter, setup)
+
+    path = subject.path
+    return [
+        machine_run("runtime", PROPERTIES[0]),
+        skip(PROPERTIES[1], f"not batched: {subject.batch_reason}") if subject.batch_reason
+        else machine_run("batch", PROPERTIES[1]),
+        machine_run("store", PROPERTIES[2]),
+        speculative(PROPERTIES[3], {"prompt_lookup": True}, []),
+        skip(PROPERTIES[4], "no --draft-model given") if subject.draft is None
+        else speculative(PROPERTIES[4], {"draft_model": subject.draft},
+                         [f"draft, _ = mlx_lm.load({subject.draft_path!r})"]),
+        skip(PROPERTIES[5], subject.head_reason) if subject.head is None
+        else speculative(PROPERTIES[5], {"mtp": subject.head},
+                         ["from segcache.mtp import head_for", f"head = head_for(model, {path!r})"]),
+    ]
 

@@ -64,13 +64,14 @@ def run(args: argparse.Namespace) -> int:
     budget = check.budget_for(subject, args.examples)
     head = {
         "model": args.model, "family": subject.family, "dtype": str(subject.dtype).replace("mlx.core.", ""),
-        "weight_bytes": subject.weight_bytes, "draft_model": args.draft_model, "seed": args.seed,
+        "quantization": subject.quantization or None, "weight_bytes": subject.weight_bytes, "draft_model": args.draft_model, "seed": args.seed,
         "budget": {"scale": round(budget.scale, 3), "examples": budget.examples, "steps": budget.steps,
                    "context": budget.context, "prompt": budget.prompt, "generate": budget.generate},
     }
     if not args.json:
         where = shown(check.model_dir(args.model))
-        print(f"segcache check: {where} ({subject.family}, {head['dtype']}, {_mb(subject.weight_bytes)} of weights)"
+        kind = f"{subject.quantization} quantized, " if subject.quantization else ""
+        print(f"segcache check: {where} ({subject.family}, {kind}{head['dtype']}, {_mb(subject.weight_bytes)} of weights)"
               + (f", draft {shown(check.model_dir(args.draft_model))}" if args.draft_model else ""))
         scaled = "--examples" if args.examples else f"scale {budget.scale:.2f} of the model's size"
         print(f"budget ({scaled}): {_examples(budget.examples)}; programs of {budget.steps} steps up to "
@@ -89,10 +90,11 @@ def run(args: argparse.Namespace) -> int:
         return 1 if failed else 0
     held = sum(r.status == "pass" for r in results)
     skipped = sum(r.status == "skip" for r in results)
+    unrun = sum(r.status == "not run" for r in results)
     if not failed:
         print(f"verdict: PASS: {held} properties hold, {skipped} skipped ({seconds:.1f} s)")
         return 0
-    print(f"verdict: FAIL: {', '.join(r.name for r in failed)} ({held} hold, {skipped} skipped; {seconds:.1f} s)")
+    print(f"verdict: FAIL: {', '.join(r.name for r in failed)} ({held} hold, {skipped} skipped, {unrun} not run; {seconds:.1f} s)")
     for r in failed:
         print(f"\n{r.name}: {r.detail}")
         if r.program:
@@ -125,8 +127,8 @@ def _examples(counts: dict) -> str:
 
 
 def _line(r) -> str:
-    if r.status == "skip":
-        return f"  {r.name:<28} skip  {r.detail}"
+    if r.status in ("skip", "not run"):
+        return f"  {r.name:<28} {r.status}  {r.detail}"
     status = "pass" if r.status == "pass" else "FAIL"
     note = f"  ({r.detail})" if r.detail and r.status == "pass" else ""
     return f"  {r.name:<28} {status}  {r.examples:>4} examples  {r.seconds:6.1f} s{note}"

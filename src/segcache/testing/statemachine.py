@@ -26,7 +26,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..errors import BranchError
 from ..runtime import Runtime
-from .strategies import commit_points, token_chunks
+from .strategies import commit_points, token_chunks, token_ids
 
 ATOL = 1e-4
 RTOL = 1e-4
@@ -161,6 +161,27 @@ class RuntimeMachine(RuleBasedStateMachine):
             self.rt.commit(n)
         del self.expected[self.bases.pop() + n :]
         assert not branch.open
+
+    @precondition(lambda self: len(self.expected) + 5 <= self.max_tokens)
+    @rule(data=st.data())
+    def speculative_round(self, data):
+        """One round of speculative decoding: fork, verify 2..4 drafts, keep some, feed the next token.
+
+        A commit that keeps a wrong state shows at once in the next token's logits, so
+        this common pattern is drawn whole rather than left to chance among the rules.
+        """
+        self.fork()
+        drafts = data.draw(st.lists(token_ids(self.vocab), min_size=2, max_size=4))
+        self._close(self.rt.forward(drafts), self.ref.logits_after(self._fed(self.expected), drafts),
+                    f"verify {drafts} after {len(self.expected)} tokens")
+        self.expected += drafts
+        n = data.draw(st.integers(0, len(drafts) - 1))
+        self.branches.pop().commit(n)
+        del self.expected[self.bases.pop() + n :]
+        nxt = data.draw(token_ids(self.vocab))
+        self._close(self.rt.forward([nxt]), self.ref.logits_after(self._fed(self.expected), [nxt]),
+                    f"the token after commit({n}) of {drafts}")
+        self.expected.append(nxt)
 
     @precondition(lambda self: self.bases)
     @rule()
