@@ -261,8 +261,10 @@ def load(path: str, draft_path: Optional[str] = None) -> Subject:
     refuse_if_too_large(sizes)
     model, tokenizer, config = dropin.load(str(where))
     Runtime(model, gdn_prefill="auto")  # an unsupported layer raises here, naming itself
+    local = Path(path).expanduser()
     subject = Subject(
-        path=str(path), model=model, tokenizer=tokenizer, family=config.get("model_type", type(model).__module__),
+        path=str(local) if local.is_dir() else str(path),  # as a pasted program loads it again
+        model=model, tokenizer=tokenizer, family=config.get("model_type", type(model).__module__),
         dtype=compute_dtype(model), weight_bytes=sizes[next(iter(sizes))], vocab=_vocab(model, config),
         window=shortest_window(model), quantization=_quantization(config),
     )
@@ -272,7 +274,8 @@ def load(path: str, draft_path: Optional[str] = None) -> Subject:
         if _vocab(draft, draft_config) != subject.vocab:
             raise ModelError(f"the draft model's vocabulary ({_vocab(draft, draft_config)}) differs from the "
                              f"model's ({subject.vocab}); the draft must share its tokenizer")
-        subject.draft, subject.draft_path = draft, str(draft_path)
+        local = Path(draft_path).expanduser()
+        subject.draft, subject.draft_path = draft, str(local) if local.is_dir() else str(draft_path)
     try:
         subject.head = head_for(model, str(where))
     except SegcacheError as exc:  # no head in the directory, or a family without one

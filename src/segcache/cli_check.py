@@ -73,8 +73,8 @@ def run(args: argparse.Namespace) -> int:
         kind = f"{subject.quantization} quantized, " if subject.quantization else ""
         print(f"segcache check: {where} ({subject.family}, {kind}{head['dtype']}, {_mb(subject.weight_bytes)} of weights)"
               + (f", draft {shown(check.model_dir(args.draft_model))}" if args.draft_model else ""))
-        scaled = "--examples" if args.examples else f"scale {budget.scale:.2f} of the model's size"
-        print(f"budget ({scaled}): {_examples(budget.examples)}; programs of {budget.steps} steps up to "
+        scaled = "--examples" if args.examples else f"scale {budget.scale:.2f} for its size"
+        print(f"budget ({scaled}): {_examples(budget.examples)} examples; programs of {budget.steps} steps up to "
               f"{budget.context} tokens, prompts up to {budget.prompt}, generating up to {budget.generate}; "
               f"seed {args.seed}")
     results = []
@@ -98,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
     for r in failed:
         print(f"\n{r.name}: {r.detail}")
         if r.program:
-            print(f"shrunk counterexample ({r.calls} calls; paste it into a bug report, it runs as it is):")
+            calls = f"{r.calls} call" + ("" if r.calls == 1 else "s")
+            print(f"shrunk counterexample ({calls}; paste it into a bug report, it runs as it is):")
             print(textwrap.indent("\n".join(r.program), "    "))
     again = f"segcache check --model {args.model} --seed {args.seed}" + (
         f" --draft-model {args.draft_model}" if args.draft_model else "") + (
@@ -129,6 +130,7 @@ def _examples(counts: dict) -> str:
 def _line(r) -> str:
     if r.status in ("skip", "not run"):
         return f"  {r.name:<28} {r.status}  {r.detail}"
-    status = "pass" if r.status == "pass" else "FAIL"
-    note = f"  ({r.detail})" if r.detail and r.status == "pass" else ""
-    return f"  {r.name:<28} {status}  {r.examples:>4} examples  {r.seconds:6.1f} s{note}"
+    if r.status == "fail":
+        return f"  {r.name:<28} FAIL  {r.examples:>4} examples  {r.seconds:6.1f} s  (shrinking included)"
+    note = f"  ({r.detail})" if r.detail else ""
+    return f"  {r.name:<28} pass  {r.examples:>4} examples  {r.seconds:6.1f} s{note}"
