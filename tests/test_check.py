@@ -150,7 +150,7 @@ def test_an_unsupported_layer_is_named_with_what_to_do(saved, capsys, monkeypatc
     monkeypatch.setattr(hooks, "_by_class", {h.module_class: h for h in hooks.HOOKS if h.family != "nemotron_h"})
     rc, out, err = run_cli(capsys, "--model", directory)
     assert rc == 2 and out == ""
-    assert "is not supported: layer 0 (" in err and "uses ArraysCache" in err
+    assert "not supported: the model at " in err and ": layer 0 (" in err and "uses ArraysCache" in err
     assert "what to do:" in err and "segcache/adapters/state.py" in err
     rc, out, _ = run_cli(capsys, "--model", directory, "--json")
     report = json.loads(out)
@@ -164,7 +164,7 @@ def test_a_model_too_large_for_memory_is_refused_before_loading(capsys, monkeypa
     assert rc == 2 and out == ""
     weights = check.weight_bytes(TARGET) + check.weight_bytes(DRAFT)
     need = int(weights * check.MEMORY_HEADROOM) + check.MEMORY_SLACK
-    assert f"needs about {need / (1 << 30):.2f} GiB" in err and "0.01 GiB of 16.00 GiB is available" in err
+    assert f"needs about {need / (1 << 20):.1f} MiB" in err and "but 8.0 MiB of 16.00 GiB is available" in err
     assert "the model at segcache/models/target" in err and "the draft at segcache/models/draft" in err
     assert "nothing was loaded" in err
 

@@ -7,7 +7,8 @@
 Properties (PROPERTIES, in this order; docs/check.md says what each covers and cannot):
 
 * runtime - `RuntimeMachine`: fork / forward / commit / rollback / clone / failed
-  forwards / direct model calls, every forward's logits against mlx-lm's cache;
+  forwards / direct model calls / speculative rounds, every forward's logits against
+  mlx-lm's cache;
 * batch - `BatchMachine`: rows joining and leaving, ragged speculative rounds and
   per-row commits (skipped, with mlx-lm's reason, where the family is not batched);
 * store - `StoreMachine`: the runtime's programs with publish / resume / evict /
@@ -21,7 +22,7 @@ same programs on every machine (a report reproduces): with
 scale = min(1, sqrt(REFERENCE_BYTES / weight bytes)), each property runs
 max(FLOOR, round(BASE * scale)) examples, and the contexts, prompts and generations
 are their full length times sqrt(scale), down to a floor. A sliding window of at most
-CROSSED_WINDOW tokens stretches the contexts past it.
+CROSSED_WINDOW tokens stretches the contexts past it. The first failure ends the run (`run`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import contextlib
 import io
 import math
 import os
-import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -186,8 +186,8 @@ def memory() -> tuple[int, int]:
         return total, total
 
 
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB"
+def _size(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
 def refuse_if_too_large(sizes: dict) -> None:
@@ -200,11 +200,11 @@ def refuse_if_too_large(sizes: dict) -> None:
     need = int(weights * MEMORY_HEADROOM) + MEMORY_SLACK
     available, total = memory()
     if need > available:
-        parts = ", ".join(f"{what}: {_gib(n)}" for what, n in sizes.items())
+        parts = ", ".join(f"{what}: {_size(n)}" for what, n in sizes.items())
         raise ModelError(
-            f"too large for this machine: the check needs about {_gib(need)} ({parts} of weights, times "
-            f"{MEMORY_HEADROOM} for caches and mlx-lm's reference caches, plus {_gib(MEMORY_SLACK)}), but "
-            f"{_gib(available)} of {_gib(total)} is available; nothing was loaded. Free memory, check a "
+            f"too large for this machine: the check needs about {_size(need)} ({parts} of weights, times "
+            f"{MEMORY_HEADROOM} for caches and mlx-lm's reference caches, plus {_size(MEMORY_SLACK)}), but "
+            f"{_size(available)} of {_size(total)} is available; nothing was loaded. Free memory, check a "
             "quantized conversion (mlx_lm.convert -q), or run on a machine with more memory"
         )
 
@@ -244,6 +244,14 @@ def _quantization(config: dict) -> str:
     return f"{q['bits']}-bit" if isinstance(q, dict) and q.get("bits") else ""
 
 
+def _supported(model, what: str) -> None:
+    """Raise UnsupportedModelError naming `what` and its layer where segcache cannot branch `model`."""
+    try:
+        Runtime(model, gdn_prefill="auto")  # as segcache serve builds it: an unsupported layer raises here
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(f"{what}: {exc}") from None
+
+
 def load(path: str, draft_path: Optional[str] = None) -> Subject:
     """The model (and draft) as `segcache serve` loads them, after refusing what cannot fit.
 
@@ -260,7 +268,7 @@ def load(path: str, draft_path: Optional[str] = None) -> Subject:
         sizes[f"the draft at {shown(draft_where)}"] = weight_bytes(draft_where)
     refuse_if_too_large(sizes)
     model, tokenizer, config = dropin.load(str(where))
-    Runtime(model, gdn_prefill="auto")  # an unsupported layer raises here, naming itself
+    _supported(model, f"the model at {shown(where)}")
     local = Path(path).expanduser()
     subject = Subject(
         path=str(local) if local.is_dir() else str(path),  # as a pasted program loads it again
@@ -270,7 +278,7 @@ def load(path: str, draft_path: Optional[str] = None) -> Subject:
     )
     if draft_where is not None:
         draft, _, draft_config = dropin.load(str(draft_where), what="draft model")
-        Runtime(draft)
+        _supported(draft, f"the draft model at {shown(draft_where)}")
         if _vocab(draft, draft_config) != subject.vocab:
             raise ModelError(f"the draft model's vocabulary ({_vocab(draft, draft_config)}) differs from the "
                              f"model's ({subject.vocab}); the draft must share its tokenizer")
@@ -317,21 +325,26 @@ def machine_class(kind: str, subject: Subject, budget: Budget, store_dir: Option
         attrs = dict(common, prompt=budget.batch_prompt, chunk=budget.batch_chunk, atol=batch_atol)
         return type("BatchMachine_check", (BatchMachine,), attrs)
     attrs = dict(common, max_tokens=budget.context, atol=atol, rtol=rtol, margin=margin)
+    attrs["gdn_prefill"] = "auto"  # as segcache serve runs Gated DeltaNet prompt blocks
     if kind == "runtime":
-        return type("RuntimeMachine_check", (RuntimeMachine,), dict(attrs, gdn_prefill="auto"))
+        return type("RuntimeMachine_check", (RuntimeMachine,), attrs)
     if kind == "store":
         return type("StoreMachine_check", (StoreMachine,), dict(attrs, root=store_dir))
     raise ValueError(f"unknown machine {kind!r}; choose runtime, batch or store")
 
 
-def machine(kind: str, path: str, draft_path: Optional[str] = None) -> Stepper:
+def machine(kind: str, path: str) -> Stepper:
     """A fresh machine of `kind` on the model at `path`, as `segcache check` built it, for replaying a
     printed counterexample (each call is followed by the machine's invariants)."""
-    subject = load(path, draft_path)
+    subject = load(path)
     return Stepper(machine_class(kind, subject, budget_for(subject))())
 
 
-def _settings(examples: int, db, phases=tuple(Phase), steps: int = STEPS) -> settings:
+# every phase but `explain`: it reruns the failure to annotate it, which costs time and edits the program's lines
+PHASES = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink)
+
+
+def _settings(examples: int, db, phases=PHASES, steps: int = STEPS) -> settings:
     return settings(
         max_examples=examples, stateful_step_count=steps, deadline=None, database=db, phases=phases,
         suppress_health_check=list(HealthCheck), verbosity=Verbosity.normal, report_multiple_bugs=False,
@@ -370,8 +383,7 @@ def _run_machine(kind: str, name: str, subject: Subject, budget: Budget, seed: i
     failure = _attempt(counted, _settings(examples, db, steps=budget.steps), budget.shrink_seconds)
     if failure is None:
         return Result(name, "pass", runs[0], time.perf_counter() - start)
-    construct = f'state = check.machine({kind!r}, {subject.path!r}' + (
-        f", {subject.draft_path!r})" if subject.draft_path else ")")
+    construct = f"state = check.machine({kind!r}, {subject.path!r})"
     program, calls = render(getattr(failure, "__notes__", []), base, construct)
     for _ in range(SHRINK_PASSES):  # more shrinking from the stored counterexample, while it is long
         if calls <= MAX_CALLS:

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         subject = check.load(args.model, args.draft_model)
     except UnsupportedModelError as exc:
-        return _refused(args, f"{args.model} is not supported: {exc}", WHAT_TO_DO)
+        return _refused(args, f"not supported: {exc}", WHAT_TO_DO)
     except ModelError as exc:
         return _refused(args, str(exc), "")
     budget = check.budget_for(subject, args.examples)

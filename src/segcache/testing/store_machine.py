@@ -85,7 +85,7 @@ class StoreMachine(RuntimeMachine):
         else:
             cut = len(base) if how == "extend" else data.draw(st.integers(0, len(base)))
             prompt = (base[:cut] + data.draw(token_chunks(self.vocab, max_len=12)))[: self.max_tokens]
-        rt = Runtime(self.model, store=self.store, recurrent_strategy=self.strategy)
+        rt = Runtime(self.model, store=self.store, recurrent_strategy=self.strategy, gdn_prefill=self.gdn_prefill)
         logits = rt.prefill(prompt, step_size=data.draw(st.sampled_from([5, 2048])))
         want = _Reference(self.model).logits_after([], prompt)[:, -1]
         self._close(logits, want, f"prefill of {len(prompt)} tokens")
