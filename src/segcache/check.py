@@ -71,7 +71,7 @@ PROPERTIES = (
 )
 
 REFERENCE_BYTES = 64 << 20  # weights up to this size get the full budget (the shipped target: 14 MB)
-BASE = {"runtime": 100, "batch": 30, "store": 40, "speculative": 20}  # examples at scale 1
+BASE = {"runtime": 60, "batch": 20, "store": 25, "speculative": 15}  # examples at scale 1
 FLOOR = {"runtime": 8, "batch": 3, "store": 4, "speculative": 4}  # examples at any scale
 STEPS = 20  # steps per state-machine program
 CONTEXT, PROMPT, GENERATE = 48, 48, 24  # tokens a program reaches, a speculative prompt, a generation
