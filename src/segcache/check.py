@@ -148,7 +148,7 @@ class Result:
     calls: int = 0  # calls the program makes
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "seconds": round(self.seconds, 3)}
 
 
 # -- sizes and memory ----------------------------------------------------------------------
