@@ -1,4 +1,4 @@
-"""The `segcache` command line: demo, generate, serve, store, mtp."""
+"""The `segcache` command line: demo, generate, serve, check, store, mtp."""
 
 from __future__ import annotations
 
@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .serve import cli as serve_cli
 
     serve_cli.add_parser(sub)
+
+    from . import cli_check
+
+    cli_check.add_parser(sub)
 
     from .mtp import cli as mtp_cli
 

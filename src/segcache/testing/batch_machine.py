@@ -48,6 +48,7 @@ class BatchMachine(RuleBasedStateMachine):
     vocab = 64
     prompt = 6  # longest prompt a row joins with
     chunk = 4  # longest forward of a row
+    atol = ATOL  # how far a row's logits may be from mlx-lm's (16-bit models round more: segcache.check)
 
     def __init__(self):
         super().__init__()
@@ -61,7 +62,7 @@ class BatchMachine(RuleBasedStateMachine):
             ref = reference_logits(self.model, self.want[rid], new)
             got = logits[i, : len(new)]
             diff = mx.abs(got.astype(mx.float32) - ref.astype(mx.float32)).max().item()
-            assert diff <= ATOL, f"row {rid}: logits differ from mlx-lm's by {diff}"
+            assert diff <= self.atol, f"row {rid}: logits differ from mlx-lm's by {diff}"
             self.want[rid] = self.want[rid] + new
 
     @initialize(data=st.data())
@@ -154,7 +155,7 @@ class BatchMachine(RuleBasedStateMachine):
         assert one.tokens(rid) == ids
         logits = one.forward([[1]])
         ref = reference_logits(self.model, ids, [1])
-        assert mx.abs(logits[0, :1] - ref).max().item() <= ATOL, f"extracted row {rid} drifted"
+        assert mx.abs(logits[0, :1] - ref).max().item() <= self.atol, f"extracted row {rid} drifted"
 
     @precondition(lambda self: not self.br.branch_open and len(self.br) > 0)
     @rule(data=st.data())
@@ -170,7 +171,7 @@ class BatchMachine(RuleBasedStateMachine):
             new = data.draw(st.lists(st.integers(0, self.vocab - 1), min_size=1, max_size=self.chunk))
             got = rt.forward(new)[0]
             diff = mx.abs(got - reference_logits(self.model, ids, new)).max().item()
-            assert diff <= ATOL, f"row {rid} alone after to_runtime: logits differ by {diff}"
+            assert diff <= self.atol, f"row {rid} alone after to_runtime: logits differ by {diff}"
             ids = ids + new
         rid, self.next_id = self.next_id, self.next_id + 1
         self.br.join(rid, rt)

@@ -26,21 +26,22 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..errors import BranchError
 from ..runtime import Runtime
-from .strategies import commit_points, token_chunks
+from .strategies import commit_points, token_chunks, token_ids
 
 ATOL = 1e-4
 RTOL = 1e-4
 
 
-def assert_logits_close(got: mx.array, want: mx.array, what: str) -> None:
-    """allclose, and the same argmax wherever the reference's top two are apart."""
+def assert_logits_close(got: mx.array, want: mx.array, what: str, *, atol: float = ATOL, rtol: float = RTOL,
+                        margin: float = 1e-3) -> None:
+    """allclose, and the same argmax wherever the reference's top two are more than `margin` apart."""
     got, want = got.astype(mx.float32), want.astype(mx.float32)
     assert got.shape == want.shape, f"{what}: shape {got.shape} vs {want.shape}"
-    if not mx.allclose(got, want, atol=ATOL, rtol=RTOL).item():
+    if not mx.allclose(got, want, atol=atol, rtol=rtol).item():
         diff = mx.abs(got - want).max().item()
         raise AssertionError(f"{what}: logits differ from the reference by up to {diff:.3g}")
     top2 = mx.sort(want, axis=-1)[..., -2:]
-    clear = (top2[..., 1] - top2[..., 0]) > 1e-3
+    clear = (top2[..., 1] - top2[..., 0]) > margin
     same = mx.argmax(got, axis=-1) == mx.argmax(want, axis=-1)
     assert mx.all(same | ~clear).item(), f"{what}: greedy token differs from the reference"
 
@@ -74,6 +75,8 @@ class RuntimeMachine(RuleBasedStateMachine):
     strategy = "auto"
     gdn_prefill = "native"
     max_tokens = 48  # keeps programs cheap on two cores
+    # logit tolerances against the reference (16-bit models round more: segcache.check)
+    atol, rtol, margin = ATOL, RTOL, 1e-3
 
     def __init__(self):
         super().__init__()
@@ -85,6 +88,9 @@ class RuntimeMachine(RuleBasedStateMachine):
         self.branches = []  # Branch objects, parallel to bases
         self.clones: list[tuple[Runtime, list[int]]] = []  # (clone, ids it was fed)
         self.clone_tokens: list[list[int | None]] = []  # what each clone's tokens must be
+
+    def _close(self, got: mx.array, want: mx.array, what: str) -> None:
+        assert_logits_close(got, want, what, atol=self.atol, rtol=self.rtol, margin=self.margin)
 
     def _fed(self, expected: list[int | None]) -> list[int]:
         """The ids actually fed at each position of `expected`."""
@@ -101,7 +107,7 @@ class RuntimeMachine(RuleBasedStateMachine):
             feed = feed[None] if how == "array2d" else feed
         logits = self.rt.forward(feed)
         want = self.ref.logits_after(self._fed(self.expected), ids)
-        assert_logits_close(logits, want, f"forward {ids} ({how}) after {len(self.expected)} tokens")
+        self._close(logits, want, f"forward {ids} ({how}) after {len(self.expected)} tokens")
         self.expected += ids
 
     # A runtime with a store refuses to publish positions fed directly
@@ -113,7 +119,7 @@ class RuntimeMachine(RuleBasedStateMachine):
         ids = data.draw(token_chunks(self.vocab))
         logits = self.model(mx.array([ids]), cache=self.rt.cache)
         want = self.ref.logits_after(self._fed(self.expected), ids)
-        assert_logits_close(logits, want, f"direct call {ids} after {len(self.expected)} tokens")
+        self._close(logits, want, f"direct call {ids} after {len(self.expected)} tokens")
         for i, t in enumerate(ids, start=len(self.expected)):
             self.direct[i] = t
         self.expected += [None] * len(ids)
@@ -155,6 +161,27 @@ class RuntimeMachine(RuleBasedStateMachine):
             self.rt.commit(n)
         del self.expected[self.bases.pop() + n :]
         assert not branch.open
+
+    @precondition(lambda self: len(self.expected) + 5 <= self.max_tokens)
+    @rule(data=st.data())
+    def speculative_round(self, data):
+        """One round of speculative decoding: fork, verify 2..4 drafts, keep some, feed the next token.
+
+        A commit that keeps a wrong state shows at once in the next token's logits, so
+        this common pattern is drawn whole rather than left to chance among the rules.
+        """
+        self.fork()
+        drafts = data.draw(st.lists(token_ids(self.vocab), min_size=2, max_size=4))
+        self._close(self.rt.forward(drafts), self.ref.logits_after(self._fed(self.expected), drafts),
+                    f"verify {drafts} after {len(self.expected)} tokens")
+        self.expected += drafts
+        n = data.draw(st.integers(0, len(drafts) - 1))
+        self.branches.pop().commit(n)
+        del self.expected[self.bases.pop() + n :]
+        nxt = data.draw(token_ids(self.vocab))
+        self._close(self.rt.forward([nxt]), self.ref.logits_after(self._fed(self.expected), [nxt]),
+                    f"the token after commit({n}) of {drafts}")
+        self.expected.append(nxt)
 
     @precondition(lambda self: self.bases)
     @rule()
@@ -207,7 +234,7 @@ class RuntimeMachine(RuleBasedStateMachine):
         ids = data.draw(token_chunks(self.vocab))
         logits = clone.forward(ids)
         fresh = _Reference(self.model)
-        assert_logits_close(logits, fresh.logits_after(held, ids), "clone forward")
+        self._close(logits, fresh.logits_after(held, ids), "clone forward")
         self.clones[index] = (clone, held + ids)
         self.clone_tokens[index] = self.clone_tokens[index] + ids
         clone.check()

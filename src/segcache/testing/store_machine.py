@@ -32,7 +32,7 @@ from hypothesis.stateful import invariant, precondition, rule
 
 from ..runtime import Runtime
 from ..store import open_store
-from .statemachine import RuntimeMachine, _Reference, assert_logits_close
+from .statemachine import RuntimeMachine, _Reference
 from .strategies import token_chunks
 
 PAGE_TOKENS = 8
@@ -41,8 +41,10 @@ PAGE_TOKENS = 8
 class StoreMachine(RuntimeMachine):
     """RuntimeMachine whose runtime publishes to and resumes from a prefix store."""
 
+    root = None  # where each program's store directory is made (None: the system's temporary directory)
+
     def __init__(self):
-        self._dir = tempfile.mkdtemp(prefix="segcache-apc-sm-")
+        self._dir = tempfile.mkdtemp(prefix="segcache-apc-sm-", dir=self.root)
         self.store = self._open()
         super().__init__()
         self.rt.store = self.store
@@ -83,10 +85,10 @@ class StoreMachine(RuntimeMachine):
         else:
             cut = len(base) if how == "extend" else data.draw(st.integers(0, len(base)))
             prompt = (base[:cut] + data.draw(token_chunks(self.vocab, max_len=12)))[: self.max_tokens]
-        rt = Runtime(self.model, store=self.store, recurrent_strategy=self.strategy)
+        rt = Runtime(self.model, store=self.store, recurrent_strategy=self.strategy, gdn_prefill=self.gdn_prefill)
         logits = rt.prefill(prompt, step_size=data.draw(st.sampled_from([5, 2048])))
         want = _Reference(self.model).logits_after([], prompt)[:, -1]
-        assert_logits_close(logits, want, f"prefill of {len(prompt)} tokens")
+        self._close(logits, want, f"prefill of {len(prompt)} tokens")
         key = tuple(prompt)
         if key in self.exact and not self.damaged:
             assert mx.array_equal(logits, self.exact[key]).item(), "a published prompt came back with other logits"
@@ -103,7 +105,7 @@ class StoreMachine(RuntimeMachine):
         new = data.draw(token_chunks(self.vocab))
         logits = self.rt.prefill(self.expected + new)
         want = self.ref.logits_after(self.expected, new)[:, -1]
-        assert_logits_close(logits, want, f"prefill_main of {len(new)} tokens after {len(self.expected)}")
+        self._close(logits, want, f"prefill_main of {len(new)} tokens after {len(self.expected)}")
         self.expected += new
         self.published.append(list(self.expected))
 
