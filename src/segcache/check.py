@@ -51,7 +51,7 @@ from mlx_lm.utils import hf_repo_to_path
 
 from . import dropin
 from .batch import BatchRuntime
-from .demo import shown
+from .serve.paths import shown
 from .errors import ModelError, SegcacheError, UnsupportedModelError
 from .generation import stream_generate
 from .mtp import head_for

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         print("segcache check: --examples must be >= 1", file=sys.stderr)
         return 2
     from . import check
-    from .demo import shown
+    from .serve.paths import shown
     from .errors import ModelError, UnsupportedModelError
 
     start = time.perf_counter()
