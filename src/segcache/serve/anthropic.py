@@ -24,16 +24,15 @@ Errors are Anthropic's body, {"type": "error", "error": {"type", "message"}}.
 from __future__ import annotations
 
 import json
-import uuid
 from typing import TYPE_CHECKING
 
 from starlette.responses import JSONResponse, Response
 
 from . import schemas
-from .engine import Chunk, Failure, Finish
+from .engine import Chunk, Failure, Finish, Progress
 from .errors import APIError
 from .output import Call, Text, new_call_id
-from .pipeline import ChatTurn, ClientGone, failed
+from .pipeline import ChatTurn, ClientGone, failed, segcache_usage
 from .shapes import sse
 
 if TYPE_CHECKING:
@@ -148,7 +147,8 @@ def _assistant(i: int, blocks) -> dict:
 
 def _usage(u) -> dict:
     return {"input_tokens": u.prompt_tokens - u.cached_tokens, "output_tokens": u.completion_tokens,
-            "cache_read_input_tokens": u.cached_tokens, "cache_creation_input_tokens": 0}
+            "cache_read_input_tokens": u.cached_tokens, "cache_creation_input_tokens": 0,
+            "segcache": segcache_usage(u)}
 
 
 def _stop(run: "Run", finish: Finish, calls: int) -> tuple[str, object]:
@@ -188,7 +188,7 @@ async def messages(server: "Server", request, raw: bytes, key) -> Response:
     req = schemas.parse(raw, schemas.MessagesRequest)
     server._check_model(req.model)
     run = await server.start_chat(turn(req), "msg", key)
-    mid = "msg_" + uuid.uuid4().hex[:24]
+    mid = run.gen.id  # the request's id: its access line and request-id header say the same
     model = server.settings.served_name
     if req.stream:
         return server._sse(_stream(run, mid, model), run)
@@ -263,14 +263,26 @@ class _Blocks:
 
 
 async def _stream(run: "Run", mid: str, model: str):
+    """The message's events. message_start waits for the engine's first event: once the prompt
+    resumed (its first Progress) the split of input and cache-read tokens is known, and
+    message_start carries the split message_delta ends with; each later Progress is a ping."""
     split = run.splitter(_new_tool_id)
     blocks = _Blocks()
-    start = {"input_tokens": len(run.gen.ids), "output_tokens": 0, "cache_read_input_tokens": 0,
-             "cache_creation_input_tokens": 0}
-    yield sse({"type": "message_start", "message": _message(mid, model, [], None, None, start)}, "message_start")
-    yield sse({"type": "ping"}, "ping")
+    started = False
     async for event in run.events_of():
-        if isinstance(event, Chunk):
+        if not started:
+            started = True
+            cached = event.processed if isinstance(event, Progress) else 0
+            start = {"input_tokens": len(run.gen.ids) - cached, "output_tokens": 0,
+                     "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+            yield sse({"type": "message_start", "message": _message(mid, model, [], None, None, start)},
+                      "message_start")
+            yield sse({"type": "ping"}, "ping")
+            if isinstance(event, Progress):
+                continue
+        if isinstance(event, Progress):
+            yield sse({"type": "ping"}, "ping")
+        elif isinstance(event, Chunk):
             for line in blocks.feed(split.feed(event.text)):
                 yield line
         elif isinstance(event, Finish):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
@@ -27,11 +26,13 @@ from starlette.routing import Route
 
 from ..controls import Controls
 from ..errors import ParamError
-from . import anthropic, isolation, responses, schemas, shapes
+from . import access, anthropic, isolation, responses, schemas, shapes
+from .access import AccessLog
 from .chat import Prompt, Prompter
 from .engine import GenRequest
 from .errors import APIError
 from .guard import HostPolicy, RequestGuard
+from .metrics import CONTENT_TYPE, Metrics
 from .pipeline import ChatTurn, ClientGone, Run
 from .shapes import Shape
 from .worker import Job, QueueFull, Scheduler, Worker
@@ -92,6 +93,7 @@ class Server:
         self.scheduler = scheduler
         self.worker = worker
         self.created = int(time.time())
+        self.metrics = Metrics(scheduler, store)
         # One thread: HF tokenizers are not meant to be driven from many at once.
         self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="segcache-tokenize")
 
@@ -244,6 +246,12 @@ class Server:
             body["store"] = st
         return JSONResponse(body)
 
+    async def metrics_text(self, request: Request) -> Response:
+        """The Prometheus text format (serve/metrics.py); behind the API key when one is set."""
+        self._authorize(request)
+        await asyncio.get_running_loop().run_in_executor(None, self.metrics.read_state)  # the store's lock
+        return Response(self.metrics.scrape(), media_type=CONTENT_TYPE)
+
     async def completions(self, request: Request) -> Response:
         key = self._authorize(request)
         req = schemas.parse(await self._body(request), schemas.CompletionRequest)
@@ -327,7 +335,7 @@ class Server:
              n: int = 1) -> GenRequest:
         s = self.settings
         return GenRequest(
-            id=f"{kind}-{uuid.uuid4().hex}", ids=ids, checkpoints=cuts, max_tokens=self._check_ids(ids, param, limit),
+            id=access.response_id(kind), ids=ids, checkpoints=cuts, max_tokens=self._check_ids(ids, param, limit),
             temperature=controls.temperature, top_p=controls.top_p, top_k=controls.top_k, min_p=controls.min_p,
             seed=controls.seed, stops=stops, top_logprobs=top, n=n, controls=controls,
             cache_salt=isolation.domain(key, cache_salt, s.isolation == "per-key"),
@@ -349,7 +357,7 @@ class Server:
         except QueueFull as exc:
             raise APIError(429, f"the server is busy: {exc}; retry shortly", code="rate_limit_exceeded",
                            type="rate_limit_error", headers={"Retry-After": "1"}) from None
-        return Run(gen, job, events, turn, prompt, self.prompter.markup)
+        return Run(gen, job, events, turn, prompt, self.prompter.markup, access.current())
 
     def _sse(self, body, run: Run, headers: Optional[dict] = None) -> Response:
         async def guarded():
@@ -385,6 +393,7 @@ def build_app(server: Server, lifespan=None) -> Starlette:
         Route("/health", server.health, methods=["GET"]),
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/stats", server.stats, methods=["GET"]),
+        Route("/metrics", server.metrics_text, methods=["GET"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/chat/completions", server.chat_completions, methods=["POST"]),  # as mlx_lm.server
@@ -397,10 +406,14 @@ def build_app(server: Server, lifespan=None) -> Starlette:
         middleware.append(Middleware(CORSMiddleware, allow_origins=server.settings.allowed_origins,
                                      allow_methods=["GET", "POST", "OPTIONS"],
                                      allow_headers=["Authorization", "Content-Type", "x-api-key",
-                                                    "anthropic-version", "anthropic-beta"]))
+                                                    "anthropic-version", "anthropic-beta", "x-request-id"],
+                                     expose_headers=["request-id", "x-request-id"]))
     s = server.settings
     # outermost: Host, Origin and Content-Type are checked before anything (CORS, auth, routes) runs
     middleware.insert(0, Middleware(RequestGuard, hosts=HostPolicy(s.bind_host, s.allowed_hosts),
                                     origins=s.allowed_origins))
+    # outside everything: every request gets its id headers and one access line, whoever answers it
+    middleware.insert(0, Middleware(AccessLog, metrics=server.metrics,
+                                    routes=frozenset(r.path for r in routes if "{" not in r.path)))
     handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _server_error}
     return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers, lifespan=lifespan)

@@ -37,7 +37,7 @@ from .chat import template_messages
 from .engine import Chunk, Failure, Finish
 from .errors import APIError
 from .output import Call, Text
-from .pipeline import ChatTurn, ClientGone, failed
+from .pipeline import ChatTurn, ClientGone, failed, segcache_usage
 from .shapes import sse
 
 if TYPE_CHECKING:
@@ -110,8 +110,8 @@ def turn(req: schemas.ResponsesRequest) -> ChatTurn:
 class _Response:
     """The response object of one request, as it grows."""
 
-    def __init__(self, server: "Server", req: schemas.ResponsesRequest):
-        self.id = _id("resp_")
+    def __init__(self, server: "Server", req: schemas.ResponsesRequest, rid: str):
+        self.id = rid  # the request's id: its access line and request-id header say the same
         self.created = int(time.time())
         self.req = req
         self.model = server.settings.served_name
@@ -141,6 +141,7 @@ class _Response:
                 "output_tokens": usage.completion_tokens,
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+                "segcache": segcache_usage(usage),
             }
         return body
 
@@ -177,7 +178,7 @@ async def create(server: "Server", request, raw: bytes, key) -> Response:
     req = schemas.parse(raw, schemas.ResponsesRequest)
     server._check_model(req.model)
     run = await server.start_chat(turn(req), "resp", key)
-    resp = _Response(server, req)
+    resp = _Response(server, req, run.gen.id)
     if req.stream:
         return server._sse(_stream(run, resp), run)
     try:
