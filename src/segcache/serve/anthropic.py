@@ -4,6 +4,7 @@ A request becomes the pipeline's `ChatTurn` (the same rendering as a chat
 completion), its output pieces become content blocks:
 
     system, messages            -> system / user / assistant / tool messages for the template
+      (a first system block holding Claude Code's billing header is left out, see system_blocks)
       text                      -> content
       tool_use (assistant)      -> tool_calls (input as the arguments object)
       tool_result (user)        -> a tool message (tool_call_id, is_error kept for the template)
@@ -61,11 +62,29 @@ FORMAT_PARAMS = {"response_format": "output_config.format", "response_format.jso
                  "response_format.json_schema.schema": "output_config.format.schema"}
 
 
-def turn(req) -> ChatTurn:
-    """The pipeline's turn for a Messages (or count_tokens) request."""
+# Claude Code's first system block: its version and a nonce that changes every request
+# ("x-anthropic-billing-header: cc_version=...; cc_entrypoint=...; cch=<nonce>;"). It tells a
+# local model nothing, and rendered first it would end every prompt's shared prefix there.
+VOLATILE_PREFIX = "x-anthropic-billing-header:"
+
+
+def system_blocks(system, keep_volatile: bool = False) -> list:
+    """The system text blocks rendered: all of them, but the first when it is Claude Code's
+    billing header (unless `keep_volatile`, --keep-volatile-system)."""
+    if system is None or isinstance(system, str):
+        return [] if not system else [system]
+    texts = [b.text for b in system]
+    if texts and not keep_volatile and texts[0].lstrip().startswith(VOLATILE_PREFIX):
+        texts = texts[1:]
+    return texts
+
+
+def turn(req, keep_volatile: bool = False) -> ChatTurn:
+    """The pipeline's turn for a Messages (or count_tokens) request (`keep_volatile`: render
+    Claude Code's billing header block too, see `system_blocks`)."""
     messages = []
-    if req.system:
-        text = req.system if isinstance(req.system, str) else "".join(b.text for b in req.system)
+    text = "".join(system_blocks(req.system, keep_volatile))
+    if text:
         messages.append({"role": "system", "content": text})
     for i, m in enumerate(req.messages):
         if isinstance(m.content, str):
@@ -152,8 +171,8 @@ def _usage(u) -> dict:
 
 
 def _stop(run: "Run", finish: Finish, calls: int) -> tuple[str, object]:
-    if finish.reason == "length":
-        return "max_tokens", None
+    if finish.reason == "length":  # the cap of a max_tokens beyond the context, or max_tokens itself
+        return ("model_context_window_exceeded" if run.capped else "max_tokens"), None
     if calls:
         return "tool_use", None
     stop = run.user_stop(finish)
@@ -187,7 +206,7 @@ def _message(mid: str, model: str, content: list, stop_reason, stop_sequence, us
 async def messages(server: "Server", request, raw: bytes, key) -> Response:
     req = schemas.parse(raw, schemas.MessagesRequest)
     server._check_model(req.model)
-    run = await server.start_chat(turn(req), "msg", key)
+    run = await server.start_chat(turn(req, server.settings.keep_volatile_system), "msg", key)
     mid = run.gen.id  # the request's id: its access line and request-id header say the same
     model = server.settings.served_name
     if req.stream:
@@ -204,7 +223,7 @@ async def messages(server: "Server", request, raw: bytes, key) -> Response:
 async def count_tokens(server: "Server", request, raw: bytes) -> Response:
     req = schemas.parse(raw, schemas.CountTokensRequest)
     server._check_model(req.model)
-    prompt = await server.render(turn(req))
+    prompt = await server.render(turn(req, server.settings.keep_volatile_system))
     return JSONResponse({"input_tokens": len(prompt.ids)})
 
 

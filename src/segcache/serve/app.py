@@ -46,8 +46,10 @@ class Settings:
     """What the app needs to know, fixed at startup.
 
     Attributes:
-        names: model names a request may give (served name, its path, "default_model").
-        served_name: the id /v1/models lists and responses carry.
+        names: model names a request may give (served names, the model's path, "default_model").
+        served_name: the id responses carry (the first of `served_names`).
+        served_names: the ids /v1/models lists, in order (--served-model-name; empty: served_name).
+        strict_max_tokens: a max_tokens beyond what the context leaves is a 400 (else capped).
         context_length: prompt + completion tokens the model takes (None: unknown).
         vocab_size: token ids a prompt may hold are < this.
         max_tokens, temperature, top_p, top_k, min_p: defaults for requests that leave them out.
@@ -61,6 +63,8 @@ class Settings:
         ram_bytes, disk_bytes: the prefix store's budgets (reported by /stats).
         adapters: the adapter path(s) a request's `adapters` may name: the one the
             server applies (--adapter-path, as given and resolved); empty: none.
+        keep_volatile_system: render a first system block holding Claude Code's billing
+            header (a nonce per request) instead of leaving it out (anthropic.system_blocks).
     """
 
     served_name: str
@@ -81,6 +85,9 @@ class Settings:
     ram_bytes: int = 0  # the store's budgets, for /stats
     disk_bytes: int = 0
     adapters: set = field(default_factory=set)
+    keep_volatile_system: bool = False  # --keep-volatile-system: render Claude Code's billing header block
+    served_names: list = field(default_factory=list)  # --served-model-name, in order (empty: served_name)
+    strict_max_tokens: bool = False  # --strict-max-tokens: a max_tokens beyond the context is a 400
 
 
 class Server:
@@ -133,8 +140,9 @@ class Server:
 
     def _check_model(self, name: Optional[str]) -> None:
         if name is not None and name not in self.settings.names:
-            raise APIError(404, f"model '{name}' is not served here; this server serves "
-                                f"'{self.settings.served_name}' (or send 'default_model')",
+            served = ", ".join(f"'{n}'" for n in self.settings.served_names or [self.settings.served_name])
+            raise APIError(404, f"model '{name}' is not served here; this server serves {served} (or send "
+                                f"'default_model'); to accept '{name}' too, start it with --served-model-name",
                            param="model", code="model_not_found")
 
     def _check_adapter(self, adapter: Optional[str]) -> None:
@@ -157,13 +165,14 @@ class Server:
             raise APIError(400, f"'{param}' holds token id {bad}, outside the vocabulary 0..{s.vocab_size - 1}",
                            param=param)
         ctx = s.context_length
-        if ctx is not None and max_tokens is not None and max_tokens > ctx:
-            raise APIError(400, f"'max_tokens' is {max_tokens}, more than the model's context of {ctx} tokens",
-                           param="max_tokens", code="invalid_value")
         if ctx is not None and len(ids) >= ctx:
             raise APIError(400, f"'{param}' is {len(ids)} tokens; the model's context is {ctx} tokens, "
                                 "including the completion: shorten it", param=param,
                            code="context_length_exceeded")
+        if s.strict_max_tokens and ctx is not None and max_tokens is not None and len(ids) + max_tokens > ctx:
+            raise APIError(400, f"'max_tokens' is {max_tokens}; the prompt is {len(ids)} tokens and the model's "
+                                f"context {ctx}, so at most {ctx - len(ids)} can be generated (this server runs "
+                                "with --strict-max-tokens)", param="max_tokens", code="invalid_value")
         limit = max_tokens if max_tokens is not None else s.max_tokens
         return min(limit, ctx - len(ids)) if ctx is not None else limit
 
@@ -227,11 +236,20 @@ class Server:
         ok = self.worker.alive
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
+    def _model(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "segcache"}
+
     async def models(self, request: Request) -> Response:
         self._authorize(request)
-        data = [{"id": self.settings.served_name, "object": "model", "created": self.created,
-                 "owned_by": "segcache"}]
-        return JSONResponse({"object": "list", "data": data})
+        names = self.settings.served_names or [self.settings.served_name]
+        return JSONResponse({"object": "list", "data": [self._model(n) for n in names]})
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{id}: a name this server serves (any a request may give)."""
+        self._authorize(request)
+        name = request.path_params["model_id"]
+        self._check_model(name)
+        return JSONResponse(self._model(name))
 
     async def stats(self, request: Request) -> Response:
         """The queue and the prefix store: counters, sizes and budgets (segcache's own route)."""
@@ -313,7 +331,7 @@ class Server:
         """The turn's prompt, rendered and tokenized on the tokenizer thread."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenize, self.prompter.chat, turn.messages, turn.tools,
-                                          turn.template_kwargs, turn.force_call)
+                                          turn.template_kwargs, turn.force_call, turn.param)
 
     async def start_chat(self, turn: ChatTurn, kind: str, key: Optional[str]) -> Run:
         """Render `turn`, validate its prompt and controls and queue its generation (`key`: the
@@ -329,7 +347,9 @@ class Server:
             stops.append(end)  # one call at most: the text ends where the first call does
         gen = self._gen(kind, prompt.ids, prompt.checkpoints, turn.max_tokens, turn.param, controls, stops,
                         turn.top_logprobs, key, turn.cache_salt, turn.n)
-        return self._submit(gen, turn, prompt)
+        run = self._submit(gen, turn, prompt)
+        run.capped = gen.max_tokens < (turn.max_tokens if turn.max_tokens is not None else self.settings.max_tokens)
+        return run
 
     def _gen(self, kind, ids, cuts, limit, param, controls: Controls, stops, top, key, cache_salt,
              n: int = 1) -> GenRequest:
@@ -392,6 +412,7 @@ def build_app(server: Server, lifespan=None) -> Starlette:
     routes = [
         Route("/health", server.health, methods=["GET"]),
         Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),
         Route("/stats", server.stats, methods=["GET"]),
         Route("/metrics", server.metrics_text, methods=["GET"]),
         Route("/v1/completions", server.completions, methods=["POST"]),

@@ -110,6 +110,7 @@ class Run:
     prompt: Optional["Prompt"] = None
     markup: Markup = field(default_factory=Markup)
     access: Optional["Access"] = None  # the request's access line (its tokens, its progress lines)
+    capped: bool = False  # the context, not the request's max_tokens, bounds what it generates
 
     def splitter(self, new_id=new_call_id) -> Splitter:
         """The output splitter for this run's turn."""
