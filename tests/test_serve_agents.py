@@ -405,3 +405,35 @@ def test_the_tool_parser_comes_from_the_chat_template_used(tmp_path):
     call = r.choices[0].message.tool_calls[0]
     assert (call.function.name, json.loads(call.function.arguments)) == ("read_file", {"path": "src/app.py"})
     assert r.choices[0].finish_reason == "tool_calls"
+
+
+def test_the_command_line_flags(tmp_path):
+    """`segcache serve` itself: --help names the billing-header default, the log says it once,
+    --served-model-name serves every name (the first listed first), --strict-max-tokens refuses."""
+    import subprocess
+    import sys
+
+    from serve_util import TARGET, Server
+
+    help_text = subprocess.run([sys.executable, "-m", "segcache.cli", "serve", "--help"], capture_output=True,
+                               text=True, timeout=120).stdout
+    squashed = " ".join(help_text.split())
+    assert "--keep-volatile-system" in squashed and "x-anthropic-billing-header:" in squashed
+    assert "--served-model-name" in squashed and "--strict-max-tokens" in squashed
+    srv = Server(tmp_path / "store", "--served-model-name", "claude-sonnet-4-5", "--served-model-name", "local",
+                 "--strict-max-tokens", log_path=tmp_path / "serve.log").start()
+    try:
+        c = srv.client()
+        assert [m.id for m in c.models.list()] == ["claude-sonnet-4-5", "local"]
+        assert c.models.retrieve("local").id == "local" and c.models.retrieve(TARGET.name).id == TARGET.name
+        a = anthropic.Anthropic(base_url=srv.url, api_key="none", timeout=120, max_retries=0)
+        m = a.messages.create(model="claude-sonnet-4-5", max_tokens=3, system=_system("abcde"),
+                              messages=[{"role": "user", "content": "Hello"}])
+        assert m.model == "claude-sonnet-4-5" and m.usage.output_tokens == 3
+        with pytest.raises(anthropic.BadRequestError) as e:
+            a.messages.create(model="local", max_tokens=10 ** 6, messages=[{"role": "user", "content": "Hello"}])
+        assert "--strict-max-tokens" in e.value.body["error"]["message"]
+    finally:
+        srv.stop()
+    log = srv.log()
+    assert log.count("x-anthropic-billing-header:") == 1 and "--keep-volatile-system keeps it" in log
