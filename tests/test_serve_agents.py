@@ -437,3 +437,70 @@ def test_the_command_line_flags(tmp_path):
         srv.stop()
     log = srv.log()
     assert log.count("x-anthropic-billing-header:") == 1 and "--keep-volatile-system keeps it" in log
+
+
+# -- Responses custom tools -----------------------------------------------------------------------------
+
+PATCH = "*** Begin Patch\n*** End Patch"
+PATCH_LARK = 'start: "*** Begin Patch\\n" "*** End Patch"'
+CUSTOM = [{"type": "custom", "name": "apply_patch", "description": "Apply a patch to the repository",
+           "format": {"type": "grammar", "syntax": "lark", "definition": PATCH_LARK}},
+          {"type": "custom", "name": "note", "description": "Write a note"},
+          {"type": "custom", "name": "count", "format": {"type": "grammar", "syntax": "regex",
+                                                          "definition": "(add|drop) [0-9]{2}"}}]
+
+
+def _custom_call(name, text):
+    return call_text("json_tools", json.dumps({"name": name, "arguments": {"input": text}}))
+
+
+def test_responses_custom_tools_follow_their_grammar_or_pass_as_text(tmp_path):
+    path = build(tmp_path / "codex", scripts={
+        "default": "Patching. " + _custom_call("apply_patch", PATCH),
+        "broken": "Hm. " + _custom_call("apply_patch", "rm -rf build"),
+        "note": _custom_call("note", "any text at all"),
+    })
+    with LocalServer(path) as srv:
+        c = srv.openai()
+        r = c.responses.create(model="codex", input="Fix the bug", tools=CUSTOM)
+        assert [o.type for o in r.output] == ["message", "custom_tool_call"]
+        assert (r.output[1].name, r.output[1].input) == ("apply_patch", PATCH)
+        # streamed: the custom call's input events, and the client's accumulation
+        kinds = [e.type for e in c.responses.create(model="codex", input="Fix the bug", tools=CUSTOM, stream=True)]
+        assert "response.custom_tool_call_input.delta" in kinds and "response.custom_tool_call_input.done" in kinds
+        with c.responses.stream(model="codex", input="Fix the bug", tools=CUSTOM) as s:
+            for _ in s:
+                pass
+            final = s.get_final_response()
+        assert [(o.type, getattr(o, "input", None)) for o in final.output] == \
+            [(o.type, getattr(o, "input", None)) for o in r.output]
+        # an input that breaks the tool's grammar is no call: it comes back as text
+        bad = c.responses.create(model="codex", input="Fix the bug", tools=CUSTOM,
+                                 extra_body={"chat_template_kwargs": {"script": "broken"}})
+        assert [o.type for o in bad.output] == ["message"] and "rm -rf build" in bad.output_text
+        # a plain-text custom tool takes any input
+        note = c.responses.create(model="codex", input="Note it", tools=CUSTOM,
+                                  extra_body={"chat_template_kwargs": {"script": "note"}})
+        assert [(o.type, o.name, o.input) for o in note.output] == [("custom_tool_call", "note", "any text at all")]
+        # forced: the input is generated under the grammar (the model would write otherwise)
+        forced = c.responses.create(model="codex", input="Count", tools=CUSTOM, max_output_tokens=40,
+                                    tool_choice={"type": "custom", "name": "count"})
+        [item] = forced.output
+        assert item.type == "custom_tool_call" and item.name == "count"
+        assert re.fullmatch("(add|drop) [0-9]{2}", item.input), item.input
+        forced = c.responses.create(model="codex", input="Fix it", tools=CUSTOM[:1], tool_choice="required")
+        assert [(o.type, o.input) for o in forced.output] == [("custom_tool_call", PATCH)]
+        # the calls and their outputs go back in `input`
+        nxt = c.responses.create(model="codex", tools=CUSTOM, input=[
+            {"role": "user", "content": "Fix the bug"},
+            {"type": "custom_tool_call", "call_id": r.output[1].call_id, "name": "apply_patch", "input": PATCH},
+            {"type": "custom_tool_call_output", "call_id": r.output[1].call_id, "output": "Done."}])
+        assert nxt.status == "completed" and nxt.usage.input_tokens > r.usage.input_tokens
+        with pytest.raises(openai.BadRequestError) as e:
+            c.responses.create(model="codex", input="x", tools=[{"type": "custom", "name": "p", "format": {
+                "type": "grammar", "syntax": "lark", "definition": "start: (("}}])
+        assert e.value.body["param"] == "tools.0.format.definition"
+        with pytest.raises(openai.BadRequestError) as e:
+            c.responses.create(model="codex", input="x", tools=[{"type": "custom", "name": "p", "format": {
+                "type": "grammar", "syntax": "ebnf", "definition": "x"}}])
+        assert e.value.body["param"] == "tools.0.format.syntax"
