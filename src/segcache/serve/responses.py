@@ -11,12 +11,16 @@ with a 400 and no response is stored. A request becomes the pipeline's
                  reasoning       -> reasoning_content of the assistant message that follows
                  function_call   -> a tool call of the assistant message (consecutive calls: one message)
                  function_call_output -> a tool message
-    tools (function), tool_choice, parallel_tool_calls, max_output_tokens,
+                 custom_tool_call(_output) -> as function_call(_output), the input as {"input": ...}
+    tools (function; custom: a function of one string argument, `input`), tool_choice,
+    parallel_tool_calls, max_output_tokens,
     temperature, top_p, reasoning.effort (the template's reasoning_effort),
     text.format json_object / json_schema (chat's response_format)
 
 and its output pieces become output items in order: reasoning (reasoning_text
-content), message (output_text), function_call. Streams send
+content), message (output_text), function_call, custom_tool_call (a custom tool's call; a
+grammar custom tool forced by tool_choice is generated under its grammar, and an unforced
+call whose input breaks the grammar comes back as text). Streams send
 response.created, response.in_progress, then per item output_item.added,
 its deltas (response.reasoning_text.delta, response.output_text.delta,
 response.function_call_arguments.delta) and .done events, output_item.done,
