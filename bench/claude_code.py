@@ -24,6 +24,11 @@ import statistics
 import threading
 import time
 
+import anthropic
+
+from segcache.serve import anthropic as surface
+from segcache.serve import schemas
+
 TASKS = [
     "The date parser rejects ISO week dates like 2024-W05-3. Find where dates are parsed and add support.",
     "test_http_reader fails on a chunked body with trailing headers. Find out why and fix it.",
@@ -94,8 +99,6 @@ class Session:
 
 def run_segcache(proc, setup, tools, args) -> list[dict]:
     """The trace against segcache serve (restarted once); its records in order."""
-    import anthropic
-
     def client():
         return anthropic.Anthropic(base_url=f"http://127.0.0.1:{proc.port}", api_key="none", timeout=600,
                                    max_retries=0)
@@ -131,9 +134,6 @@ def run_segcache(proc, setup, tools, args) -> list[dict]:
 
 def chat_request(body: dict) -> dict:
     """The chat completions request of the conversation segcache rendered for `body`."""
-    from segcache.serve import anthropic as surface
-    from segcache.serve import schemas
-
     turn = surface.turn(schemas.parse(json.dumps(body).encode(), schemas.MessagesRequest))
     messages = []
     for m in turn.messages:

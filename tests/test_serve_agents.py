@@ -8,6 +8,8 @@ import contextlib
 import json
 import logging
 import re
+import subprocess
+import sys
 import uuid
 
 import anthropic
@@ -17,6 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from chat_util import LocalServer
+from serve_util import TARGET, Server
 from segcache.testing.chat import READ_FILE, SEARCH, build, call_text, template
 
 TOOLS = [READ_FILE, SEARCH]
@@ -410,11 +413,6 @@ def test_the_tool_parser_comes_from_the_chat_template_used(tmp_path):
 def test_the_command_line_flags(tmp_path):
     """`segcache serve` itself: --help names the billing-header default, the log says it once,
     --served-model-name serves every name (the first listed first), --strict-max-tokens refuses."""
-    import subprocess
-    import sys
-
-    from serve_util import TARGET, Server
-
     help_text = subprocess.run([sys.executable, "-m", "segcache.cli", "serve", "--help"], capture_output=True,
                                text=True, timeout=120).stdout
     squashed = " ".join(help_text.split())
