@@ -6,11 +6,11 @@
     fan-out        4 subagents at once: the same system prompt and tools, a task each
     restart        the server restarts, then the main session's last request again
 
-Sent to `segcache serve` through the official `anthropic` client (streamed). The same
-requests then go to `mlx_lm.server` through its chat endpoint as the conversation
-segcache rendered them (`anthropic.turn`: the billing header left out, blocks as chat
-messages), so both servers see the same prompts; mlx_lm.server's restart turn is
-cold. Time to first token is measured at the client: request sent -> the first
+Sent to `segcache serve` through the official `anthropic` client (streamed); each
+request then goes to `mlx_lm.server` (up at the same time) through its chat endpoint as
+the conversation segcache rendered it (`anthropic.turn`: the billing header left out,
+blocks as chat messages), so both servers see the same prompts, interleaved; both
+restart together, and mlx_lm.server's restart turn is cold. Time to first token is measured at the client: request sent -> the first
 content event (a thinking, text or tool-use block). Each repeat runs both servers
 afresh; the report gives each repeat's summed TTFT ratio and restart speed-up, and
 their medians.
@@ -97,41 +97,6 @@ class Session:
         return out + [{"role": "user", "content": f"Go on: use the tools (step {turn + 1})."}]
 
 
-def run_segcache(proc, setup, tools, args) -> list[dict]:
-    """The trace against segcache serve (restarted once); its records in order."""
-    def client():
-        return anthropic.Anthropic(base_url=f"http://127.0.0.1:{proc.port}", api_key="none", timeout=600,
-                                   max_retries=0)
-
-    s = Session(setup, tools, args.tokens)
-    proc.start()
-    try:
-        c = client()
-        messages = [{"role": "user", "content": TASKS[0]}]
-        for turn in range(args.turns):
-            rec = s.send(c, "cold" if turn == 0 else "turns", messages)
-            s.records.append(rec)
-            last = messages
-            messages = s.follow(messages, rec, turn)
-        fan = [None] * len(SUBAGENT_TASKS)
-
-        def sub(i):
-            fan[i] = s.send(client(), "fan-out", [{"role": "user", "content": SUBAGENT_TASKS[i]}])
-
-        threads = [threading.Thread(target=sub, args=(i,)) for i in range(len(SUBAGENT_TASKS))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(900)
-        s.records += [r for r in fan if r is not None]
-        proc.stop()
-        proc.start()
-        s.records.append(s.send(client(), "restart", last))
-    finally:
-        proc.stop()
-    return s.records
-
-
 def chat_request(body: dict) -> dict:
     """The chat completions request of the conversation segcache rendered for `body`."""
     turn = surface.turn(schemas.parse(json.dumps(body).encode(), schemas.MessagesRequest))
@@ -146,49 +111,74 @@ def chat_request(body: dict) -> dict:
                 temperature=0.0, stream=True, extra_body={"chat_template_kwargs": turn.template_kwargs})
 
 
-def replay_mlx_lm(proc, records: list[dict]) -> list[dict]:
-    """The same requests against mlx_lm.server's chat endpoint (restarted where segcache was)."""
-    def one(client, rec):
-        tic, ttft = time.perf_counter(), None
-        for ev in client.chat.completions.create(**chat_request(rec["body"])):
-            d = ev.choices[0].delta if ev.choices else None
-            got = d is not None and (d.content or d.tool_calls or getattr(d, "reasoning", None)
-                                     or getattr(d, "reasoning_content", None))
-            if got and ttft is None:
-                ttft = time.perf_counter() - tic
-        out = dict(phase=rec["phase"], ttft=ttft if ttft is not None else time.perf_counter() - tic)
-        print(f"  mlx_lm.server  {rec['phase']:<10} ttft {out['ttft'] * 1000:7.0f} ms", flush=True)
-        return out
-
-    out: list = []
-    proc.start()
-    try:
-        i = 0
-        while i < len(records):
-            rec = records[i]
-            if rec["phase"] == "fan-out":
-                group = [r for r in records[i:] if r["phase"] == "fan-out"]
-                got = [None] * len(group)
-
-                def sub(j):
-                    got[j] = one(proc.client(), group[j])
-
-                threads = [threading.Thread(target=sub, args=(j,)) for j in range(len(group))]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join(900)
-                out += got
-                i += len(group)
-                continue
-            if rec["phase"] == "restart":
-                proc.stop()
-                proc.start()
-            out.append(one(proc.client(), rec))
-            i += 1
-    finally:
-        proc.stop()
+def mlx_lm_ttft(client, phase: str, body: dict) -> dict:
+    """One request of the trace against mlx_lm.server's chat endpoint."""
+    tic, ttft = time.perf_counter(), None
+    for ev in client.chat.completions.create(**chat_request(body)):
+        d = ev.choices[0].delta if ev.choices else None
+        got = d is not None and (d.content or d.tool_calls or getattr(d, "reasoning", None)
+                                 or getattr(d, "reasoning_content", None))
+        if got and ttft is None:
+            ttft = time.perf_counter() - tic
+    out = dict(phase=phase, ttft=ttft if ttft is not None else time.perf_counter() - tic)
+    print(f"  mlx_lm.server  {phase:<10} ttft {out['ttft'] * 1000:7.0f} ms", flush=True)
     return out
+
+
+def _together(fns: list) -> list:
+    """Run the callables at once (threads); their results in order."""
+    got = [None] * len(fns)
+
+    def one(i):
+        got[i] = fns[i]()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(900)
+    return [g for g in got if g is not None]
+
+
+def run_pair(ours_proc, theirs_proc, setup, tools, args) -> tuple[list[dict], list[dict]]:
+    """The trace, each request to segcache serve and then the same one to mlx_lm.server (both
+    servers up, so the machine's load falls on both alike); both restart together."""
+    def anthropic_client():
+        return anthropic.Anthropic(base_url=f"http://127.0.0.1:{ours_proc.port}", api_key="none", timeout=600,
+                                   max_retries=0)
+
+    s = Session(setup, tools, args.tokens)
+    ours, theirs = [], []
+    procs = [p for p in (ours_proc, theirs_proc) if p is not None]
+    for p in procs:
+        p.start()
+    try:
+        messages = [{"role": "user", "content": TASKS[0]}]
+        for turn in range(args.turns):
+            phase = "cold" if turn == 0 else "turns"
+            rec = s.send(anthropic_client(), phase, messages)
+            ours.append(rec)
+            if theirs_proc is not None:
+                theirs.append(mlx_lm_ttft(theirs_proc.client(), phase, rec["body"]))
+            last = messages
+            messages = s.follow(messages, rec, turn)
+        subs = [[{"role": "user", "content": t}] for t in SUBAGENT_TASKS]
+        got = _together([lambda m=m: s.send(anthropic_client(), "fan-out", m) for m in subs])
+        ours += got
+        if theirs_proc is not None:
+            theirs += _together([lambda r=r: mlx_lm_ttft(theirs_proc.client(), "fan-out", r["body"]) for r in got])
+        for p in procs:
+            p.stop()
+        for p in procs:
+            p.start()
+        rec = s.send(anthropic_client(), "restart", last)
+        ours.append(rec)
+        if theirs_proc is not None:
+            theirs.append(mlx_lm_ttft(theirs_proc.client(), "restart", rec["body"]))
+    finally:
+        for p in procs:
+            p.stop()
+    return ours, theirs
 
 
 def report(runs: list[tuple[list[dict], list[dict]]]) -> None:
@@ -217,9 +207,8 @@ def run(args, setup, tools, segcache_proc, mlx_proc) -> int:
     runs = []
     for k in range(args.repeats):
         print(f"\n-- repeat {k + 1} of {args.repeats}", flush=True)
-        ours = run_segcache(segcache_proc(f"store-cc-{k}"), setup, _anthropic_tools(tools), args)
-        theirs = [] if args.no_mlx_lm else replay_mlx_lm(mlx_proc(), ours)
-        runs.append((ours, theirs))
+        runs.append(run_pair(segcache_proc(f"store-cc-{k}"), None if args.no_mlx_lm else mlx_proc(), setup,
+                             _anthropic_tools(tools), args))
     if not args.no_mlx_lm:
         report(runs)
     return 0
