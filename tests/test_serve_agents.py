@@ -199,9 +199,15 @@ def test_every_request_has_one_access_line_with_the_id_the_client_gets(model, tm
                                                         extra_headers={"x-request-id": "agent-run-7"})
         assert r.parse().id == "chatcmpl-agent-run-7" == r.headers["request-id"]
         seen.append((r.parse().id, r.headers["request-id"], "/v1/chat/completions", "200"))
+        # one that could not sit in a log line or a header is not taken: a fresh id instead
+        r = c.chat.completions.with_raw_response.create(model="agent", messages=ask["messages"],
+                                                        extra_headers={"x-request-id": "two words\tand a tab"})
+        assert r.parse().id.startswith("chatcmpl-") and "words" not in r.parse().id
+        seen.append((r.parse().id, r.headers["request-id"], "/v1/chat/completions", "200"))
         # 4xx: the id comes in the headers (and the clients' errors carry it)
         with pytest.raises(anthropic.BadRequestError) as e:
             a.messages.create(model="agent", max_tokens=5, messages=[])
+        assert e.value.body["request_id"] == e.value.request_id  # in the body too, as Anthropic's API
         seen.append((e.value.request_id, e.value.response.headers["request-id"], "/v1/messages", "400"))
         with pytest.raises(anthropic.AuthenticationError) as e:
             srv.anthropic("wrong").messages.create(**ask)
@@ -246,6 +252,12 @@ def test_a_long_prefill_shows_progress_before_the_first_token(model, tmp_path):
         total = done[0][1]
         assert total >= 3000 and all(t == total for _, t in done) and [d for d, _ in done] == sorted(d for d, _ in done)
         assert json.loads(events[first][6:])["id"] == rid
+        # completions streams too (a cache domain of their own: the prompt is computed)
+        body = {"model": "agent", "prompt": prompt, "max_tokens": 4, "stream": True, "cache_salt": "completions"}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=120) as r:
+            events = [line for line in r.iter_lines() if line]
+        first = next(i for i, e in enumerate(events) if e.startswith("data: "))
+        assert any(e.startswith(": keepalive ") for e in events[:first])
         # Messages: ping events while the prompt is prefilled (a cache domain of its own: all computed),
         # and message_start's split of a resumed prompt is the end's
         body = {"model": "agent", "max_tokens": 20, "messages": [{"role": "user", "content": prompt + " again"}],

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from starlette.responses import JSONResponse, Response
 
-from . import schemas
+from . import access, schemas
 from .engine import Chunk, Failure, Finish, Progress
 from .errors import APIError
 from .output import Call, Text, new_call_id
@@ -50,7 +50,13 @@ def error_body(exc: APIError) -> dict:
 
 
 def error_response(exc: APIError) -> Response:
-    return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers)
+    """Anthropic's error body, with the request's id as Anthropic's API gives it (`request_id`,
+    the `request-id` header's value)."""
+    body = error_body(exc)
+    acc = access.current()
+    if acc is not None:
+        body["request_id"] = acc.id or acc.name("req")
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
 
 def _new_tool_id() -> str:
