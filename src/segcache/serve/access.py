@@ -55,7 +55,7 @@ class Access:
     cached: Optional[int] = None
     generated: Optional[int] = None
     tier: str = "-"
-    _progress_at: Optional[float] = None
+    _progress_at: Optional[float] = field(default=None, init=False, repr=False)  # the last progress line
 
     def name(self, kind: str) -> str:
         """The id of this request's response of `kind` ("chatcmpl", "msg", ...); it names the request."""
