@@ -2,6 +2,7 @@
 
     python bench/agent.py [--model DIR] [--tokens 32] [--sessions 3] [--turns 4] [--mlx-blas same|wheel]
                           [--template model|qwen3] [--no-mlx-lm] [--no-anthropic]
+    python bench/agent.py --claude-code [--turns 6] [--repeats 3] ...   (bench/claude_code.py)
 
 The trace, through the official `openai` client (streamed, greedy), on both
 servers started on the same model (the shipped hybrid target by default):
@@ -49,6 +50,7 @@ from pathlib import Path
 
 import segcache  # noqa: F401, I001  (binds OpenBLAS before mlx loads)
 
+import claude_code  # bench/claude_code.py
 from serve import MODELS, ROOT, Proc, _port  # bench/serve.py
 
 # A Qwen3-style chat template (written for this bench): tools in the system turn,
@@ -136,6 +138,18 @@ TOOLS = [
     _tool("find_definition", "Find where a Python name (function, class, method or module-level variable) is "
           "defined, using the repository's import graph, and return the file, line and signature.",
           {"name": ("string", "The name, optionally qualified, e.g. 'Server.start' or 'app.main'.")}, ["name"]),
+]
+# Claude Code's own tools beyond the bench's (--claude-code sends 10+)
+CLAUDE_CODE_TOOLS = [
+    _tool("todo_write", "Replace the session's task list: each item with its content and status (pending, "
+          "in_progress, completed). Keep exactly one item in progress.",
+          {"todos": ("array", "The whole list, in order.")}, ["todos"]),
+    _tool("glob", "Find files whose path matches a glob pattern, newest first, at most 200 paths.",
+          {"pattern": ("string", "The glob, e.g. 'src/**/*.py'."),
+           "path": ("string", "The directory to search from (default: the root).")}, ["pattern"]),
+    _tool("web_fetch", "Fetch a URL and return its content as Markdown, cut to 50,000 characters.",
+          {"url": ("string", "An http(s) URL."), "prompt": ("string", "What to extract from the page.")},
+          ["url"]),
 ]
 SYSTEM = ("You are a coding agent working in a Python repository. Read before you change anything, keep "
           "changes small, run the tests after each change, and explain what you did in one paragraph at "
@@ -371,6 +385,11 @@ def main() -> int:
     ap.add_argument("--mlx-blas", choices=["same", "wheel"], default="same")
     ap.add_argument("--no-mlx-lm", action="store_true", help="segcache only")
     ap.add_argument("--no-anthropic", action="store_true", help="skip the anthropic client's pass")
+    ap.add_argument("--claude-code", action="store_true",
+                    help="the Claude-Code-shaped trace instead (bench/claude_code.py): billing-header nonce, 10+ "
+                         "tools, thinking, tool turns, 4 subagents at once, a restart; anthropic client vs "
+                         "mlx_lm.server's chat endpoint")
+    ap.add_argument("--repeats", type=int, default=3, help="with --claude-code: runs of the trace (default 3)")
     args = ap.parse_args()
 
     from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -416,12 +435,17 @@ def main() -> int:
                                        "--port", str(port), "--prompt-cache-dir", str(work / store),
                                        "--log-level", "WARNING"], env, port, work / f"segcache-{store}.log")
 
+    def mlx_proc() -> Proc:
+        port = _port()
+        return Proc("mlx_lm.server", [sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port",
+                                      str(port), "--log-level", "WARNING"], mlx_env, port, work / "mlx_lm.log")
+
+    if args.claude_code:
+        tools = setup.tools + [t for t in CLAUDE_CODE_TOOLS if t["function"]["name"] not in setup.names]
+        return claude_code.run(args, setup, tools, segcache_proc, mlx_proc)
     traces = [run_openai("segcache serve", segcache_proc("store"), prompter, args, setup)]
     if not args.no_mlx_lm:
-        port = _port()
-        mlx = Proc("mlx_lm.server", [sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port",
-                                     str(port), "--log-level", "WARNING"], mlx_env, port, work / "mlx_lm.log")
-        traces.append(run_openai("mlx_lm.server", mlx, prompter, args, setup))
+        traces.append(run_openai("mlx_lm.server", mlx_proc(), prompter, args, setup))
     anthropic_rows = [] if args.no_anthropic else run_anthropic(segcache_proc("store-anthropic"), args, setup)
     report(traces, anthropic_rows)
     return 0

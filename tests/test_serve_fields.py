@@ -121,6 +121,17 @@ NESTED = [
     (schemas.ResponsesRequest, {"input": "x", "truncation": "auto"}, "truncation"),
     (schemas.ResponsesRequest, {"input": "x", "background": True}, "background"),
     (schemas.ResponsesRequest, {"input": []}, "input"),
+    (schemas.ResponsesRequest, {"input": "x", "tools": [{"type": "function"}]}, "tools.0.name"),
+    (schemas.ResponsesRequest, {"input": "x", "tools": [{"type": "custom", "name": "p", "format": {
+        "type": "grammar", "syntax": "ebnf", "definition": "x"}}]}, "tools.0.format.syntax"),
+    (schemas.ResponsesRequest, {"input": "x", "tools": [{"type": "custom", "name": "p", "format": {
+        "type": "grammar", "syntax": "lark"}}]}, "tools.0.format.definition"),
+    (schemas.ResponsesRequest, {"input": "x", "tools": [{"type": "custom", "name": "p", "colour": 1}]},
+     "tools.0.colour"),
+    (schemas.ResponsesRequest, {"input": [{"type": "custom_tool_call", "call_id": "c", "name": "p"}]},
+     "input.0.input"),
+    (schemas.ResponsesRequest, {"input": [{"type": "custom_tool_call_output", "call_id": "c", "output": 5}]},
+     "input.0.output"),
 ]
 
 

@@ -10,7 +10,7 @@ import mlx_lm
 import pytest
 
 from segcache import Runtime, open_store
-from segcache.serve.engine import Chunk, Engine, Finish, GenRequest
+from segcache.serve.engine import Chunk, Engine, Finish, GenRequest, Progress
 from segcache.store import Resume
 from segcache.serve.worker import Job, Scheduler
 from serve_util import TARGET
@@ -48,13 +48,18 @@ class Harness:
                              store=store)
         self.engine.prefill_chunk = CHUNK
         self.sched = Scheduler(self.engine, max_running=4, begin_step=self.engine.begin_step)
-        self.events: dict[str, list] = {}
+        self.events: dict[str, list] = {}  # Chunks and Finishes
+        self.progress: dict[str, list] = {}  # Progress events, apart: they say nothing of the output
         self.jobs: dict[str, Job] = {}
         self.trace = []  # (decode_steps, prefill_chunks) after each scheduler step
 
     def submit(self, rid, ids, max_tokens):
-        self.events[rid] = []
-        self.jobs[rid] = job = Job(GenRequest(rid, list(ids), max_tokens), self.events[rid].append)
+        self.events[rid], self.progress[rid] = [], []
+
+        def deliver(event):
+            (self.progress if isinstance(event, Progress) else self.events)[rid].append(event)
+
+        self.jobs[rid] = job = Job(GenRequest(rid, list(ids), max_tokens), deliver)
         self.sched.submit(job)
         return job
 
@@ -107,6 +112,10 @@ def test_long_prompt_joins_in_chunks_between_decode_steps_and_every_row_is_exact
     assert all(c <= 1 for _, c in steps)
     assert all(d == 1 for d, c in steps if c)
     assert len(h.events["a"]) > 1 + want // 2  # a kept streaming while the long prompt joined
+    # the joining prompt told its progress: where it resumed, then after each chunk but the last
+    n = len(prompts["long"]) - 1
+    assert [(p.processed, p.total) for p in h.progress["long"]] == \
+        [(0, n)] + [(min(k * CHUNK, n), n) for k in range(1, _chunks(n))]
 
 
 def test_cancel_mid_prefill_frees_the_slot_the_runtime_and_publishes_nothing(loaded, prompts, tmp_path):

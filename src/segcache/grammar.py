@@ -59,8 +59,9 @@ def _run_executor():
 def grammar_for(response_format) -> Optional[str]:
     """llguidance grammar text for an OpenAI `response_format` (None for plain text).
 
-    Accepts {"type": "text"}, {"type": "json_object"} and
-    {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}.
+    Accepts {"type": "text"}, {"type": "json_object"},
+    {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}} and
+    {"type": "grammar", "grammar": {"syntax": "lark" | "regex", "definition": ...}}.
 
     Raises:
         GrammarError: the field is malformed; `param` names the part at fault.
@@ -74,6 +75,15 @@ def grammar_for(response_format) -> Optional[str]:
     kind = response_format["type"]
     if kind == "text":
         return None
+    if kind == "grammar":  # segcache's own: a Responses custom tool's Lark or regex format
+        spec = response_format.get("grammar")
+        if not isinstance(spec, dict) or spec.get("syntax") not in ("lark", "regex") \
+                or not isinstance(spec.get("definition"), str):
+            raise GrammarError("response_format.grammar", 'a "grammar" response_format needs "grammar": '
+                               '{"syntax": "lark" or "regex", "definition": text}')
+        if spec["syntax"] == "regex":
+            return llg.LLMatcher.grammar_from_regex(spec["definition"])
+        return llg.LLMatcher.grammar_from_lark(spec["definition"])
     if kind == "json_object":
         schema = {"type": "object"}
     elif kind == "json_schema":
@@ -110,7 +120,11 @@ class Grammars:
         eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [hf.eos_token_id])
         self.vocab_size = vocab_size
         self.eos = eos
-        self.tokenizer = llg.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=eos)
+        try:
+            self.tokenizer = llg.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=eos)
+        except ValueError:  # a decoder llguidance cannot read (a word-level vocabulary, Fuse): each token's text
+            self.tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(_TokenTexts(hf, eos[0])), n_vocab=vocab_size,
+                                             eos_token=eos)
         self._compiled: OrderedDict = OrderedDict()
         # compile() may run on the HTTP side (a bad schema is a 400 before any stream starts).
         self._lock = threading.Lock()
@@ -125,29 +139,46 @@ class Grammars:
         text = grammar_for(response_format)
         if text is None:
             return None
+        param = "response_format.grammar" if response_format.get("type") == "grammar" else \
+            "response_format.json_schema.schema"
         with self._lock:
             template = self._compiled.get(text)
             if template is not None:
                 self._compiled.move_to_end(text)
         if template is None:
-            template = self._build(text)
+            template = self._build(text, param)
             with self._lock:
                 self._compiled[text] = template
                 if len(self._compiled) > CACHED_GRAMMARS:
                     self._compiled.popitem(last=False)
         return Grammar(template.deep_copy(), self.vocab_size, self.eos)
 
-    def _build(self, text: str):
+    def _build(self, text: str, param: str):
         llg = _llguidance()
+        what = "grammar" if param.endswith("grammar") else "schema"
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(text, self.tokenizer)
         if is_error:
-            raise GrammarError("response_format.json_schema.schema",
-                               f"the schema cannot be compiled: {messages[0] if messages else 'invalid'}")
+            raise GrammarError(param, f"the {what} cannot be compiled: {messages[0] if messages else 'invalid'}")
         template = llg.LLMatcher(self.tokenizer, text, log_level=0)
         if template.is_error():
-            raise GrammarError("response_format.json_schema.schema",
-                               f"the schema cannot be compiled: {template.get_error()}")
+            raise GrammarError(param, f"the {what} cannot be compiled: {template.get_error()}")
         return template
+
+
+class _TokenTexts:
+    """A tokenizer as llguidance's `TokenizerWrapper` reads one: each token's bytes (its decoded
+    text alone; special tokens as nothing), and encoding."""
+
+    def __init__(self, hf, eos: int):
+        self.hf = hf
+        self.eos_token_id = eos
+        self.bos_token_id = hf.bos_token_id
+        self.special_token_ids = list(hf.all_special_ids)
+        special = set(self.special_token_ids)
+        self.tokens = [b"" if i in special else hf.decode([i]).encode("utf-8") for i in range(len(hf))]
+
+    def __call__(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False)
 
 
 class Grammar:

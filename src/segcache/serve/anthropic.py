@@ -4,6 +4,7 @@ A request becomes the pipeline's `ChatTurn` (the same rendering as a chat
 completion), its output pieces become content blocks:
 
     system, messages            -> system / user / assistant / tool messages for the template
+      (a first system block holding Claude Code's billing header is left out, see system_blocks)
       text                      -> content
       tool_use (assistant)      -> tool_calls (input as the arguments object)
       tool_result (user)        -> a tool message (tool_call_id, is_error kept for the template)
@@ -24,15 +25,14 @@ Errors are Anthropic's body, {"type": "error", "error": {"type", "message"}}.
 from __future__ import annotations
 
 import json
-import uuid
 
 from starlette.responses import JSONResponse, Response
 
-from . import schemas
-from .engine import Chunk, Failure, Finish
+from . import access, schemas
+from .engine import Chunk, Failure, Finish, Progress
 from .errors import APIError
 from .output import Call, Text, new_call_id
-from .pipeline import ChatTurn, ClientGone, Run, failed
+from .pipeline import ChatTurn, ClientGone, Run, failed, segcache_usage
 from .service import ChatService
 from .shapes import sse
 
@@ -47,7 +47,13 @@ def error_body(exc: APIError) -> dict:
 
 
 def error_response(exc: APIError) -> Response:
-    return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers)
+    """Anthropic's error body, with the request's id as Anthropic's API gives it (`request_id`,
+    the `request-id` header's value)."""
+    body = error_body(exc)
+    acc = access.current()
+    if acc is not None:
+        body["request_id"] = acc.id or acc.name("req")
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
 
 def _new_tool_id() -> str:
@@ -59,11 +65,29 @@ FORMAT_PARAMS = {"response_format": "output_config.format", "response_format.jso
                  "response_format.json_schema.schema": "output_config.format.schema"}
 
 
-def turn(req) -> ChatTurn:
-    """The pipeline's turn for a Messages (or count_tokens) request."""
+# Claude Code's first system block: its version and a nonce that changes every request
+# ("x-anthropic-billing-header: cc_version=...; cc_entrypoint=...; cch=<nonce>;"). It tells a
+# local model nothing, and rendered first it would end every prompt's shared prefix there.
+VOLATILE_PREFIX = "x-anthropic-billing-header:"
+
+
+def system_blocks(system, keep_volatile: bool = False) -> list:
+    """The system text blocks rendered: all of them, but the first when it is Claude Code's
+    billing header (unless `keep_volatile`, --keep-volatile-system)."""
+    if system is None or isinstance(system, str):
+        return [] if not system else [system]
+    texts = [b.text for b in system]
+    if texts and not keep_volatile and texts[0].lstrip().startswith(VOLATILE_PREFIX):
+        texts = texts[1:]
+    return texts
+
+
+def turn(req, keep_volatile: bool = False) -> ChatTurn:
+    """The pipeline's turn for a Messages (or count_tokens) request (`keep_volatile`: render
+    Claude Code's billing header block too, see `system_blocks`)."""
     messages = []
-    if req.system:
-        text = req.system if isinstance(req.system, str) else "".join(b.text for b in req.system)
+    text = "".join(system_blocks(req.system, keep_volatile))
+    if text:
         messages.append({"role": "system", "content": text})
     for i, m in enumerate(req.messages):
         if isinstance(m.content, str):
@@ -145,12 +169,13 @@ def _assistant(i: int, blocks) -> dict:
 
 def _usage(u) -> dict:
     return {"input_tokens": u.prompt_tokens - u.cached_tokens, "output_tokens": u.completion_tokens,
-            "cache_read_input_tokens": u.cached_tokens, "cache_creation_input_tokens": 0}
+            "cache_read_input_tokens": u.cached_tokens, "cache_creation_input_tokens": 0,
+            "segcache": segcache_usage(u)}
 
 
 def _stop(run: "Run", finish: Finish, calls: int) -> tuple[str, object]:
-    if finish.reason == "length":
-        return "max_tokens", None
+    if finish.reason == "length":  # the cap of a max_tokens beyond the context, or max_tokens itself
+        return ("model_context_window_exceeded" if run.capped else "max_tokens"), None
     if calls:
         return "tool_use", None
     stop = run.user_stop(finish)
@@ -184,8 +209,8 @@ def _message(mid: str, model: str, content: list, stop_reason, stop_sequence, us
 async def messages(server: ChatService, request, raw: bytes, key) -> Response:
     req = schemas.parse(raw, schemas.MessagesRequest)
     server.check_model(req.model)
-    run = await server.start_chat(turn(req), "msg", key)
-    mid = "msg_" + uuid.uuid4().hex[:24]
+    run = await server.start_chat(turn(req, server.keep_volatile_system), "msg", key)
+    mid = run.gen.id  # the request's id: its access line and request-id header say the same
     model = server.served_name
     if req.stream:
         return server.stream(_stream(run, mid, model), run)
@@ -201,7 +226,7 @@ async def messages(server: ChatService, request, raw: bytes, key) -> Response:
 async def count_tokens(server: ChatService, request, raw: bytes) -> Response:
     req = schemas.parse(raw, schemas.CountTokensRequest)
     server.check_model(req.model)
-    prompt = await server.render(turn(req))
+    prompt = await server.render(turn(req, server.keep_volatile_system))
     return JSONResponse({"input_tokens": len(prompt.ids)})
 
 
@@ -260,14 +285,26 @@ class _Blocks:
 
 
 async def _stream(run: "Run", mid: str, model: str):
+    """The message's events. message_start waits for the engine's first event: once the prompt
+    resumed (its first Progress) the split of input and cache-read tokens is known, and
+    message_start carries the split message_delta ends with; each later Progress is a ping."""
     split = run.splitter(_new_tool_id)
     blocks = _Blocks()
-    start = {"input_tokens": len(run.gen.ids), "output_tokens": 0, "cache_read_input_tokens": 0,
-             "cache_creation_input_tokens": 0}
-    yield sse({"type": "message_start", "message": _message(mid, model, [], None, None, start)}, "message_start")
-    yield sse({"type": "ping"}, "ping")
+    started = False
     async for event in run.events_of():
-        if isinstance(event, Chunk):
+        if not started:
+            started = True
+            cached = event.processed if isinstance(event, Progress) else 0
+            start = {"input_tokens": len(run.gen.ids) - cached, "output_tokens": 0,
+                     "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+            yield sse({"type": "message_start", "message": _message(mid, model, [], None, None, start)},
+                      "message_start")
+            yield sse({"type": "ping"}, "ping")
+            if isinstance(event, Progress):
+                continue
+        if isinstance(event, Progress):
+            yield sse({"type": "ping"}, "ping")
+        elif isinstance(event, Chunk):
             for line in blocks.feed(split.feed(event.text)):
                 yield line
         elif isinstance(event, Finish):

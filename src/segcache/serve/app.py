@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
@@ -27,11 +26,14 @@ from starlette.routing import Route
 
 from ..controls import Controls
 from ..errors import ParamError
-from . import anthropic, isolation, responses, schemas, shapes
+from ..grammar import Grammars
+from . import access, anthropic, isolation, responses, schemas, shapes
+from .access import AccessLog
 from .chat import Prompt, Prompter
 from .engine import GenRequest
 from .errors import APIError
 from .guard import HostPolicy, RequestGuard
+from .metrics import CONTENT_TYPE, Metrics
 from .pipeline import ChatTurn, ClientGone, Run
 from .shapes import Shape
 from .worker import Job, QueueFull, Scheduler, Worker
@@ -45,8 +47,10 @@ class Settings:
     """What the app needs to know, fixed at startup.
 
     Attributes:
-        names: model names a request may give (served name, its path, "default_model").
-        served_name: the id /v1/models lists and responses carry.
+        names: model names a request may give (served names, the model's path, "default_model").
+        served_name: the id responses carry (the first of `served_names`).
+        served_names: the ids /v1/models lists, in order (--served-model-name; empty: served_name).
+        strict_max_tokens: a max_tokens beyond what the context leaves is a 400 (else capped).
         context_length: prompt + completion tokens the model takes (None: unknown).
         vocab_size: token ids a prompt may hold are < this.
         max_tokens, temperature, top_p, top_k, min_p: defaults for requests that leave them out.
@@ -60,6 +64,8 @@ class Settings:
         ram_bytes, disk_bytes: the prefix store's budgets (reported by /stats).
         adapters: the adapter path(s) a request's `adapters` may name: the one the
             server applies (--adapter-path, as given and resolved); empty: none.
+        keep_volatile_system: render a first system block holding Claude Code's billing
+            header (a nonce per request) instead of leaving it out (anthropic.system_blocks).
     """
 
     served_name: str
@@ -80,6 +86,9 @@ class Settings:
     ram_bytes: int = 0  # the store's budgets, for /stats
     disk_bytes: int = 0
     adapters: set = field(default_factory=set)
+    keep_volatile_system: bool = False  # --keep-volatile-system: render Claude Code's billing header block
+    served_names: list = field(default_factory=list)  # --served-model-name, in order (empty: served_name)
+    strict_max_tokens: bool = False  # --strict-max-tokens: a max_tokens beyond the context is a 400
 
 
 class Server:
@@ -93,6 +102,7 @@ class Server:
         self.scheduler = scheduler
         self.worker = worker
         self.created = int(time.time())
+        self.metrics = Metrics(scheduler, store)
         # One thread: HF tokenizers are not meant to be driven from many at once.
         self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="segcache-tokenize")
 
@@ -134,10 +144,19 @@ class Server:
     def served_name(self) -> str:
         return self.settings.served_name
 
+    @property
+    def keep_volatile_system(self) -> bool:
+        return self.settings.keep_volatile_system
+
+    @property
+    def tokenizer(self):
+        return self.prompter.tokenizer
+
     def check_model(self, name: Optional[str]) -> None:
         if name is not None and name not in self.settings.names:
-            raise APIError(404, f"model '{name}' is not served here; this server serves "
-                                f"'{self.settings.served_name}' (or send 'default_model')",
+            served = ", ".join(f"'{n}'" for n in self.settings.served_names or [self.settings.served_name])
+            raise APIError(404, f"model '{name}' is not served here; this server serves {served} (or send "
+                                f"'default_model'); to accept '{name}' too, start it with --served-model-name",
                            param="model", code="model_not_found")
 
     def _check_adapter(self, adapter: Optional[str]) -> None:
@@ -160,13 +179,14 @@ class Server:
             raise APIError(400, f"'{param}' holds token id {bad}, outside the vocabulary 0..{s.vocab_size - 1}",
                            param=param)
         ctx = s.context_length
-        if ctx is not None and max_tokens is not None and max_tokens > ctx:
-            raise APIError(400, f"'max_tokens' is {max_tokens}, more than the model's context of {ctx} tokens",
-                           param="max_tokens", code="invalid_value")
         if ctx is not None and len(ids) >= ctx:
             raise APIError(400, f"'{param}' is {len(ids)} tokens; the model's context is {ctx} tokens, "
                                 "including the completion: shorten it", param=param,
                            code="context_length_exceeded")
+        if s.strict_max_tokens and ctx is not None and max_tokens is not None and len(ids) + max_tokens > ctx:
+            raise APIError(400, f"'max_tokens' is {max_tokens}; the prompt is {len(ids)} tokens and the model's "
+                                f"context {ctx}, so at most {ctx - len(ids)} can be generated (this server runs "
+                                "with --strict-max-tokens)", param="max_tokens", code="invalid_value")
         limit = max_tokens if max_tokens is not None else s.max_tokens
         return min(limit, ctx - len(ids)) if ctx is not None else limit
 
@@ -206,12 +226,10 @@ class Server:
         structured request: a tokenizer-sized trie, once)."""
         engine = self.scheduler.engine
         if engine.grammars is None:
-            from ..grammar import Grammars
-
             engine.grammars = Grammars(self.prompter.tokenizer, engine.vocab_size)
         return engine.grammars
 
-    async def _check_format(self, controls: Controls, params: dict) -> None:
+    async def check_format(self, controls: Controls, params: dict) -> None:
         """Compile the response_format on the tokenizer thread, so a schema that cannot be
         honoured is a 400 before the request is queued (the engine's compile is then a copy)."""
         fmt = controls.response_format
@@ -230,11 +248,20 @@ class Server:
         ok = self.worker.alive
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
+    def _model(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "segcache"}
+
     async def models(self, request: Request) -> Response:
         self._authorize(request)
-        data = [{"id": self.settings.served_name, "object": "model", "created": self.created,
-                 "owned_by": "segcache"}]
-        return JSONResponse({"object": "list", "data": data})
+        names = self.settings.served_names or [self.settings.served_name]
+        return JSONResponse({"object": "list", "data": [self._model(n) for n in names]})
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{id}: a name this server serves (any a request may give)."""
+        self._authorize(request)
+        name = request.path_params["model_id"]
+        self.check_model(name)
+        return JSONResponse(self._model(name))
 
     async def stats(self, request: Request) -> Response:
         """The queue and the prefix store: counters, sizes and budgets (segcache's own route)."""
@@ -249,6 +276,12 @@ class Server:
             body["store"] = st
         return JSONResponse(body)
 
+    async def metrics_text(self, request: Request) -> Response:
+        """The Prometheus text format (serve/metrics.py); behind the API key when one is set."""
+        self._authorize(request)
+        await asyncio.get_running_loop().run_in_executor(None, self.metrics.read_state)  # the store's lock
+        return Response(self.metrics.scrape(), media_type=CONTENT_TYPE)
+
     async def completions(self, request: Request) -> Response:
         key = self._authorize(request)
         req = schemas.parse(await self._body(request), schemas.CompletionRequest)
@@ -259,7 +292,7 @@ class Server:
         sampling = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
                         **req.controls())
         controls = self._controls(sampling, {})
-        await self._check_format(controls, {})
+        await self.check_format(controls, {})
         run = self._submit(self._gen("cmpl", ids, [], req.limit(), "prompt", controls, req.stops(),
                                      req.top_logprobs(), key, req.cache_salt, req.n or 1))
         shape = Shape(run.gen.id, self.settings.served_name, self.created, False)
@@ -310,7 +343,7 @@ class Server:
         """The turn's prompt, rendered and tokenized on the tokenizer thread."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenize, self.prompter.chat, turn.messages, turn.tools,
-                                          turn.template_kwargs, turn.force_call)
+                                          turn.template_kwargs, turn.force_call, turn.param)
 
     async def start_chat(self, turn: ChatTurn, kind: str, key: Optional[str]) -> Run:
         """Render `turn`, validate its prompt and controls and queue its generation (`key`: the
@@ -319,20 +352,22 @@ class Server:
                         seed=turn.seed, **turn.controls)
         controls = self._controls(sampling, turn.params)
         prompt = await self.render(turn)
-        await self._check_format(controls, turn.params)
+        await self.check_format(controls, turn.params)
         stops = list(turn.stops)
         end = self.prompter.markup.tool[1] if self.prompter.markup.tool else ""
         if turn.calls and not turn.parallel and end:
             stops.append(end)  # one call at most: the text ends where the first call does
         gen = self._gen(kind, prompt.ids, prompt.checkpoints, turn.max_tokens, turn.param, controls, stops,
                         turn.top_logprobs, key, turn.cache_salt, turn.n)
-        return self._submit(gen, turn, prompt)
+        run = self._submit(gen, turn, prompt)
+        run.capped = gen.max_tokens < (turn.max_tokens if turn.max_tokens is not None else self.settings.max_tokens)
+        return run
 
     def _gen(self, kind, ids, cuts, limit, param, controls: Controls, stops, top, key, cache_salt,
              n: int = 1) -> GenRequest:
         s = self.settings
         return GenRequest(
-            id=f"{kind}-{uuid.uuid4().hex}", ids=ids, checkpoints=cuts, max_tokens=self._check_ids(ids, param, limit),
+            id=access.response_id(kind), ids=ids, checkpoints=cuts, max_tokens=self._check_ids(ids, param, limit),
             temperature=controls.temperature, top_p=controls.top_p, top_k=controls.top_k, min_p=controls.min_p,
             seed=controls.seed, stops=stops, top_logprobs=top, n=n, controls=controls,
             cache_salt=isolation.domain(key, cache_salt, s.isolation == "per-key"),
@@ -354,7 +389,7 @@ class Server:
         except QueueFull as exc:
             raise APIError(429, f"the server is busy: {exc}; retry shortly", code="rate_limit_exceeded",
                            type="rate_limit_error", headers={"Retry-After": "1"}) from None
-        return Run(gen, job, events, turn, prompt, self.prompter.markup)
+        return Run(gen, job, events, turn, prompt, self.prompter.markup, access.current())
 
     def stream(self, body, run: Run, headers: Optional[dict] = None) -> Response:
         async def guarded():
@@ -389,7 +424,9 @@ def build_app(server: Server, lifespan=None) -> Starlette:
     routes = [
         Route("/health", server.health, methods=["GET"]),
         Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),
         Route("/stats", server.stats, methods=["GET"]),
+        Route("/metrics", server.metrics_text, methods=["GET"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/chat/completions", server.chat_completions, methods=["POST"]),  # as mlx_lm.server
@@ -402,10 +439,14 @@ def build_app(server: Server, lifespan=None) -> Starlette:
         middleware.append(Middleware(CORSMiddleware, allow_origins=server.settings.allowed_origins,
                                      allow_methods=["GET", "POST", "OPTIONS"],
                                      allow_headers=["Authorization", "Content-Type", "x-api-key",
-                                                    "anthropic-version", "anthropic-beta"]))
+                                                    "anthropic-version", "anthropic-beta", "x-request-id"],
+                                     expose_headers=["request-id", "x-request-id"]))
     s = server.settings
     # outermost: Host, Origin and Content-Type are checked before anything (CORS, auth, routes) runs
     middleware.insert(0, Middleware(RequestGuard, hosts=HostPolicy(s.bind_host, s.allowed_hosts),
                                     origins=s.allowed_origins))
+    # outside everything: every request gets its id headers and one access line, whoever answers it
+    middleware.insert(0, Middleware(AccessLog, metrics=server.metrics,
+                                    routes=frozenset(r.path for r in routes if "{" not in r.path)))
     handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _server_error}
     return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers, lifespan=lifespan)

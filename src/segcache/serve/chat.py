@@ -35,9 +35,12 @@ boundary only moves it earlier.
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
+
+from mlx_lm import tokenizer_utils
 
 from .errors import APIError
 from .output import REASONING, TEXT, TOOL, Markup
@@ -100,7 +103,7 @@ class Prompter:
         self.chat_template = chat_template
         self.template_args = dict(template_args or {})
         self.templated = chat_template is not None or bool(getattr(tokenizer, "has_chat_template", False))
-        self.markup = Markup.of(tokenizer)
+        self.markup = markup_for(tokenizer, chat_template)
         self._sources: dict = {}
 
     # -- what the model can do -----------------------------------------------------------
@@ -164,8 +167,16 @@ class Prompter:
             return self.encode(prompt[0])
         return list(prompt)
 
+    def knows_developer(self) -> bool:
+        """Whether the chat template renders the `developer` role itself (the plain template
+        does); where it does not, developer messages are rendered as system messages."""
+        if not self.templated:
+            return True
+        src = self.source()
+        return src is not None and "developer" in src
+
     def chat(self, messages: list[dict], tools: Optional[list] = None, kwargs: Optional[dict] = None,
-             force_call: bool = False) -> Prompt:
+             force_call: bool = False, param: str = "messages") -> Prompt:
         """Render a chat with the generation prompt, and find its boundaries.
 
         Args:
@@ -174,6 +185,8 @@ class Prompter:
             kwargs: template variables of this request (over --chat-template-args).
             force_call: end the prompt with the tool-call start marker, so the
                 output begins inside a call (tool_choice "required" or a named function).
+            param: the request's field holding the messages, named by its 400s
+                ("messages"; Responses' "input").
 
         Raises:
             APIError: 400 when the template refuses the messages or cannot render tools.
@@ -183,14 +196,17 @@ class Prompter:
         if not self.templated:
             for i, m in enumerate(messages):
                 if m.get("tool_calls"):
-                    raise APIError(400, f"'messages.{i}.tool_calls': this model has no chat template, so "
-                                        "earlier tool calls cannot be shown to it", param=f"messages.{i}.tool_calls")
+                    where = f"{param}.{i}.tool_calls" if param == "messages" else param
+                    raise APIError(400, f"'{where}': this model has no chat template, so earlier tool calls "
+                                        "cannot be shown to it", param=where)
+        if not self.knows_developer() and any(m["role"] == "developer" for m in messages):
+            messages = [dict(m, role="system") if m["role"] == "developer" else m for m in messages]
         args = {**self.template_args, **(kwargs or {})}
 
         def render(dicts: list[dict], generation_prompt: bool) -> str:
             if not self.templated:
                 return _plain(dicts, generation_prompt)
-            return self._template(dicts, generation_prompt, tools or None, args)
+            return self._template(dicts, generation_prompt, tools or None, args, param)
 
         text = render(messages, True)
         start = TEXT
@@ -229,7 +245,8 @@ class Prompter:
             return 0
         return _common(self._ids(text), ids)
 
-    def _template(self, dicts: list[dict], generation_prompt: bool, tools, args: dict) -> str:
+    def _template(self, dicts: list[dict], generation_prompt: bool, tools, args: dict,
+                  param: str = "messages") -> str:
         kwargs = dict(args)
         if self.chat_template is not None:
             kwargs["chat_template"] = self.chat_template
@@ -240,7 +257,39 @@ class Prompter:
         except Exception as exc:  # a template raising on these messages (jinja's raise_exception)
             if not generation_prompt:
                 raise
-            raise APIError(400, f"'messages': the chat template refused them: {exc}", param="messages") from None
+            raise APIError(400, f"'{param}': the chat template refused them: {exc}", param=param) from None
+
+
+class _TemplateText:
+    """What mlx-lm's tool-parser inference reads of a tokenizer, with another template's text."""
+
+    def __init__(self, tokenizer, chat_template: str):
+        self.chat_template = chat_template
+        self.get_vocab = tokenizer.get_vocab
+
+
+def markup_for(tokenizer, chat_template: Optional[str] = None) -> Markup:
+    """The tokenizer's markup, its tool parser chosen from the template actually used.
+
+    mlx-lm takes a `tool_parser_type` the tokenizer's config declares, else infers one from the
+    template's text (`tokenizer_utils._infer_tool_parser`, then the vocabulary). It inferred it
+    from the tokenizer's own template; with --chat-template the same inference runs on that
+    template's text, so a template works as it would in tokenizer_config.json. A parser the
+    config declared (one the own template does not explain) is kept.
+    """
+    markup = Markup.of(tokenizer)
+    if chat_template is None:
+        return markup
+    declared = getattr(tokenizer, "init_kwargs", {}).get("tool_parser_type")
+    try:
+        own = tokenizer_utils._infer_tool_parser(tokenizer)
+        chosen = tokenizer_utils._infer_tool_parser(_TemplateText(tokenizer, chat_template))
+    except Exception:  # a tokenizer mlx-lm's inference cannot read: keep what it has
+        return markup
+    if chosen is None or chosen == declared or (declared is not None and declared != own):
+        return markup
+    module = importlib.import_module(f"mlx_lm.tool_parsers.{chosen}")
+    return Markup(markup.think, (module.tool_call_start, module.tool_call_end or ""), module.parse_tool_call)
 
 
 def template_messages(messages: list[dict]) -> list[dict]:

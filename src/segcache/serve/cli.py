@@ -134,9 +134,29 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="under mlx.launch: seconds a rank waits for the others at a step (the slowest rank's "
                         "longest step, a prefill chunk included) before it stops, saying so (default 300)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+    _add_agent_flags(p)
     _add_mlx_lm_flags(p)
     p.set_defaults(handler=run)
     return p
+
+
+# -- what coding agents' clients need (issue 32; docs/serve.md) ----------------------------------
+
+
+def _add_agent_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--keep-volatile-system", action="store_true",
+                   help="render Claude Code's billing header block (a first system block starting "
+                        "'x-anthropic-billing-header:', with a nonce that changes every request). By default it "
+                        "is left out of the prompt: it tells a local model nothing and would end every shared "
+                        "prefix at the nonce")
+    p.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
+                   help="a model name requests may give and /v1/models lists (repeatable: every name is "
+                        "served, the first is listed first and is the one responses carry); default: the model "
+                        "directory's name")
+    p.add_argument("--strict-max-tokens", action="store_true",
+                   help="refuse (400) a max_tokens beyond what the context leaves after the prompt, instead of "
+                        "capping it (an answer the cap ended has finish_reason 'length', Messages' stop_reason "
+                        "'model_context_window_exceeded')")
 
 
 # -- the rest of mlx_lm.server's flags (issue 25; tests/test_dropin_help.py) -----------------
@@ -267,9 +287,12 @@ def _settings(args, model, tokenizer, keys):
 
     cfg = _config(args.model) or _model_args(model)  # a hub id has no local config.json
     resolved = str(Path(args.model).resolve())
-    name = Path(resolved).name
+    served = list(dict.fromkeys(args.served_model_name or [Path(resolved).name]))
+    name = served[0]
     return Settings(
-        served_name=name, names={name, args.model, resolved, DEFAULT_MODEL},
+        served_name=name, names={*served, Path(resolved).name, args.model, resolved, DEFAULT_MODEL},
+        served_names=served, keep_volatile_system=args.keep_volatile_system,
+        strict_max_tokens=args.strict_max_tokens,
         vocab_size=_lookup(cfg, "vocab_size") or len(tokenizer.vocab),
         context_length=_lookup(cfg, "max_position_embeddings", "max_seq_len", "n_positions", "seq_length"),
         max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
@@ -410,6 +433,12 @@ def run(args: argparse.Namespace) -> int:
     ranks = f", rank 0 of {group.size} ({group.parallel} parallel)" if group is not None else ""
     log.info("serving %s (%s decoding%s%s) on http://%s:%d; prefix store: %s", name, mode, rows, ranks, args.host,
              args.port, shown(path) if store is not None else "none")
+    if args.keep_volatile_system:
+        log.info("system prompts: Claude Code's billing header block is rendered (--keep-volatile-system); its "
+                 "nonce ends every shared prefix there")
+    else:
+        log.info("system prompts: a first system block starting 'x-anthropic-billing-header:' (Claude Code's, a "
+                 "nonce per request) is left out of the prompt; --keep-volatile-system keeps it")
     max_connections = args.max_connections or default_max_connections(open_files, _BACKLOG)
     log.info("connections: at most %d open, requests whole within %g s; open files: %s", max_connections,
              args.request_timeout, open_files or "no limit")

@@ -115,9 +115,33 @@ class Chunk:
 
 @dataclass
 class Usage:
+    """A choice's token counts, and what served it (the `segcache` usage field of responses).
+
+    Attributes:
+        tier: where the cached tokens came from ("ram", "disk", "ram+disk", "remote"; "-": none).
+        drafter: "plain", "draft", "lookup" or "mtp"; drafted / accepted: its draft tokens
+            proposed / accepted by the target.
+        ttft: seconds from the request's arrival to its first token (server side).
+    """
+
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    tier: str = "-"
+    drafter: str = "plain"
+    drafted: int = 0
+    accepted: int = 0
+    ttft: float = 0.0
+
+
+@dataclass
+class Progress:
+    """A prompt's prefill advanced: `processed` of its `total` tokens are held (restored or
+    computed). The first one comes once the prompt resumed (processed: the tokens the store
+    restored), then one after each prefill forward but the last."""
+
+    processed: int
+    total: int
 
 
 @dataclass
@@ -206,7 +230,9 @@ class _Choice:
                 self.buffer.clear()
                 engine.decoder.settle({self.row: taken})
             self.outcome = self.finish
-            events.append(Finish(self.finish, Usage(len(req.ids), self.n, self.cached), self.index,
+            usage = Usage(len(req.ids), self.n, self.cached, self.tier, self.stats.mode, self.stats.drafted,
+                          self.stats.accepted, self.ttft)
+            events.append(Finish(self.finish, usage, self.index,
                                  last=False, stop=self.stop.matched))
         return events
 
@@ -450,7 +476,7 @@ class Engine:
         q = self.kv
         return {} if q is None else dict(kv_bits=q.bits, kv_group_size=q.group_size, quantized_kv_start=q.start)
 
-    def _prefill(self, req: GenRequest) -> Generator[None, None, tuple[Runtime, int, str]]:
+    def _prefill(self, req: GenRequest) -> Generator[Optional[Progress], None, tuple[Runtime, int, str]]:
         """Resume the prompt (all but its last token) from the store, then feed the rest, yielding
         between forwards so the running rows decode meanwhile.
 
@@ -477,26 +503,33 @@ class Engine:
             steps = rt.prefill_steps(ids, step_size=chunk, checkpoints=self._checkpoints(req))
             resume = next(steps)  # where the prompt resumed from: this request's own answer
             left = len(ids) - resume.tokens
+            news = Progress(resume.tokens, len(ids))  # at the next pause: what the store restored
             hidden = self._hidden[req.id] = [] if self.mtp is not None else None
             if one or not left or resume.tokens > left:
                 while True:
-                    if not one:
-                        yield None  # another scheduler step: the running rows decode before the next chunk
+                    if news is not None or not one:
+                        yield news  # several rows: another scheduler step, the running rows decode meanwhile
+                        news = None
                     try:
                         with self._collect(hidden):
-                            next(steps)  # one forward (the last one also publishes)
+                            held = next(steps)  # one forward (the last one also publishes)
                     except StopIteration:
                         break
                     self.prefill_chunks += 1
+                    news = Progress(held, len(ids))
                 return rt, resume.restored, resume.tier
             steps.close()  # resumed; the batch feeds the rest (and this publishes nothing)
             stops = [p for p in (*resume.stops, *self._checkpoints(req)) if resume.tokens < p < len(ids)]
             joining = self._joining[req.id] = _Joining(ids, resume, rt.prefix_cache() if self.store else None,
                                                        req.cache_salt)
             self.prefill_batch.add(req.id, rt, ids, stops)
+            held = resume.tokens
             while joining.runtime is None:
-                yield None  # the batch's forward for this scheduler step runs once, for every prompt
+                yield news  # the batch's forward for this scheduler step runs once, for every prompt
                 self._prefill_step()
+                row = self.prefill_batch.prompts.get(req.id)
+                now = row.pos if row is not None else held
+                news, held = (Progress(now, len(ids)) if now != held else None), now
                 if joining.failed is not None:
                     raise StepFailed(joining.failed)
             if hidden is not None:

@@ -16,13 +16,15 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Optional
 
-from .engine import Chunk, Failure, Finish, Usage
+from .engine import Chunk, Failure, Finish, Progress, Usage
 from .errors import APIError
+from .metrics import cached_by_tier
 from .output import Markup, Splitter, new_call_id
 
 if TYPE_CHECKING:
     from starlette.requests import Request
 
+    from .access import Access
     from .chat import Prompt
     from .engine import GenRequest
     from .worker import Job
@@ -107,6 +109,8 @@ class Run:
     turn: Optional[ChatTurn] = None
     prompt: Optional["Prompt"] = None
     markup: Markup = field(default_factory=Markup)
+    access: Optional["Access"] = None  # the request's access line (its tokens, its progress lines)
+    capped: bool = False  # the context, not the request's max_tokens, bounds what it generates
 
     def splitter(self, new_id=new_call_id) -> Splitter:
         """The output splitter for this run's turn."""
@@ -121,8 +125,8 @@ class Run:
         return finish.stop if finish.stop in stops else None
 
     async def events_of(self, request: Optional["Request"] = None) -> AsyncIterator[object]:
-        """The engine's events: Chunks and a Finish per choice (the last one marked `last`),
-        or a Failure. With `request` (a
+        """The engine's events: Progress while the prompt is prefilled, Chunks and a Finish per
+        choice (the last one marked `last`), or a Failure. With `request` (a
         non-streaming client) the client is checked every POLL seconds; gone, the job is
         cancelled and ClientGone raised."""
         checked = time.monotonic()
@@ -141,6 +145,11 @@ class Run:
                             raise ClientGone()
                     if event is None:
                         continue
+                if self.access is not None:
+                    if isinstance(event, Finish):
+                        self.access.finished(event)
+                    elif isinstance(event, Progress):
+                        self.access.progress(event)
                 yield event
                 if isinstance(event, Failure) or (isinstance(event, Finish) and event.last):
                     return
@@ -179,4 +188,12 @@ def total_usage(finishes) -> Usage:
     """A request's usage over its choices: the prompt counted once (it was prefilled once),
     the completions summed."""
     first = finishes[0].usage
-    return Usage(first.prompt_tokens, sum(f.usage.completion_tokens for f in finishes), first.cached_tokens)
+    return Usage(first.prompt_tokens, sum(f.usage.completion_tokens for f in finishes), first.cached_tokens,
+                 first.tier, first.drafter, sum(f.usage.drafted for f in finishes),
+                 sum(f.usage.accepted for f in finishes), first.ttft)
+
+
+def segcache_usage(u: Usage) -> dict:
+    """The `segcache` field every response's usage carries: what served it (docs/serve.md)."""
+    return {"cached_tokens_by_tier": cached_by_tier(u), "drafter": u.drafter, "draft_tokens": u.drafted,
+            "accepted_tokens": u.accepted, "ttft_s": round(u.ttft, 6)}

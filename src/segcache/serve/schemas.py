@@ -315,6 +315,26 @@ class FunctionCallOutputItem(_Strict):
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
+class CustomToolCallItem(_Strict):
+    type: Literal["custom_tool_call"]
+    call_id: str
+    name: str
+    input: str
+    id: Optional[str] = None
+    status: Optional[str] = None
+
+
+class CustomToolCallOutputItem(_Strict):
+    type: Literal["custom_tool_call_output"]
+    call_id: str
+    output: Union[str, List[InputText]]
+    id: Optional[str] = None
+    status: Optional[str] = None
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+
+
 class ReasoningText(_Strict):
     type: Literal["reasoning_text", "summary_text"]
     text: str
@@ -338,7 +358,9 @@ def _item_kind(v) -> Optional[str]:
 
 InputItem = Annotated[
     Union[Annotated[InputMessage, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
-          Annotated[FunctionCallOutputItem, Tag("function_call_output")], Annotated[ReasoningItem, Tag("reasoning")]],
+          Annotated[FunctionCallOutputItem, Tag("function_call_output")], Annotated[ReasoningItem, Tag("reasoning")],
+          Annotated[CustomToolCallItem, Tag("custom_tool_call")],
+          Annotated[CustomToolCallOutputItem, Tag("custom_tool_call_output")]],
     Discriminator(_item_kind),
 ]
 
@@ -351,8 +373,46 @@ class ResponsesTool(_Strict):
     strict: Optional[bool] = None  # ignored, as in chat
 
 
+class CustomTextFormat(_Strict):
+    type: Literal["text"]
+
+
+class CustomGrammarFormat(_Strict):
+    type: Literal["grammar"]
+    syntax: Literal["lark", "regex"]
+    definition: str = Field(min_length=1)
+
+
+class ResponsesCustomTool(_Strict):
+    """A free-form tool (Codex's apply_patch): its call's input is text, following `format`'s
+    grammar when it has one (responses.py)."""
+
+    type: Literal["custom"]
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    format: Optional[Annotated[Union[CustomTextFormat, CustomGrammarFormat], Field(discriminator="type")]] = None
+
+    def grammar(self) -> Optional[dict]:
+        """The format as a response_format for the grammar engine (None: plain text)."""
+        f = self.format
+        if f is None or f.type == "text":
+            return None
+        return {"type": "grammar", "grammar": {"syntax": f.syntax, "definition": f.definition}}
+
+
+def _tool_kind(v) -> Optional[str]:
+    # the tags are not field names, so the 400's path drops them (_TYPE_NAMES)
+    return "custom-tool" if isinstance(v, dict) and v.get("type") == "custom" else "function-tool"
+
+
+AnyResponsesTool = Annotated[
+    Union[Annotated[ResponsesTool, Tag("function-tool")], Annotated[ResponsesCustomTool, Tag("custom-tool")]],
+    Discriminator(_tool_kind),
+]
+
+
 class ResponsesToolChoice(_Strict):
-    type: Literal["function"]
+    type: Literal["function", "custom"]
     name: str
 
 
@@ -408,7 +468,7 @@ class ResponsesRequest(_Common):
     max_output_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: Optional[float] = Field(default=None, ge=0)
     top_p: Optional[float] = Field(default=None, ge=0, le=1)
-    tools: Optional[List[ResponsesTool]] = None
+    tools: Optional[List[AnyResponsesTool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], ResponsesToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
     reasoning: Optional[ReasoningConfig] = None
@@ -611,10 +671,11 @@ def _param(loc: tuple) -> str:
     return ".".join(parts) if parts else "body"
 
 
-# the tags of text.format's union (an Optional union's location has no type name to mark them)
-_FORMAT_TAGS = {"json_schema", "json_object"}
+# the tags of text.format's and a custom tool's format unions (an Optional union's location has
+# no type name to mark them)
+_FORMAT_TAGS = {"json_schema", "json_object", "grammar"}
 _TYPE_NAMES = {"str", "int", "bool", "float", "none", "dict", "TextPart", "NamedToolChoice", "ResponsesToolChoice",
-               "InputText", "OutputText"}
+               "InputText", "OutputText", "function-tool", "custom-tool"}
 
 
 def _check_fields(body: dict, kind: type[_Common]) -> dict:

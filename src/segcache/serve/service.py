@@ -23,6 +23,21 @@ class ChatService(Protocol):
     def served_name(self) -> str:
         """The model id responses carry."""
 
+    @property
+    def keep_volatile_system(self) -> bool:
+        """Whether a client's volatile first system block (Claude Code's billing header) is rendered."""
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer (mlx-lm's TokenizerWrapper)."""
+
+    def grammars(self):
+        """The model's structured-output compiler (segcache.grammar.Grammars), shared with the engine."""
+
+    async def check_format(self, controls, params: dict) -> None:
+        """Compile `controls.response_format` off the event loop: a 400 naming `params`' field
+        unless it can be honoured."""
+
     def check_model(self, name: Optional[str]) -> None:
         """Raise a 404 `APIError` unless `name` is None or a name this server serves."""
 

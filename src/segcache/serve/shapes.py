@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from .chat import template_messages
-from .engine import Chunk, Failure, Finish
+from .engine import Chunk, Failure, Finish, Progress
 from .errors import APIError
 from .output import Call, Text
-from .pipeline import ChatTurn, failed, total_usage
+from .pipeline import ChatTurn, failed, segcache_usage, total_usage
 
 if TYPE_CHECKING:
     from .pipeline import Run
@@ -32,6 +32,11 @@ def sse(obj: dict, event: Optional[str] = None) -> str:
     """One server-sent event carrying `obj` as JSON (named `event` if given)."""
     head = f"event: {event}\n" if event else ""
     return f"{head}data: {json.dumps(obj)}\n\n"
+
+
+def keepalive(p: Progress) -> str:
+    """An SSE comment while the prompt is prefilled (clients skip comments), as mlx_lm.server's."""
+    return f": keepalive {p.processed}/{p.total}\n\n"
 
 
 def chat_turn(req: "ChatRequest") -> ChatTurn:
@@ -146,7 +151,7 @@ class Shape:
 def _usage(u) -> dict:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}, "segcache": segcache_usage(u)}
 
 
 def finish_reason(finish: Finish, calls: int) -> str:
@@ -187,7 +192,9 @@ async def chat_stream(run: "Run", shape: Shape, usage: bool):
     spaces = [_Space() for _ in range(n)]
     finishes = []
     async for event in run.events_of():
-        if isinstance(event, Chunk):
+        if isinstance(event, Progress):
+            yield keepalive(event)
+        elif isinstance(event, Chunk):
             i = event.index
             pieces = spaces[i].pass_(splits[i].feed(event.text))
             if pieces or event.logprobs:
@@ -221,7 +228,9 @@ async def chat_whole(run: "Run", shape: Shape, request) -> dict:
 async def completion_stream(run: "Run", shape: Shape, usage: bool):
     finishes = []
     async for event in run.events_of():
-        if isinstance(event, Chunk):
+        if isinstance(event, Progress):
+            yield keepalive(event)
+        elif isinstance(event, Chunk):
             if event.text or event.logprobs:
                 yield sse(shape.chunk(event.text, event.logprobs, None, event.index))
         elif isinstance(event, Finish):
