@@ -33,6 +33,7 @@ dominated by per-operation overhead, which one forward over B rows pays once
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Hashable
 
@@ -41,6 +42,8 @@ import mlx.core as mx
 from ..errors import InvariantError
 from ..runtime import Runtime
 from .runtime import BatchRuntime
+
+log = logging.getLogger("segcache.prefill")
 
 
 @dataclass
@@ -120,6 +123,7 @@ class PrefillBatch:
         last = logits[mx.arange(len(ids)), mx.array(counts) - 1]
         mx.eval(last)
         self.fed = dict(zip(ids, counts))
+        log.debug("prefill forward: budget %d, %d rows fed %s", budget, len(ids), counts)
         out = []
         for i, (rid, p, n) in enumerate(zip(ids, prompts, counts)):
             p.pos += n
