@@ -3,7 +3,8 @@
     python bench/serve.py [--model DIR] [--tokens 24] [--mlx-blas same|wheel]
     python bench/serve.py --sweep [--sweep-tokens 64] [--streams 1,2,4,8]
     python bench/serve.py --join [--join-chars 7000] [--sweep-tokens 64]
-    python bench/serve.py --cold [--rounds 5] [--cold-chars 1000] [--sweep-tokens 64]
+    python bench/serve.py --cold [--rounds 5] [--cold-chars 1000] [--sweep-tokens 64] [--vllm-mlx PATH]
+    python bench/serve.py --lone [--rounds 5] [--cold-chars 1000] [--sweep-tokens 64]
 
 Both servers run the same model (the shipped hybrid target by default) as
 subprocesses on 127.0.0.1, driven by the official `openai` client with
@@ -33,9 +34,18 @@ segcache plain, segcache with prompt lookup, segcache with the draft model
 `--cold`: 8 clients at once, each a distinct cold prompt of --cold-chars
 characters of Python and a --sweep-tokens answer, against fresh servers:
 segcache at --decode-concurrency 8 (prompts prefilled together), segcache
-one at a time (--decode-concurrency 1) and mlx_lm.server at
---decode-concurrency 8 (its own batched prefill), alternating, --rounds
-times; medians of aggregate tok/s and the ratios.
+one at a time (--decode-concurrency 1), mlx_lm.server at
+--decode-concurrency 8 (its own batched prefill) and, where it is installed
+(--vllm-mlx, default /work/peers/vllm-mlx/bin/vllm-mlx), vllm-mlx serving
+with --continuous-batching --max-num-seqs 8 on the same OpenBLAS,
+interleaved in each of --rounds rounds; per-round ratios, the load average
+of each round, and medians.
+
+`--lone`: one client, one cold prompt of --cold-chars characters and a
+--sweep-tokens answer, against fresh servers at segcache's default
+--decode-concurrency and at --decode-concurrency 1, interleaved for
+--rounds rounds: medians of TTFT and of the decode rate after the first
+token (a lone request must be as fast at the default as one at a time).
 
 `--join`: 4 streams decode (--sweep-tokens each); once each has its first
 token a long prompt (--join-chars) arrives. Reports the longest gap between
@@ -195,6 +205,20 @@ def streamed(client: openai.OpenAI, prompt: str, tokens: int) -> tuple[float, in
     return (ttft if ttft is not None else time.perf_counter() - tic), n
 
 
+def timed(client: openai.OpenAI, prompt: str, tokens: int) -> tuple[float, float]:
+    """(seconds to the first token, decode tok/s after it) of one streamed greedy completion."""
+    tic = time.perf_counter()
+    ttft, n = None, 0
+    for ev in client.completions.create(model="default_model", prompt=prompt, max_tokens=tokens, temperature=0.0,
+                                        stream=True, stream_options={"include_usage": True}):
+        if ev.choices and ttft is None:
+            ttft = time.perf_counter() - tic
+        if ev.usage is not None:
+            n = ev.usage.completion_tokens
+    total = time.perf_counter() - tic
+    return ttft, (n - 1) / max(total - ttft, 1e-9)
+
+
 def burst(server: Proc, prompts: list[str], tokens: int) -> tuple[float, float]:
     """Start `server`, warm it, run all prompts at once; (aggregate tok/s, mean TTFT s)."""
     server.start()
@@ -331,24 +355,71 @@ def cold(args, env, mlx_env, work: Path) -> int:
         "mlx_lm.server": ([sys.executable, "-m", "mlx_lm.server", "--model", args.model, "--log-level", "WARNING",
                            "--decode-concurrency", str(n), "--prompt-concurrency", str(n)], mlx_env),
     }
+    if args.vllm_mlx and Path(args.vllm_mlx).exists():
+        # its own venv (its own mlx), the same OpenBLAS preloaded as for mlx_lm.server
+        configs["vllm-mlx"] = ([args.vllm_mlx, "serve", args.model, "--offline", "--continuous-batching",
+                                "--max-num-seqs", str(n), "--host", "127.0.0.1", "--served-model-name", "default_model"],
+                               {k: v for k, v in mlx_env.items() if k != "PYTHONPATH"})
     got = {name: [] for name in configs}
-    print(f"{n} clients at once, cold prompts of {args.cold_chars} characters, {args.sweep_tokens} tokens each")
+    loads = []
+    print(f"{n} clients at once, cold prompts of {args.cold_chars} characters, {args.sweep_tokens} tokens each; "
+          f"servers: {', '.join(configs)}")
     for r in range(args.rounds):
-        for name, (cmd, e) in configs.items():
+        loads.append(os.getloadavg()[0])
+        order = list(configs)[r % len(configs):] + list(configs)[: r % len(configs)]  # interleaved, rotated
+        for name in order:
+            cmd, e = configs[name]
             port = _port()
             full = cmd + ["--port", str(port)]
             if name.startswith("segcache"):  # a fresh store each time: every prompt is cold
                 full += ["--prompt-cache-dir", str(work / f"store-cold-{r}-{name.replace(' ', '-')}")]
+            if name == "vllm-mlx":  # it keeps its prefix cache under ~/.cache between runs: a fresh home
+                e = dict(e, HOME=str(work / f"vllm-home-{r}"))
             tps, ttft = burst(Proc(name, full, e, port, work / f"cold-{name.replace(' ', '-')}.log"),
                               prompts, args.sweep_tokens)
             got[name].append(tps)
             print(f"  round {r + 1} {name:<14} {tps:7.1f} tok/s, mean TTFT {ttft * 1000:6.0f} ms", flush=True)
     med = {name: statistics.median(v) for name, v in got.items()}
-    print("\nmedians: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in med.items()))
-    print(f"segcache N=8 / mlx_lm.server: {med['segcache N=8'] / med['mlx_lm.server']:.2f}x (goal >= 1.2x); "
-          f"/ segcache one at a time: {med['segcache N=8'] / med['segcache one']:.2f}x (goal >= 2x)")
-    ratios = [a / b for a, b in zip(got["segcache N=8"], got["mlx_lm.server"])]
-    print("per round vs mlx_lm.server: " + ", ".join(f"{x:.2f}x" for x in ratios))
+    print(f"\nload average (1 min) at each round's start: {', '.join(f'{x:.1f}' for x in loads)}")
+    print("medians: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in med.items()))
+    for peer, goal in (("mlx_lm.server", 1.0), ("vllm-mlx", 1.0), ("segcache one", 2.0)):
+        if peer in got:
+            ratios = [a / b for a, b in zip(got["segcache N=8"], got[peer])]
+            print(f"segcache N=8 / {peer}: median of rounds {statistics.median(ratios):.2f}x (goal >= {goal}x); "
+                  "per round " + ", ".join(f"{x:.2f}x" for x in ratios))
+    return 0
+
+
+def lone(args, env, work: Path) -> int:
+    """One request alone: segcache at its default --decode-concurrency against --decode-concurrency 1."""
+    prompt = (MODELS / "heldout_other.txt").read_text()[: args.cold_chars]
+    ours = [sys.executable, "-m", "segcache.cli", "serve", "--model", args.model, "--log-level", "WARNING"]
+    configs = {"segcache default": ours, "segcache one": ours + ["--decode-concurrency", "1"]}
+    got = {name: [] for name in configs}
+    loads = []
+    print(f"one client, a cold prompt of {len(prompt)} characters, {args.sweep_tokens} tokens")
+    for r in range(args.rounds):
+        loads.append(os.getloadavg()[0])
+        for name in (list(configs) if r % 2 == 0 else list(configs)[::-1]):
+            port = _port()
+            tag = name.split()[1]
+            full = configs[name] + ["--port", str(port), "--prompt-cache-dir", str(work / f"store-lone-{r}-{tag}")]
+            server = Proc(name, full, env, port, work / f"lone-{tag}.log")
+            server.start()
+            try:
+                timed(server.client(), "def warm_up():\n", 4)
+                ttft, tps = timed(server.client(), prompt, args.sweep_tokens)
+            finally:
+                server.stop()
+            got[name].append((ttft, tps))
+            print(f"  round {r + 1} {name:<17} TTFT {ttft * 1000:6.0f} ms, decode {tps:6.1f} tok/s", flush=True)
+    print(f"\nload average (1 min) at each round's start: {', '.join(f'{x:.1f}' for x in loads)}")
+    for name, v in got.items():
+        print(f"{name:<17} median TTFT {statistics.median(t for t, _ in v) * 1000:6.0f} ms, "
+              f"decode {statistics.median(x for _, x in v):6.1f} tok/s")
+    a, b = got["segcache default"], got["segcache one"]
+    print("default / one, per round: TTFT " + ", ".join(f"{x[0] / y[0]:.2f}x" for x, y in zip(a, b))
+          + "; decode " + ", ".join(f"{x[1] / y[1]:.2f}x" for x, y in zip(a, b)))
     return 0
 
 
@@ -368,6 +439,10 @@ def main() -> int:
                     help="8 clients, cold prompts at once: batched against one at a time and mlx_lm.server")
     ap.add_argument("--cold-chars", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--vllm-mlx", default="/work/peers/vllm-mlx/bin/vllm-mlx",
+                    help="the vllm-mlx command for --cold (skipped where it is not installed)")
+    ap.add_argument("--lone", action="store_true",
+                    help="one request alone: the default --decode-concurrency against 1 (TTFT, decode tok/s)")
     args = ap.parse_args()
     context = (MODELS / "heldout_other.txt").read_text()[: args.context_chars]
     work = Path(tempfile.mkdtemp(prefix="segcache-bench-serve-"))
@@ -379,7 +454,10 @@ def main() -> int:
         mlx_env.update(LD_PRELOAD=libs[0], OPENBLAS_THREAD_TIMEOUT="4")
         blas = f"OpenBLAS, LD_PRELOAD={libs[0]}"
     if args.cold:
+        print(f"mlx_lm.server and vllm-mlx on {blas}; logs in {work}")
         return cold(args, env, mlx_env, work)
+    if args.lone:
+        return lone(args, env, work)
     if args.sweep or args.join:
         print(f"mlx_lm.server on {blas}; logs in {work}")
         return (sweep if args.sweep else join_bench)(args, env, mlx_env, work)

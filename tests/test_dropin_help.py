@@ -22,7 +22,6 @@ DEFAULTS_THAT_DIFFER = {
     ("serve", "--num-draft-tokens"): "drafts change the speed only; 4 was the fastest setting measured",
     ("serve", "--allowed-origins"): "no cross-origin caller unless asked for (mlx-lm allows every origin)",
     ("serve", "--chat-template"): "None instead of '': both mean the tokenizer's template",
-    ("serve", "--decode-concurrency"): "one request decoded at a time unless asked (batching is opt-in)",
     ("serve", "--prompt-cache-size"): "accepted and ignored: the store is bounded by bytes, not a count",
 }
 # options whose parsed value segcache keeps in another form (what the value means is the same)

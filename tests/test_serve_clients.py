@@ -104,8 +104,9 @@ def eos_model(tmp_path_factory, ref):
 
 def test_api_key_cors_queue_and_eos(tmp_path, eos_model):
     key = "s3cret-key"
+    # one request running at a time (the queue test below counts on it), one waiting at most
     srv = Server(tmp_path / "store", "--api-key", key, "--max-queue", "1", "--allowed-origins", "http://ok.example",
-                 model=eos_model, log_path=tmp_path / "serve.log").start()
+                 "--decode-concurrency", "1", model=eos_model, log_path=tmp_path / "serve.log").start()
     try:
         url = srv.url
         assert httpx.get(url + "/health", timeout=10).status_code == 200

@@ -204,9 +204,10 @@ def test_prefill_steps_yield_the_resume_then_between_forwards_and_end_as_prefill
 
 def test_cold_prompts_arriving_together_are_prefilled_in_shared_forwards(loaded, prompts, tmp_path):
     """Several prompts joining at once advance together, one forward per scheduler step for all of
-    them (a forward feeds every row the same count, stopping at each one's checkpoints): far fewer
-    forwards than one prompt at a time, each answer as the request alone, and the store holds what
-    each prompt's own `Runtime.prefill` would have published."""
+    them (each row feeds up to its next stop, shorter rows padded with per-row masks): the
+    forwards mlx-lm's BatchGenerator takes for them (ceil(longest / width), here one; equal
+    counts took one per distinct length), each answer as the request alone, and the store holds
+    what each prompt's own `Runtime.prefill` would have published."""
     model, tok = loaded
     texts = [TEXT[i * 700 : i * 700 + 400 + 60 * i] for i in range(4)]
     ids = {f"p{i}": tok.encode(t) for i, t in enumerate(texts)}
@@ -220,10 +221,12 @@ def test_cold_prompts_arriving_together_are_prefilled_in_shared_forwards(loaded,
         h.run()
         for rid, p in ids.items():
             assert h.text(rid) == _alone(loaded, p, 12), rid
-        alone_chunks = sum(_chunks(len(p) - 1) for p in ids.values())
-        assert h.engine.prefill_chunks < alone_chunks and max(n for n, _ in sizes) == len(ids)
         # nothing decoded while they all joined: the first forward took them together, unstalled
         assert sizes[0] == (len(ids), h.engine.prefill_step)
+        width = h.engine.prefill_step // len(ids)
+        assert len({len(p) for p in ids.values()}) == len(ids)  # of different lengths,
+        assert max(len(p) - 1 for p in ids.values()) < min(width, h.engine.checkpoint_interval)  # no stop before
+        assert h.engine.prefill_chunks == len(sizes) == math.ceil(max(len(p) - 1 for p in ids.values()) / width)
         for rid, p in ids.items():
             req = GenRequest(rid, p, 1)
             Runtime(model, store=alone).prefill(p[:-1], checkpoints=h.engine._checkpoints(req))

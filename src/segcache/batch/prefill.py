@@ -1,10 +1,13 @@
 """Prompts prefilled together: one forward over every joining row per step.
 
-    row A  [ held ......... | c | c | ... ]     every row feeds the same count c per forward,
-    row B  [ held | c | c | c | ... ]          outside any branch: no padding, nothing to commit
-                                               or replay, so Gated DeltaNet rows run the chunked
-    c = min(budget // rows, each row's         recurrence over all rows at once
-            distance to its next stop)
+                forward 1      forward 2      forward 3
+    row A   held | c            | c            | a · · · ·     c = max(1, budget // rows), a forward's width
+    row B   held | c            | c            | c             n_i = min(c, row i's distance to its next stop)
+    row C   held | s · · · · · ·| c            | c · ·         · pads: shorter rows right-padded to max n_i
+
+Every row feeds its own n_i in one model call (`BatchRuntime.forward_padded`:
+per-row masks), outside any branch: nothing to commit or replay, so Gated
+DeltaNet rows run the chunked recurrence over all rows at once.
 
 A stop is a position where the caller wants the row's state (a checkpoint for
 the prefix store, or the prompt's end): the step that reaches it hands back a
@@ -13,6 +16,16 @@ written). A row that reaches its last stop leaves the batch. Rows join and
 leave between steps, each from (and back to) a `Runtime`, so the store's
 resume and publish see single sequences as always.
 
+Forwards: prompts joining together with r_i tokens left and no stop before
+their ends take ceil(max r_i / c) forwards, what mlx-lm's BatchGenerator
+takes at that width (it right-pads too), not one more per distinct length.
+Padding never reaches a row's state: KV and window rows advance by their
+real count (pads lie past the row's end, where no real query looks), and a
+recurrent row's state and conv tail pass through its pads unchanged. A
+model with a layer kind that cannot mask pads (`BatchRuntime.pads_rows`:
+state kinds other than Gated DeltaNet) feeds every row the same count
+instead, min(c, every row's distance to its next stop).
+
 Why it pays on a CPU: a forward of a few hundred tokens of a small model is
 dominated by per-operation overhead, which one forward over B rows pays once
 (measured in bench/serve.py --cold; docs/batching.md).
@@ -20,6 +33,7 @@ dominated by per-operation overhead, which one forward over B rows pays once
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Hashable
 
@@ -28,6 +42,8 @@ import mlx.core as mx
 from ..errors import InvariantError
 from ..runtime import Runtime
 from .runtime import BatchRuntime
+
+log = logging.getLogger("segcache.prefill")
 
 
 @dataclass
@@ -61,6 +77,9 @@ class PrefillBatch:
     def __init__(self, model, *, recurrent_strategy: str = "auto", gdn_prefill: str = "auto"):
         self.batch = BatchRuntime(model, recurrent_strategy=recurrent_strategy, gdn_prefill=gdn_prefill)
         self.prompts: dict[Hashable, _Prompt] = {}
+        # row id -> tokens it fed in the last step: its rows of that forward's outputs
+        # (logits, hidden states) are [:fed], the rest are pads
+        self.fed: dict[Hashable, int] = {}
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -86,21 +105,28 @@ class PrefillBatch:
         del self.prompts[row_id]
 
     def step(self, budget: int) -> list[Reached]:
-        """One forward of at most `budget` tokens over all rows (at least one per row).
+        """One forward of at most `budget` tokens (pads included) over all rows, at least one per row.
 
-        Returns the rows that reached a stop, each with its state there.
+        Returns the rows that reached a stop, each with its state there; `fed` then
+        gives what each row of the forward fed (its outputs are valid on [:fed]).
         """
         ids = self.batch.ids
         if not ids:
             return []
         prompts = [self.prompts[r] for r in ids]
-        c = max(1, min(budget // len(ids), min(p.stops[0] - p.pos for p in prompts)))
-        logits = self.batch.forward([p.ids[p.pos : p.pos + c] for p in prompts])
-        last = logits[:, -1, :] * 1  # own buffer: do not pin the [B, S, vocab] logits
+        c = max(1, budget // len(ids))
+        counts = [min(c, p.stops[0] - p.pos) for p in prompts]
+        if not self.batch.pads_rows:
+            counts = [min(counts)] * len(counts)
+        logits = self.batch.forward_padded([p.ids[p.pos : p.pos + n] for p, n in zip(prompts, counts)])
+        # each row's last real position, in a buffer of its own (do not pin the [B, S, vocab] logits)
+        last = logits[mx.arange(len(ids)), mx.array(counts) - 1]
         mx.eval(last)
+        self.fed = dict(zip(ids, counts))
+        log.debug("prefill forward: budget %d, %d rows fed %s", budget, len(ids), counts)
         out = []
-        for i, (rid, p) in enumerate(zip(ids, prompts)):
-            p.pos += c
+        for i, (rid, p, n) in enumerate(zip(ids, prompts, counts)):
+            p.pos += n
             if p.pos == p.stops[0]:
                 p.stops.pop(0)
                 out.append(Reached(rid, p.pos, self.batch.to_runtime(rid), last[i : i + 1], not p.stops))

@@ -7,11 +7,25 @@
     br.forward([[y_a, d1, d2], [y_b]])            # ragged: row b padded on the right
     br.commit([3, 1])                             # each row keeps its own count
     br.leave("a")                                 # the others are untouched
+    br.forward_padded([[p1, p2, p3], [q1]])       # outside a branch: masks keep row b's pads out
 
 Rules that keep padding out of committed state: a forward whose rows differ
 in length must run inside the branch and is its last forward (the branch is
 then sealed); each row commits at most the tokens it really fed. Rolling one
 row back is committing 0 for it. One branch level.
+
+Outside a branch, `forward_padded` runs rows of different lengths in one
+call with per-row masks instead (mlx-lm's right-padding protocol, `prepare`
+/ `finalize` on every layer), where every layer's kind takes them
+(`pads_rows`: full attention, sliding window, Gated DeltaNet):
+
+    row a  [ held a | p1 p2 p3 ]          KV / window: pads written past the row's end, which
+    row b  [ held b | q1 pad pad ]        no real query sees; its length moves by its real count
+                                          GDN: the mask holds the state through pads and zeroes
+                                          their conv inputs; the tail is taken after q1
+
+so each row ends holding exactly its real tokens, with nothing to commit or
+replay (the chunked GDN recurrence runs over all rows at once).
 """
 
 from __future__ import annotations
@@ -245,6 +259,52 @@ class BatchRuntime:
         for row, t in zip(self.rows, tokens):
             row.tokens.extend(int(v) for v in t)
         self.sealed = ragged
+        return logits
+
+    @property
+    def pads_rows(self) -> bool:
+        """Whether `forward_padded` takes rows of different lengths (every layer's kind masks pads)."""
+        return all(getattr(layer, "pads_rows", False) for layer in self.cache)
+
+    def forward_padded(self, tokens: Sequence[Sequence[int]], *, pad: int = 0) -> mx.array:
+        """One model call over every row outside a branch, rows of different lengths right-padded.
+
+        Every layer is told each row's real count (`prepare(lengths=...)`), so row i
+        holds exactly `tokens[i]` after it: KV and window rows advance by their own
+        count, recurrent rows keep their state and conv tail through the pads. Rows
+        of one length are `forward`. `pad` is the id the pads carry: any id gives every
+        row the same bits. Returns logits [B, S_max, V]; row i's are valid at
+        [:len(tokens[i])].
+
+        Raises:
+            ValueError: wrong number of rows or an empty row; nothing changed.
+            BranchError: a branch is open; nothing changed.
+            UnsupportedOperationError: rows differ in length and a layer's kind cannot mask
+                them (`pads_rows`: state kinds other than Gated DeltaNet); nothing changed.
+        """
+        if self.branch_open:
+            raise BranchError("forward_padded() with a branch open: a branch pads with forward() and commit()")
+        if len(tokens) != len(self.rows) or not self.rows or any(len(t) == 0 for t in tokens):
+            raise ValueError(f"forward_padded(): one non-empty token list per row ({len(self.rows)} rows)")
+        counts = [len(t) for t in tokens]
+        S = max(counts)
+        if min(counts) == S:
+            return self.forward(tokens)
+        if not self.pads_rows:
+            kinds = sorted({type(layer).__name__ for layer in self.cache if not getattr(layer, "pads_rows", False)})
+            raise UnsupportedOperationError(f"forward_padded(): {', '.join(kinds)} cannot mask padded rows; "
+                                            "feed rows of one length")
+        x = mx.array([list(t) + [pad] * (S - len(t)) for t in tokens], dtype=mx.uint32)
+        padding = [S - n for n in counts]
+        for layer in self.cache:
+            layer.prepare(lengths=counts, right_padding=padding)
+        try:
+            logits = self.model(x, cache=self.cache)
+        finally:  # a failed call leaves the batch to be dropped (as forward's), never masks behind
+            for layer in self.cache:
+                layer.finalize()
+        for row, t in zip(self.rows, tokens):
+            row.tokens.extend(int(v) for v in t)
         return logits
 
     def _forward_array(self, tokens: mx.array) -> mx.array:

@@ -186,6 +186,9 @@ class BatchKVLayer(RowLengths):
     """Full attention over B rows with per-row lengths (mlx-lm's cache protocol for the model)."""
 
     step = 256
+    # A right-padded forward outside a branch (`prepare` / `finalize`) keeps each row exact:
+    # pads land past the row's end, where no real query looks, and only its length moves.
+    pads_rows = True
 
     def __init__(self, rows: int = 0):
         self.keys = None  # [B, H, T, D]; row i valid on [0, lengths[i])

@@ -280,7 +280,16 @@ class BatchRecurrentLayer(StackedRows, RecurrentLayer):
     It is a `RecurrentLayer`, so the family adapter records each branch
     forward's inputs here (`Steps` over all B rows), and `commit_rows` cuts
     them per row.
+
+    Outside a branch a right-padded forward (`prepare(lengths=...)`, then
+    `finalize()`) sets `lengths`: the model's mask (`make_mask`) then holds
+    each row's state through its pads (mlx-lm's recurrence and the chunked
+    one both keep the state at a masked step) and zeroes their conv inputs,
+    and the conv tail is taken after each row's last real token, so a row's
+    tail and state are those of its real tokens only.
     """
+
+    pads_rows = True
 
     # -- branches --------------------------------------------------------------------
 
@@ -366,6 +375,9 @@ class BatchRecurrentLayer(StackedRows, RecurrentLayer):
             raise InvariantError(f"{where}: conv {conv.shape} / state {state.shape} do not line up")
         if len(self.marks) > 1:
             raise InvariantError(f"{where}: one branch level at most")
+        if self.lengths is not None and self.row_offsets is None:
+            # a BatchRuntime's layer: a padded forward's mask ends with it (finalize)
+            raise InvariantError(f"{where}: padding lengths left set after a forward")
 
     # -- mlx-lm's batch-cache protocol (ArraysCache.merge, BatchGenerator) --------------------
 

@@ -149,8 +149,11 @@ class StackedRows:
         self.offset = max(self.row_offsets, default=0)
 
     def prepare(self, lengths=None, **kwargs) -> None:
-        """Before a right-padded forward (BatchGenerator): mlx-lm's mask keeps pads out of the state."""
-        self._rows_known("prepare")
+        """Before a right-padded forward (BatchGenerator's, or `BatchRuntime.forward_padded`): row i
+        feeds `lengths[i]` real tokens; mlx-lm's mask (`make_mask`) keeps the pads out of the state
+        and the conv tail is taken after each row's last real token."""
+        if self.marks:
+            raise BranchError("prepare() with an open branch: a branch forward is never padded this way")
         ArraysCache.prepare(self, lengths=lengths)
 
     def finalize(self) -> None:

@@ -295,6 +295,10 @@ class BatchWindowLayer(RowLengths):
 
     step = 256
     keep = 0
+    # A right-padded forward outside a branch (`prepare` / `finalize`) keeps each row exact:
+    # pads land past the row's end, so only its length moves.
+    pads_rows = True
+    _finalized: list[int] | None = None  # row lengths once a padded forward is done (prepare -> finalize)
 
     def __init__(self, max_size: int, rows: int = 0, *, keep: int = 0):
         if keep:
@@ -480,6 +484,34 @@ class BatchWindowLayer(RowLengths):
             raise BranchError("extend() with a branch open on the other cache: commit or roll it back first")
         for i in range(len(other.lengths)):
             self.add_row(*other.row_state(i))
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
+        """Before a right-padded forward: row i feeds `lengths[i]` real tokens, then pads.
+
+        The forward writes every row's S columns where the row ends, as always; a
+        real query attends only positions before it (and within the window), so
+        the pads after a row's last real token reach nothing it computes, and
+        `finalize` sets the row's length to its real tokens: the next forward
+        writes over the pads. The columns a row keeps (its last max_size keys)
+        are then exactly those of its real tokens.
+
+        Raises:
+            BranchError: a branch is open.
+            UnsupportedOperationError: left padding (rows are never shifted).
+        """
+        if self.marks is not None:
+            raise BranchError("prepare() with an open branch: commit or roll it back first")
+        if left_padding is not None and any(ints(left_padding)):
+            raise UnsupportedOperationError("prepare(left_padding=...): a window layer keeps per-row lengths; "
+                                            "right-pad the rows (prepare(lengths=...))")
+        if lengths is not None:
+            self._finalized = [L + n for L, n in zip(self.lengths, ints(lengths))]
+
+    def finalize(self) -> None:
+        """After the padded forward: each row holds its real tokens only."""
+        ends = self._finalized
+        if ends is not None:
+            self.lengths, self._finalized = ends, None
 
     @property
     def nbytes(self) -> int:

@@ -26,7 +26,7 @@ from decimal import Decimal
 from pathlib import Path
 
 from .. import dropin
-from ..errors import ModelError, SegcacheError, StoreError
+from ..errors import ModelError, SegcacheError, StoreError, UnsupportedModelError
 from .isolation import read_keys
 from .paths import default_cache_dir, private_dirs, shown
 
@@ -114,10 +114,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "is idle (default 0: from the descriptor limit, raised to the hard limit at start)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting at most; more get 429 (default 64)")
     p.add_argument("--max-body-bytes", type=parse_size, default=8 << 20, help="largest request body (default 8M)")
-    p.add_argument("--decode-concurrency", type=int, default=1,
-                   help="requests decoded together in one batched forward (default 1), with or without a drafter; "
+    p.add_argument("--decode-concurrency", type=int, default=32,
+                   help="requests decoded together in one batched forward (default 32, as mlx_lm.server; 1: one "
+                        "at a time), with or without a drafter; a lone request runs as fast as one at a time; "
                         "with --kv-bits requests decode one at a time (batched rows hold unquantized KV), as "
-                        "mlx_lm.server serves quantized KV")
+                        "mlx_lm.server serves quantized KV, and so they do on a model whose caches cannot be "
+                        "batched")
     p.add_argument("--prompt-concurrency", type=int, default=8,
                    help="prompts being prefilled at once, at most (default 8, as mlx_lm.server): with "
                         "--decode-concurrency above 1 they advance together, one forward per step for all "
@@ -398,8 +400,18 @@ def run(args: argparse.Namespace) -> int:
     if kv is not None:
         options["kv"] = kv  # one row at a time: batched rows hold unquantized KV (_apply_mlx_lm_flags)
     running = args.decode_concurrency
-    engine = Engine(model, tokenizer, decode_concurrency=running, prompt_concurrency=args.prompt_concurrency,
-                    group=group.channel if group is not None else None, **options)
+    channel = group.channel if group is not None else None
+    try:
+        engine = Engine(model, tokenizer, decode_concurrency=running, prompt_concurrency=args.prompt_concurrency,
+                        group=channel, **options)
+    except UnsupportedModelError as exc:
+        if running == 1:
+            raise
+        # as mlx_lm.server, which batches the requests whose caches are batchable: this model's are not
+        log.warning("requests are decoded one at a time (--decode-concurrency %d does not apply: %s)", running, exc)
+        running = args.decode_concurrency = 1
+        engine = Engine(model, tokenizer, decode_concurrency=1, prompt_concurrency=args.prompt_concurrency,
+                        group=channel, **options)
     if group is not None and not group.leader:  # no HTTP here: rank 0's steps, until it stops or is lost
         return group.follow(engine, args, store, path)
     if group is not None:

@@ -558,8 +558,8 @@ class Engine:
                 reached = batch.step(self.prefill_chunk if len(self.decoder) else self.prefill_step)
                 if self.mtp is not None:  # each prompt's row of the forward's hidden states
                     fed = self.decoder.drafter.tap.chunks[-1]
-                    for i, rid in enumerate(ids):
-                        self._joining[rid].hidden.append(fed[i])
+                    for i, rid in enumerate(ids):  # its real positions: a shorter row's pads are not its
+                        self._joining[rid].hidden.append(fed[i, : batch.fed[rid]])
         except Exception as exc:  # every prompt of the forward fails; the batch is dropped whole
             log.exception("a prefill forward of %d prompt(s) failed; failing each of them", rows)
             for rid in list(batch.prompts):
