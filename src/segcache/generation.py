@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import operator
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence, Union
 
@@ -34,22 +33,17 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .acceptors import make_acceptor
 from .batch.decoder import BatchDecoder
-from .drafters import eval_cache, feed
+from .batch.gate import DRAFT_MIN_PROB
 from .errors import BranchError
 from .kvquant import KVQuantization
 from .processors import Processors
+from .ranks import agreement
 from .runtime import Runtime
 from .sampling import Keys
+from .session.session import Session
 from .stats import GenerationStats
 
 __all__ = ["DRAFT_MIN_PROB", "GenerationResponse", "GenerationStats", "generate", "stream_generate"]
-
-# The default `draft_min_prob` (see stream_generate). The shipped draft's
-# greedy token matched the target's 95-100% of the time when it gave it
-# p >= 0.3 and 50-68% below; 0.25 was among the fastest settings on
-# held-out code prompts with 4 drafts per round (docs/benchmarks.md).
-DRAFT_MIN_PROB = 0.25
-
 
 @dataclass
 class GenerationResponse:
@@ -79,63 +73,30 @@ class GenerationResponse:
     stats: Optional[GenerationStats] = None
 
 
-def _tokens(decoder: BatchDecoder, runtime: Runtime, draft: Optional[Runtime], ids: list, history: list, *,
-            acceptor, max_tokens: int, prefill_step: int, checkpoints, stats, processors, stops) -> Iterator[tuple]:
-    """Prefill, then the decoder's steps on the runtime as a row of one: yields (token, logprobs,
-    from_draft) until closed. Every exit settles the open round at the tokens yielded."""
-    if len(ids) > 1:
-        with _collecting(decoder) as hidden:  # with MTP, the prefill's hidden states for its head
-            if runtime.store is not None:  # resume from the prefix store, publish the prompt
-                runtime.prefill(history[:-1], step_size=prefill_step, checkpoints=checkpoints)
-            else:
-                feed(runtime, ids[:-1], prefill_step)
-        if hidden:
-            draft = _hidden_states(hidden, len(history) - 1)
-    decoder.add(0, runtime, history[-1], acceptor=acceptor, max_tokens=max_tokens, draft_runtime=draft, stats=stats,
-                processors=processors, stop_tokens=stops)
-    clean = False
+def _tokens(session: Session, *, prefill_step: int, **row) -> Iterator[tuple]:
+    """The session's row 0: prefill, then the decoder's steps; yields (token, logprobs, from_draft)
+    until closed. Every exit settles the row at the tokens yielded; only a close (not an error)
+    feeds and publishes them (`Session.leave`)."""
+    session.begin()
+    for _ in session.feed(prefill_step):
+        pass
+    session.join(0, session.ready(), **row)
+    failed = True
     emitted, taken = (), None  # the step whose tokens are being yielded, and how many were
     try:
         while True:
-            emitted, taken = decoder.step()[0], 0
+            emitted, taken = session.step(0), 0
             for token, logprobs, from_draft in emitted:
                 taken += 1
                 yield token, logprobs, from_draft
             taken = None
     except GeneratorExit:
-        clean = True
+        failed = False
         raise
     finally:
-        if 0 in decoder.rows:
-            tic = time.perf_counter()
-            if taken is not None and taken < len(emitted):  # closed mid-round: keep what was yielded
-                decoder.settle({0: taken})
-            # Feed the last emitted token only on a normal stop: after an error no further
-            # forward is attempted (the runtime then holds one token less than was emitted).
-            rt = decoder.release(0, pending=clean)
-            eval_cache(rt)
-            stats.commit_time += time.perf_counter() - tic
-            if clean and rt.store is not None:
-                rt.publish()  # the next turn resumes from prompt + reply
-
-
-@contextmanager
-def _collecting(decoder: BatchDecoder):
-    """With an MTP drafter, collect the hidden states of the forwards the block runs."""
-    if decoder.mode != "mtp":
-        yield None
-        return
-    with decoder.drafter.tap.collecting() as chunks:
-        yield chunks
-
-
-def _hidden_states(chunks: list, held: int):
-    """The prefill's hidden states as the MTP row's `HiddenStates`: the last positions of the
-    `held` tokens (a prefix restored from the store has none: the drafter computes those)."""
-    from .mtp.drafter import HiddenStates
-
-    hidden = mx.concatenate([c[0] for c in chunks], axis=0)
-    return HiddenStates(hidden) if hidden.shape[0] <= held else None
+        if 0 in session.decoder.rows and taken is not None and taken < len(emitted):
+            session.settle(0, taken)  # closed mid-round: keep what was yielded
+        session.leave(0, failed=failed)
 
 
 def _mtp_head(model, mtp):
@@ -332,9 +293,10 @@ def stream_generate(
     )
     stats = GenerationStats(mode=decoder.mode, prompt_tokens=len(ids))
     acceptor = make_acceptor(sampler, None if seed is None else Keys(seed))
-    tokens = _tokens(decoder, runtime, draft, ids, history, acceptor=acceptor, max_tokens=max_tokens,
-                     prefill_step=prefill_step_size, checkpoints=prefill_checkpoints, stats=stats,
-                     processors=processors, stops=tokenizer.eos_token_ids)
+    session = Session(decoder, runtime, history, draft=draft, checkpoints=prefill_checkpoints,
+                      prefill_step=prefill_step_size, agree=agreement(runtime.group), keep=True)
+    tokens = _tokens(session, prefill_step=prefill_step_size, acceptor=acceptor, max_tokens=max_tokens,
+                     stats=stats, processors=processors, stop_tokens=tokenizer.eos_token_ids)
     return _responses(tokens, tokenizer, max_tokens, stats)
 
 
