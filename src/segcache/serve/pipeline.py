@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Optional
 
-from .engine import Chunk, Failure, Finish, Usage
+from .engine import Chunk, Failure, Finish, Progress, Usage
 from .errors import APIError
 from .output import Markup, Splitter, new_call_id
 
@@ -120,9 +120,9 @@ class Run:
         stops = self.turn.stops if self.turn is not None else self.gen.stops
         return finish.stop if finish.stop in stops else None
 
-    async def events_of(self, request: Optional["Request"] = None) -> AsyncIterator[object]:
+    async def events_of(self, request: Optional["Request"] = None, progress: bool = False) -> AsyncIterator[object]:
         """The engine's events: Chunks and a Finish per choice (the last one marked `last`),
-        or a Failure. With `request` (a
+        or a Failure; with `progress`, the prefill's `Progress` events too. With `request` (a
         non-streaming client) the client is checked every POLL seconds; gone, the job is
         cancelled and ClientGone raised."""
         checked = time.monotonic()
@@ -141,6 +141,8 @@ class Run:
                             raise ClientGone()
                     if event is None:
                         continue
+                if isinstance(event, Progress) and not progress:
+                    continue
                 yield event
                 if isinstance(event, Failure) or (isinstance(event, Finish) and event.last):
                     return
