@@ -86,6 +86,7 @@ class Session:
         self.plan: store_prefill.Prefill | None = None  # the target's prefill, once begun
         self.hidden = Hidden(decoder)  # with MTP: the hidden states of what the prefill fed
         self.rows: dict[Hashable, _Row] = {}
+        self.joined = 0  # rows that joined so far (left ones included)
         self.failed: Optional[str] = None  # a forward of a batch that fed it failed
         self.in_batch = False  # a PrefillBatch row feeds it (then that row holds plan.pos, not `runtime`)
         self.fed = 0  # prompt tokens fed so far (a PrefillBatch row's count, between its stops too)
@@ -178,6 +179,7 @@ class Session:
             draft = draft.clone()
         self.decoder.add(row, rt, self.history[-1], draft_runtime=draft, stats=stats, **options)
         self.rows[row] = _Row(draft, stats)
+        self.joined += 1
 
     def step(self, row: Hashable) -> list:
         """The decoder's step (for a decoder of this session's rows only): `row`'s tokens."""
@@ -215,7 +217,7 @@ class Session:
         """Verify the invariants of the fields (see the class docstring)."""
         if self.plan is not None:
             self.plan.check()
-            if not self.rows and not self.in_batch and not self.failed:
+            if not self.joined and not self.in_batch and not self.failed:
                 held = self.runtime.tokens
                 if self.runtime.depth or len(held) != self.plan.pos:
                     raise InvariantError(f"the session's runtime holds {len(held)} tokens "
