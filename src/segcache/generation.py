@@ -265,36 +265,21 @@ def stream_generate(
     if draft_model is not None:
         draft = draft_runtime if draft_runtime is not None else Runtime(draft_model, max_kv_size=max_kv_size)
         _check_runtime(draft, draft_model, "draft_runtime")
-        held = draft.tokens
-        if held != history[: len(held)] or len(held) >= len(history):
-            raise ValueError(
-                f"draft_runtime holds {len(held)} tokens that are not a prefix of the target's "
-                f"{len(history) - 1} + the prompt's last; pass a draft runtime that followed this target"
-            )
-        if None in history[len(held) : len(history) - 1]:  # ids the draft must still be fed
-            raise ValueError(
-                "the target runtime holds tokens fed without Runtime.forward (ids unknown) that the draft "
-                "runtime has not seen, so it cannot be brought up to date; use prompt lookup, a draft "
-                "runtime holding those tokens (e.g. loaded from the same prompt cache file), or a fresh runtime"
-            )
-    if head is not None and None in history[: len(history) - 1]:
-        raise ValueError("the target runtime holds tokens fed without Runtime.forward (ids unknown), "
-                         "which the MTP head needs; use a fresh runtime")
-    if quantization is not None:  # both checked before either changes
-        for rt in filter(None, (runtime, draft)):
-            rt.check_quantize_kv(quantization)
-        for rt in filter(None, (runtime, draft)):
-            rt.quantize_kv(quantization)
     decoder = BatchDecoder(
         model, num_draft_tokens=num_draft_tokens if draft is not None or prompt_lookup or head else 0,
         draft_model=draft_model if draft is not None else None, prefill_step=prefill_step_size,
         draft_min_prob=draft_min_prob if adaptive and draft is not None else 0.0,
         gate=False, one_row=True, adaptive=adaptive, mtp=head,
     )
+    session = Session(decoder, runtime, history, draft=draft, checkpoints=prefill_checkpoints,  # checks the draft
+                      prefill_step=prefill_step_size, agree=agreement(runtime.group), keep=True)
+    if quantization is not None:  # both checked before either changes
+        for rt in filter(None, (runtime, draft)):
+            rt.check_quantize_kv(quantization)
+        for rt in filter(None, (runtime, draft)):
+            rt.quantize_kv(quantization)
     stats = GenerationStats(mode=decoder.mode, prompt_tokens=len(ids))
     acceptor = make_acceptor(sampler, None if seed is None else Keys(seed))
-    session = Session(decoder, runtime, history, draft=draft, checkpoints=prefill_checkpoints,
-                      prefill_step=prefill_step_size, agree=agreement(runtime.group), keep=True)
     tokens = _tokens(session, prefill_step=prefill_step_size, acceptor=acceptor, max_tokens=max_tokens,
                      stats=stats, processors=processors, stop_tokens=tokenizer.eos_token_ids)
     return _responses(tokens, tokenizer, max_tokens, stats)

@@ -104,24 +104,16 @@ class Engine:
                  num_draft_tokens: int = 4, prefill_step: int = 2048, checkpoint_interval: int = 256,
                  decode_concurrency: int = 1, prompt_concurrency: int = 8, vocab_size: Optional[int] = None,
                  grammars: Optional[Grammars] = None, kv=None, group=None, mtp=None):
-        self.model = model
-        self.tokenizer = tokenizer
-        self.store = store
-        self.draft_model = draft_model
-        self.prompt_lookup = prompt_lookup
-        self.num_draft_tokens = num_draft_tokens
-        self.prefill_step = prefill_step
-        self.checkpoint_interval = checkpoint_interval
+        self.model, self.tokenizer, self.store, self.draft_model = model, tokenizer, store, draft_model
+        self.prompt_lookup, self.num_draft_tokens = prompt_lookup, num_draft_tokens
+        self.prefill_step, self.checkpoint_interval = prefill_step, checkpoint_interval
         if kv is not None and decode_concurrency != 1:
             raise ValueError(f"kv quantization ({kv.describe()}) with decode_concurrency={decode_concurrency}: "
                              "batched rows hold unquantized KV only; decode one row at a time (decode_concurrency 1)")
         self.kv = kv
         self.vocab_size = vocab_size or len(tokenizer.vocab)
-        self.grammars = grammars
-        self.decode_concurrency = decode_concurrency
-        self.group = group
-        self.prompt_concurrency = prompt_concurrency
-        self.mtp = mtp
+        self.grammars, self.decode_concurrency, self.group = grammars, decode_concurrency, group
+        self.prompt_concurrency, self.mtp = prompt_concurrency, mtp
         drafting = prompt_lookup or draft_model is not None or mtp is not None
         one = decode_concurrency == 1
         # One row: the speculative width adapts per round, as stream_generate's (the cost gate

@@ -74,6 +74,10 @@ class Session:
         keep: the caller keeps the runtimes afterwards (`stream_generate`'s
             `runtime=`): a row that ends is released fed even without a store.
 
+    Raises:
+        ValueError: the draft runtime holds tokens that are not a prefix of `history`,
+            or ids the draft (or an MTP head) needs are unknown (fed without `forward`).
+
     Invariants (check()): until a row joins, `runtime` holds history[:plan.pos] outside any
     branch (unless a PrefillBatch row feeds it); every row of `rows` is the decoder's; the
     plan's own (prefill.Prefill).
@@ -88,8 +92,28 @@ class Session:
         self.rows: dict[Hashable, _Row] = {}
         self.joined = 0  # rows that joined so far (left ones included)
         self.failed: Optional[str] = None  # a forward of a batch that fed it failed
+        self._check_start()
         self.in_batch = False  # a PrefillBatch row feeds it (then that row holds plan.pos, not `runtime`)
         self.fed = 0  # prompt tokens fed so far (a PrefillBatch row's count, between its stops too)
+
+    def _check_start(self) -> None:
+        history, drt = self.history, self.draft
+        if drt is not None and self.decoder.mode == "draft":
+            held = drt.tokens
+            if held != history[: len(held)] or len(held) >= len(history):
+                raise ValueError(
+                    f"draft_runtime holds {len(held)} tokens that are not a prefix of the target's "
+                    f"{len(history) - 1} + the prompt's last; pass a draft runtime that followed this target"
+                )
+            if None in history[len(held) : len(history) - 1]:  # ids the draft must still be fed
+                raise ValueError(
+                    "the target runtime holds tokens fed without Runtime.forward (ids unknown) that the draft "
+                    "runtime has not seen, so it cannot be brought up to date; use prompt lookup, a draft runtime "
+                    "holding those tokens (e.g. loaded from the same prompt cache file), or a fresh runtime"
+                )
+        if self.decoder.mode == "mtp" and None in history[: len(history) - 1]:
+            raise ValueError("the target runtime holds tokens fed without Runtime.forward (ids unknown), "
+                             "which the MTP head needs; use a fresh runtime")
 
     # -- the prompt --------------------------------------------------------------------
 
