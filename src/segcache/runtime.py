@@ -192,7 +192,7 @@ class Runtime(KVSwitch):
         model: the model.
         cache: the layer caches, usable anywhere mlx-lm takes a prompt cache.
         cache_salt: the isolation domain (see Args); may be set before a prefill
-            or publish, e.g. on a runtime split off a batch.
+            or publish (a runtime split off a batch carries the salt of the one that joined).
 
     Raises:
         UnsupportedModelError: a layer's cache cannot be rolled back.
