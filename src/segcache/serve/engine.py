@@ -268,8 +268,8 @@ class Engine:
                 if plan.left and not one:
                     yield None  # another scheduler step: the running rows decode before the first chunk
                 forwards = plan.left > 0
-                with contextlib.closing(session.feed(min(self.prefill_step, self.prefill_chunk))
-                                        if not one else session.feed(self.prefill_step)) as feed:
+                chunk = self.prefill_step if one else min(self.prefill_step, self.prefill_chunk)
+                with contextlib.closing(session.feed(chunk)) as feed:
                     for progress in feed:  # closed mid-prefill: it stops there, publishing nothing
                         self.prefill_chunks += 1
                         yield progress
@@ -301,10 +301,11 @@ class Engine:
         self._prefilled = True
         ids = batch.batch.ids
         sessions = [self._joining[rid] for rid in ids]
+        budget = self.prefill_chunk if len(self.decoder) else self.prefill_step
         tic = time.perf_counter()
         try:
             with collecting([s.hidden for s in sessions]):  # with MTP, each prompt's row of the forward
-                reached = {r.row_id: r for r in batch.step(self.prefill_chunk if len(self.decoder) else self.prefill_step)}
+                reached = {r.row_id: r for r in batch.step(budget)}
         except Exception as exc:  # every prompt of the forward fails; the batch is dropped whole
             log.exception("a prefill forward of %d prompt(s) failed; failing each of them", len(ids))
             for rid, s in zip(ids, sessions):
