@@ -110,3 +110,25 @@ def test_a_session_keeps_its_invariants_through_its_life(tmp_path):
         again = Session(BatchDecoder(target, one_row=True), Runtime(target, store=store), nxt)
         assert again.begin().resume.restored == len(rt.tokens)  # prompt + answer, as published
         again.check()
+
+
+def test_the_surfaces_skip_progress_unless_asked():
+    """A request's `Progress` events reach its HTTP side; the surfaces' event stream passes them
+    on only when asked (keepalives), so every existing consumer sees Chunks and a Finish as before."""
+    import asyncio
+
+    from segcache.serve.engine import Usage
+    from segcache.serve.pipeline import Run
+
+    def events_of(progress):
+        async def main():
+            queue = asyncio.Queue()
+            for e in (Progress(3, 8), Progress(6, 8), Chunk("hi"), Finish("stop", Usage(8, 1, 0))):
+                queue.put_nowait(e)
+            run = Run(GenRequest("r", [1] * 8, 4), Job(GenRequest("r", [1] * 8, 4), lambda e: None), queue)
+            return [type(e).__name__ async for e in run.events_of(progress=progress)]
+
+        return asyncio.run(main())
+
+    assert events_of(False) == ["Chunk", "Finish"]
+    assert events_of(True) == ["Progress", "Progress", "Chunk", "Finish"]
