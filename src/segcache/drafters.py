@@ -28,12 +28,6 @@ from .mtp.drafter import MTP
 from .processors import normalize
 from .runtime import Runtime
 
-# The default `draft_min_prob` of stream_generate and the server. The shipped draft's
-# greedy token matched the target's 95-100% of the time when it gave it
-# p >= 0.3 and 50-68% below; 0.25 was among the fastest settings on
-# held-out code prompts with 4 drafts per round (docs/benchmarks.md).
-DRAFT_MIN_PROB = 0.25
-
 # A lag (tokens the target holds that the draft has not seen) up to this long
 # rides along in the draft's first forward of a round; longer lags are fed
 # outside the fork first, so a branch never holds a long prefill.

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import operator
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence, Union
 
@@ -33,17 +32,18 @@ import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .acceptors import make_acceptor
-from .batch.decoder import BatchDecoder
-from .drafters import DRAFT_MIN_PROB, eval_cache, feed, make_decoder
+from .batch.gate import DRAFT_MIN_PROB
+from .drafters import make_decoder
 from .errors import BranchError
 from .kvquant import KVQuantization
 from .processors import Processors
+from .ranks import agreement
 from .runtime import Runtime
 from .sampling import Keys
+from .session.session import Session
 from .stats import GenerationStats
 
 __all__ = ["DRAFT_MIN_PROB", "GenerationResponse", "GenerationStats", "generate", "stream_generate"]
-
 
 @dataclass
 class GenerationResponse:
@@ -73,63 +73,30 @@ class GenerationResponse:
     stats: Optional[GenerationStats] = None
 
 
-def _tokens(decoder: BatchDecoder, runtime: Runtime, draft: Optional[Runtime], ids: list, history: list, *,
-            acceptor, max_tokens: int, prefill_step: int, checkpoints, stats, processors, stops) -> Iterator[tuple]:
-    """Prefill, then the decoder's steps on the runtime as a row of one: yields (token, logprobs,
-    from_draft) until closed. Every exit settles the open round at the tokens yielded."""
-    if len(ids) > 1:
-        with _collecting(decoder) as hidden:  # with MTP, the prefill's hidden states for its head
-            if runtime.store is not None:  # resume from the prefix store, publish the prompt
-                runtime.prefill(history[:-1], step_size=prefill_step, checkpoints=checkpoints)
-            else:
-                feed(runtime, ids[:-1], prefill_step)
-        if hidden:
-            draft = _hidden_states(hidden, len(history) - 1)
-    decoder.add(0, runtime, history[-1], acceptor=acceptor, max_tokens=max_tokens, draft_runtime=draft, stats=stats,
-                processors=processors, stop_tokens=stops)
-    clean = False
+def _tokens(session: Session, *, prefill_step: int, **row) -> Iterator[tuple]:
+    """The session's row 0: prefill, then the decoder's steps; yields (token, logprobs, from_draft)
+    until closed. Every exit settles the row at the tokens yielded; only a close (not an error)
+    feeds and publishes them (`Session.leave`)."""
+    session.begin()
+    for _ in session.feed(prefill_step):
+        pass
+    session.join(0, session.ready(), **row)
+    failed = True
     emitted, taken = (), None  # the step whose tokens are being yielded, and how many were
     try:
         while True:
-            emitted, taken = decoder.step()[0], 0
+            emitted, taken = session.step(0), 0
             for token, logprobs, from_draft in emitted:
                 taken += 1
                 yield token, logprobs, from_draft
             taken = None
     except GeneratorExit:
-        clean = True
+        failed = False
         raise
     finally:
-        if 0 in decoder.rows:
-            tic = time.perf_counter()
-            if taken is not None and taken < len(emitted):  # closed mid-round: keep what was yielded
-                decoder.settle({0: taken})
-            # Feed the last emitted token only on a normal stop: after an error no further
-            # forward is attempted (the runtime then holds one token less than was emitted).
-            rt = decoder.release(0, pending=clean)
-            eval_cache(rt)
-            stats.commit_time += time.perf_counter() - tic
-            if clean and rt.store is not None:
-                rt.publish()  # the next turn resumes from prompt + reply
-
-
-@contextmanager
-def _collecting(decoder: BatchDecoder):
-    """With an MTP drafter, collect the hidden states of the forwards the block runs."""
-    if decoder.mode != "mtp":
-        yield None
-        return
-    with decoder.drafter.tap.collecting() as chunks:
-        yield chunks
-
-
-def _hidden_states(chunks: list, held: int):
-    """The prefill's hidden states as the MTP row's `HiddenStates`: the last positions of the
-    `held` tokens (a prefix restored from the store has none: the drafter computes those)."""
-    from .mtp.drafter import HiddenStates
-
-    hidden = mx.concatenate([c[0] for c in chunks], axis=0)
-    return HiddenStates(hidden) if hidden.shape[0] <= held else None
+        if 0 in session.decoder.rows and taken is not None and taken < len(emitted):
+            session.settle(0, taken)  # closed mid-round: keep what was yielded
+        session.leave(0, failed=failed)
 
 
 def _mtp_head(model, mtp):
@@ -298,37 +265,23 @@ def stream_generate(
     if draft_model is not None:
         draft = draft_runtime if draft_runtime is not None else Runtime(draft_model, max_kv_size=max_kv_size)
         _check_runtime(draft, draft_model, "draft_runtime")
-        held = draft.tokens
-        if held != history[: len(held)] or len(held) >= len(history):
-            raise ValueError(
-                f"draft_runtime holds {len(held)} tokens that are not a prefix of the target's "
-                f"{len(history) - 1} + the prompt's last; pass a draft runtime that followed this target"
-            )
-        if None in history[len(held) : len(history) - 1]:  # ids the draft must still be fed
-            raise ValueError(
-                "the target runtime holds tokens fed without Runtime.forward (ids unknown) that the draft "
-                "runtime has not seen, so it cannot be brought up to date; use prompt lookup, a draft "
-                "runtime holding those tokens (e.g. loaded from the same prompt cache file), or a fresh runtime"
-            )
-    if head is not None and None in history[: len(history) - 1]:
-        raise ValueError("the target runtime holds tokens fed without Runtime.forward (ids unknown), "
-                         "which the MTP head needs; use a fresh runtime")
-    if quantization is not None:  # both checked before either changes
-        for rt in filter(None, (runtime, draft)):
-            rt.check_quantize_kv(quantization)
-        for rt in filter(None, (runtime, draft)):
-            rt.quantize_kv(quantization)
     decoder = make_decoder(
         model, num_draft_tokens=num_draft_tokens if draft is not None or prompt_lookup or head else 0,
         draft_model=draft_model if draft is not None else None, prefill_step=prefill_step_size,
         draft_min_prob=draft_min_prob if adaptive and draft is not None else 0.0,
         gate=False, one_row=True, adaptive=adaptive, mtp=head,
     )
+    session = Session(decoder, runtime, history, draft=draft, checkpoints=prefill_checkpoints,  # checks the draft
+                      prefill_step=prefill_step_size, agree=agreement(runtime.group), keep=True)
+    if quantization is not None:  # both checked before either changes
+        for rt in filter(None, (runtime, draft)):
+            rt.check_quantize_kv(quantization)
+        for rt in filter(None, (runtime, draft)):
+            rt.quantize_kv(quantization)
     stats = GenerationStats(mode=decoder.mode, prompt_tokens=len(ids))
     acceptor = make_acceptor(sampler, None if seed is None else Keys(seed))
-    tokens = _tokens(decoder, runtime, draft, ids, history, acceptor=acceptor, max_tokens=max_tokens,
-                     prefill_step=prefill_step_size, checkpoints=prefill_checkpoints, stats=stats,
-                     processors=processors, stops=tokenizer.eos_token_ids)
+    tokens = _tokens(session, prefill_step=prefill_step_size, acceptor=acceptor, max_tokens=max_tokens,
+                     stats=stats, processors=processors, stop_tokens=tokenizer.eos_token_ids)
     return _responses(tokens, tokenizer, max_tokens, stats)
 
 

@@ -18,12 +18,16 @@ rather than at the exact token.
 Only full-attention KV layers switch (mlx-lm's `KVCache`); recurrent layers have
 nothing to quantize (mlx-lm skips `ArraysCache` too), and a sliding-window layer
 has no quantized form (mlx-lm's `RotatingKVCache.to_quantized` raises), so a
-Runtime refuses the setting on a model that has one.
+Runtime refuses the setting on a model that has one. Which kind does what is
+each layer kind's own hook (`kv_switches`, `kv_refused`, `kv_form`:
+layers/compat.py), so the switch (`KVSwitch`, a part of `Runtime`) tests no types.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .errors import BranchError
 
 # mlx_lm.generate.DEFAULT_QUANTIZED_KV_START (mlx_lm.server's too)
 DEFAULT_START = 5000
@@ -73,3 +77,105 @@ class KVQuantization:
 
     def describe(self) -> str:
         return f"kv_bits={self.bits}, kv_group_size={self.group_size}, quantized_kv_start={self.start}"
+
+
+class KVSwitch:
+    """The kv_bits switch of a `Runtime` (a base class of it; see the module docstring).
+
+    It works on the host's layers: `cache` (the layer caches, swapped here), `_layers`
+    (the ones it owns), `_branches`, `_own_layers(verb)` and `kv_quantization`.
+    """
+
+    def quantize_kv(self, setting: KVQuantization) -> None:
+        """Quantize full-attention layers from now on as mlx-lm's `kv_bits` does (see `segcache.kvquant`).
+
+        As in mlx-lm, a layer switches after a forward (outside a branch; else at
+        the commit closing the outermost branch) that leaves it holding
+        `setting.start` tokens or more; so even at start 0 the first forward runs
+        at full precision. Setting the same value again changes nothing.
+
+        Raises:
+            ValueError: another setting is in force, or a layer is a sliding window
+                (it has no quantized form); nothing changed.
+        """
+        self.check_quantize_kv(setting)
+        self.kv_quantization = setting
+
+    def check_quantize_kv(self, setting: KVQuantization) -> None:
+        """Raise what `quantize_kv(setting)` would raise, changing nothing."""
+        if not isinstance(setting, KVQuantization):
+            raise ValueError(f"quantize_kv() takes a segcache.kvquant.KVQuantization, got {setting!r}")
+        if self.kv_quantization is not None and setting != self.kv_quantization:
+            raise ValueError(
+                f"this runtime quantizes KV with {self.kv_quantization.describe()} already; "
+                f"build a new Runtime for {setting.describe()}"
+            )
+        self._own_layers("quantize_kv")
+        refused = [i for i, layer in enumerate(self.cache) if layer.kv_refused]
+        if refused:
+            raise ValueError(
+                f"kv_bits on a model whose layers {refused[:4]} are sliding windows "
+                f"({type(self.cache[refused[0]]).__name__}): a window has no quantized form (mlx-lm's "
+                "RotatingKVCache.to_quantized raises too); run this model without kv_bits"
+            )
+
+    def _quantize_due(self) -> None:
+        """Swap every full-attention layer holding `start` tokens or more for its quantized form."""
+        q = self.kv_quantization
+        due = [i for i, layer in enumerate(self.cache) if layer.kv_switches and layer.offset >= q.start]
+        if due:
+            self.quantize_layers({i: (q.group_size, q.bits) for i in due})
+
+    def quantize_layers(self, forms: dict) -> None:
+        """Swap layer i (a `kv_switches` kind) for its quantized form `forms[i]` = (group_size, bits); all or nothing.
+
+        The quantized layers are made first (MLX checks the shapes then: a group
+        size that does not divide the head dimension raises), then swapped.
+
+        Raises:
+            ValueError: MLX cannot quantize a layer so; nothing changed.
+        """
+        try:
+            made = {i: self.cache[i].to_quantized(group_size=g, bits=b) for i, (g, b) in forms.items()}
+        except ValueError as exc:
+            for i in forms:
+                self.cache[i].replaced_by = None
+            raise ValueError(f"cannot quantize the KV cache with group size / bits {sorted(set(forms.values()))}: {exc}") from None
+        for i, layer in made.items():
+            self.cache[i] = layer
+        self._layers = tuple(self.cache)
+
+    def quantized_forms(self) -> dict:
+        """{layer index: (group_size, bits)} of the layers holding quantized K/V."""
+        return {i: form for i, layer in enumerate(self.cache) if (form := layer.kv_form()) is not None}
+
+    def quantize_like(self, other: "Runtime") -> None:
+        """Quantize the layers `other` holds quantized, as `other` holds them (no branch may be open).
+
+        The prefix store probes a fresh runtime of the same layout with this.
+
+        Raises:
+            BranchError: a branch is open; nothing changed.
+            ValueError: the layouts differ; nothing changed.
+        """
+        if self._branches:
+            raise BranchError("quantize_like() with an open branch: commit or roll it back first")
+        self._own_layers("quantize_like")
+        forms = {i: f for i, f in other.quantized_forms().items() if self.cache[i].kv_switches}
+        if forms:
+            self.quantize_layers(forms)
+
+    def quantize_now(self) -> list:
+        """Swap every `kv_switches` layer for its quantized form in force now (an empty runtime:
+        empty quantized layers, e.g. to look a prompt up under the quantized layout); returns
+        the layers it had, for `put_back`. No branch may be open."""
+        own, q = list(self.cache), self.kv_quantization
+        self.quantize_layers({i: (q.group_size, q.bits) for i, layer in enumerate(own) if layer.kv_switches})
+        return own
+
+    def put_back(self, layers: list) -> None:
+        """Make `layers` (this runtime's own, of the same tokens, e.g. from `quantize_now`) its layers again."""
+        for layer in layers:
+            layer.replaced_by = None
+        self.cache[:] = layers
+        self._layers = tuple(layers)

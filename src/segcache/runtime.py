@@ -9,8 +9,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import time
 from typing import Generator, Iterable, Sequence
 
 import mlx.core as mx
@@ -18,23 +16,22 @@ from mlx_lm.models.cache import CacheList
 
 from . import registry
 from .adapters.chunked import chunked_threshold
-from .distributed.prefix import agree_restored, agree_resume
 from .errors import (
     BranchError,
     InvariantError,
     StoreError,
     UnsupportedOperationError,
 )
-from .kvquant import DEFAULT_GROUP_SIZE, DEFAULT_START, KVQuantization
-from .layers.compat import QuantizeRefused
-from .layers.kv import KVLayer
+from .kvquant import DEFAULT_GROUP_SIZE, DEFAULT_START, KVQuantization, KVSwitch
 from .layers.offset_branches import OffsetBranches
-from .layers.quantized import QuantizedKVLayer
-from .layers.protocol import PAGES, UNSTORED
+from .layers.protocol import UNSTORED
 from .layers.recurrent import STRATEGIES, RecurrentLayer
 from .layers.state import default_state_strategy
+from .prompt_layers import load_layers
+from .ranks import agreement
+from .session import prefill as store_prefill
 from .store import PrefixCache, Resume
-from .tokens import TokenLedger
+from .tokens import TokenLedger, token_array, token_ids
 
 RECURRENT_STRATEGIES = ("auto",) + STRATEGIES
 # Per runtime, over all recurrent layers: at Qwen3-Next sizes (36 GDN layers,
@@ -150,27 +147,7 @@ def _build_layers(model, strategy: str, branch_state_bytes: int, state_strategy:
     return [kind.build(cache, matched, options) for kind, cache, matched in plan]
 
 
-def _token_array(tokens: mx.array) -> mx.array:
-    """`tokens` as a 1-D integer array, checked by shape and dtype only (values stay unread)."""
-    if tokens.ndim == 2 and tokens.shape[0] == 1:
-        tokens = tokens[0]
-    if tokens.ndim != 1 or tokens.size == 0 or not mx.issubdtype(tokens.dtype, mx.integer):
-        raise ValueError(
-            f"tokens must be a non-empty 1-D integer array (or shape [1, S]); got {tokens.dtype} {tokens.shape}"
-        )
-    return tokens
-
-
-def _token_ids(tokens) -> list[int]:
-    if isinstance(tokens, mx.array):
-        tokens = _token_array(tokens).tolist()
-    ids = list(tokens) if isinstance(tokens, Iterable) else None
-    if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-        raise ValueError(f"tokens must be a non-empty sequence of non-negative ints; got {tokens!r:.80}")
-    return ids
-
-
-class Runtime:
+class Runtime(KVSwitch):
     """A model's cache as a stack of typed per-layer segments with exact branches.
 
     Args:
@@ -215,7 +192,7 @@ class Runtime:
         model: the model.
         cache: the layer caches, usable anywhere mlx-lm takes a prompt cache.
         cache_salt: the isolation domain (see Args); may be set before a prefill
-            or publish, e.g. on a runtime split off a batch.
+            or publish (a runtime split off a batch carries the salt of the one that joined).
 
     Raises:
         UnsupportedModelError: a layer's cache cannot be rolled back.
@@ -320,9 +297,9 @@ class Runtime:
             ValueError: `tokens` is empty or not token ids; nothing changed.
         """
         if isinstance(tokens, mx.array):
-            chunk = _token_array(tokens)  # left unread: no device sync per step
+            chunk = token_array(tokens)  # left unread: no device sync per step
         else:
-            chunk = _token_ids(tokens)
+            chunk = token_ids(tokens)
         self._own_layers("forward")
         self._sync()
         saved = [layer.savepoint() for layer in self.cache]
@@ -376,7 +353,7 @@ class Runtime:
             )
         self._own_layers("undo")
         if self._layers != point.own:  # kv_bits quantized layers since: the layers then are as they were
-            self._put_back(list(point.own))
+            self.put_back(list(point.own))
         self._sync()
         for layer, own in zip(self.cache, point.layers):
             layer.restore(own)
@@ -454,88 +431,7 @@ class Runtime:
         self._branches.pop()
         branch.open = False
 
-    # -- KV quantization (segcache.kvquant) -------------------------------------------
-
-    def quantize_kv(self, setting: KVQuantization) -> None:
-        """Quantize full-attention layers from now on as mlx-lm's `kv_bits` does (see `segcache.kvquant`).
-
-        As in mlx-lm, a layer switches after a forward (outside a branch; else at
-        the commit closing the outermost branch) that leaves it holding
-        `setting.start` tokens or more; so even at start 0 the first forward runs
-        at full precision. Setting the same value again changes nothing.
-
-        Raises:
-            ValueError: another setting is in force, or a layer is a sliding window
-                (it has no quantized form); nothing changed.
-        """
-        self.check_quantize_kv(setting)
-        self.kv_quantization = setting
-
-    def check_quantize_kv(self, setting: KVQuantization) -> None:
-        """Raise what `quantize_kv(setting)` would raise, changing nothing."""
-        if not isinstance(setting, KVQuantization):
-            raise ValueError(f"quantize_kv() takes a segcache.kvquant.KVQuantization, got {setting!r}")
-        if self.kv_quantization is not None and setting != self.kv_quantization:
-            raise ValueError(
-                f"this runtime quantizes KV with {self.kv_quantization.describe()} already; "
-                f"build a new Runtime for {setting.describe()}"
-            )
-        self._own_layers("quantize_kv")
-        refused = [i for i, layer in enumerate(self.cache) if isinstance(layer, QuantizeRefused)]
-        if refused:
-            raise ValueError(
-                f"kv_bits on a model whose layers {refused[:4]} are sliding windows "
-                f"({type(self.cache[refused[0]]).__name__}): a window has no quantized form (mlx-lm's "
-                "RotatingKVCache.to_quantized raises too); run this model without kv_bits"
-            )
-
-    def _quantize_due(self) -> None:
-        """Swap every full-attention layer holding `start` tokens or more for its quantized form."""
-        q = self.kv_quantization
-        due = [i for i, layer in enumerate(self.cache) if type(layer) is KVLayer and layer.offset >= q.start]
-        if due:
-            self._quantize_layers({i: (q.group_size, q.bits) for i in due})
-
-    def _quantize_layers(self, forms: dict) -> None:
-        """Swap layer i (a KVLayer) for its quantized form `forms[i]` = (group_size, bits); all or nothing.
-
-        The quantized layers are made first (MLX checks the shapes then: a group
-        size that does not divide the head dimension raises), then swapped.
-
-        Raises:
-            ValueError: MLX cannot quantize a layer so; nothing changed.
-        """
-        try:
-            made = {i: self.cache[i].to_quantized(group_size=g, bits=b) for i, (g, b) in forms.items()}
-        except ValueError as exc:
-            for i in forms:
-                self.cache[i].replaced_by = None
-            raise ValueError(f"cannot quantize the KV cache with group size / bits {sorted(set(forms.values()))}: {exc}") from None
-        for i, layer in made.items():
-            self.cache[i] = layer
-        self._layers = tuple(self.cache)
-
-    def quantized_forms(self) -> dict:
-        """{layer index: (group_size, bits)} of the layers holding quantized K/V."""
-        return {i: (layer.group_size, layer.bits) for i, layer in enumerate(self.cache) if type(layer) is QuantizedKVLayer}
-
-    def quantize_like(self, other: "Runtime") -> None:
-        """Quantize the layers `other` holds quantized, as `other` holds them (no branch may be open).
-
-        The prefix store probes a fresh runtime of the same layout with this.
-
-        Raises:
-            BranchError: a branch is open; nothing changed.
-            ValueError: the layouts differ; nothing changed.
-        """
-        if self._branches:
-            raise BranchError("quantize_like() with an open branch: commit or roll it back first")
-        self._own_layers("quantize_like")
-        forms = {i: f for i, f in other.quantized_forms().items() if type(self.cache[i]) is KVLayer}
-        if forms:
-            self._quantize_layers(forms)
-
-    # -- prefix store -------------------------------------------------------------
+    # -- prefix store (the prefill itself: segcache/session/prefill.py) -----------------
 
     def prefill(
         self, tokens: Sequence[int] | mx.array, *, step_size: int = 2048, checkpoints: Iterable[int] = ()
@@ -547,6 +443,7 @@ class Runtime:
         compute the rest in chunks of `step_size`, then publish the prompt's
         pages and a checkpoint at its end (and at the point where it leaves an
         earlier published prompt). Store failures make a miss, never an error.
+        With a `group`, only a prefix every rank resumes is resumed.
 
         Args:
             tokens: the whole prompt. Tokens the runtime already holds must be its
@@ -575,12 +472,10 @@ class Runtime:
     def prefill_steps(
         self, tokens: Sequence[int] | mx.array, *, step_size: int = 2048, checkpoints: Iterable[int] = ()
     ) -> Generator[Resume | int, None, mx.array]:
-        """`prefill` one unit of work at a time, so a caller can run other work in between
-        (`segcache serve` decodes its running rows between a joining prompt's chunks).
+        """`prefill` one unit of work at a time, so a caller can run other work in between.
 
         The arguments are checked now (raising as `prefill` does); iterating runs
         the resume, then one forward of at most `step_size` tokens per step.
-        Checkpoints, publishing and the results are `prefill`'s.
 
         Yields:
             First a `segcache.store.Resume` (once resumed: `tokens` held, `restored`
@@ -592,137 +487,8 @@ class Runtime:
             (as the generator's return value) the logits of the prompt's last position.
             Closing the generator early stops the prefill there and publishes nothing.
         """
-        ids = _token_ids(tokens)
-        if not isinstance(step_size, int) or isinstance(step_size, bool) or step_size <= 0:
-            raise ValueError(f"prefill(step_size={step_size!r}): step_size must be a positive int")
-        held = self._prefix_of(ids)
-        cache = self.prefix_cache() if self.store is not None else None
-        return self._prefill(ids, held, cache, step_size, checkpoints)
-
-    def _prefix_of(self, ids: list[int]) -> int:
-        """How many tokens of the prompt `ids` the runtime holds; raises unless it may prefill them."""
-        if self._branches:
-            raise BranchError(
-                f"prefill() with {self.depth} open branch(es): commit or roll them back first "
-                "(speculative tokens are never published)"
-            )
-        held = self.tokens
-        if len(held) >= len(ids) or held != ids[: len(held)]:
-            raise BranchError(
-                f"prefill() of {len(ids)} tokens on a runtime holding {len(held)} tokens that are not a "
-                "strict prefix of them; pass the whole prompt (held tokens first, at least one new), "
-                "or use a fresh Runtime (or a clone of one holding a prefix)"
-            )
-        return len(held)
-
-    def _prefill(self, ids: list[int], held: int, cache: PrefixCache | None, step_size: int, checkpoints):
-        L = len(ids)
-        unquantized = None  # the layers to put back if a quantized resume does not load
-        if cache is not None and self._quantized_prompt(ids, held):
-            cache, resume, unquantized = self._quantized_resume(ids, held)
-        else:
-            resume = Resume(held) if cache is None else cache.resume(self, ids, held)
-        if cache is not None and self.group is not None:
-            resume = self._agreed(resume, held)  # then every rank restores, or none (the same tokens)
-        point = self.savepoint() if resume.states is not None and self.group is not None else None
-        restored = True
-        if resume.states is not None:
-            try:
-                self.restore(ids[: resume.tokens], list(resume.states))
-            except Exception as exc:  # states that do not load are a miss, never a failed prefill
-                cache.failed("restoring the resumed prefix", exc)
-                resume, restored = Resume(held), False
-                if unquantized is not None:  # computed from scratch: at full precision until the start
-                    self._put_back(unquantized)
-        if point is not None and not agree_restored(self.group, restored):
-            if restored:  # another rank could not: every rank computes
-                self.undo(point)
-            resume = Resume(held)
-        del point
-        # The layers hold the states now. No other reference may stay: the next forward writes
-        # into a KV buffer in place only if nothing else references it (else it copies it whole).
-        last, resume = resume.logits, dataclasses.replace(resume, states=None, logits=None)
-        yield resume  # the caller may run other work first
-        start, stops, snaps, seconds = resume.tokens, [L], [], 0.0
-        if cache is not None:
-            stops = sorted({L, *resume.stops, *(p for p in checkpoints if isinstance(p, int) and start < p < L)})
-        if start < L:
-            take = None if cache is None else (lambda logits: snaps.append(cache.snapshot(self, logits)))
-            last, seconds = yield from self._feed(ids, start, stops, step_size, take)
-        if cache is not None:
-            # this runtime's cache now: kv_bits may have quantized the KV layers on the way (another layout)
-            self.prefix_cache().prefilled(self, ids, resume, snaps, seconds)
-        return last
-
-    def _quantized_prompt(self, ids: list[int], held: int) -> bool:
-        """True if kv_bits will have quantized this fresh runtime's KV layers by the prompt's end."""
-        q = self.kv_quantization
-        return (q is not None and held == 0 and len(ids) >= q.start
-                and any(type(layer) is KVLayer for layer in self.cache))
-
-    def _quantized_resume(self, ids: list[int], held: int) -> tuple[PrefixCache, Resume, list | None]:
-        """The store's resume of a prompt that ends quantized: quantized pages first.
-
-        The prompt is looked up under the quantized layout (empty quantized
-        layers swapped in, nothing to convert). On a miss the unquantized layers
-        come back, so the prompt is computed as mlx-lm computes it (at full
-        precision until `quantized_kv_start`), resuming what the unquantized
-        layout holds (prompts published before they reached the start).
-
-        Returns:
-            (the prefix cache of the layout resumed, its `Resume`, the unquantized
-            layers when the quantized ones stay in place, else None).
-        """
-        own = list(self.cache)
-        q = self.kv_quantization
-        self._quantize_layers({i: (q.group_size, q.bits) for i, layer in enumerate(own) if type(layer) is KVLayer})
-        cache = self.prefix_cache()
-        resume = cache.resume(self, ids, held)
-        if resume.states is not None and resume.tokens >= q.start:  # below it mlx-lm holds the rows unquantized
-            return cache, resume, own
-        self._put_back(own)
-        cache = self.prefix_cache()
-        return cache, cache.resume(self, ids, held), None
-
-    def _put_back(self, layers: list) -> None:
-        """Make `layers` (this runtime's own, of the same tokens) its layers again."""
-        for layer in layers:
-            layer.replaced_by = None
-        self.cache[:] = layers
-        self._layers = tuple(layers)
-
-    def _agreed(self, resume: Resume, held: int) -> Resume:
-        """The resume every rank of the group found, or a miss on every rank (docs/distributed.md)."""
-        tokens, stops = agree_resume(self.group, held, resume.tokens, resume.stops)
-        if tokens != resume.tokens:
-            return Resume(held)
-        return resume if stops == tuple(resume.stops) else dataclasses.replace(resume, stops=())
-
-    def _feed(self, ids: list[int], start: int, stops: list[int], step_size: int, at_stop):
-        """Forward ids[start:] in chunks of `step_size` ending at each stop, calling `at_stop(logits)`
-        at each (if given). Yields the tokens fed so far between two forwards (never after the
-        last); returns (the last position's logits, seconds spent in the forwards)."""
-        pos, last, seconds = start, None, 0.0
-        for stop in stops:
-            while pos < stop:
-                if pos > start:
-                    yield pos
-                tic = time.perf_counter()
-                end = min(pos + step_size, stop)
-                out = self.forward(ids[pos:end])
-                state = [layer.state for layer in self.cache]
-                if end == stop:  # logits only where a checkpoint or the caller needs them
-                    last = out[:, -1, :] * 1  # own buffer: do not pin the [S, vocab] logits
-                    mx.eval(last, state)
-                else:
-                    mx.eval(state)
-                del out, state
-                mx.clear_cache()  # a long prompt's chunks would otherwise keep their buffers cached
-                pos = end
-                if at_stop is not None and pos == stop:
-                    at_stop(last)
-                seconds += time.perf_counter() - tic  # not the time the caller spent between steps
-        return last, seconds
+        return store_prefill.prefill_steps(self, tokens, step_size=step_size, checkpoints=checkpoints,
+                                           agree=agreement(self.group))
 
     def restore(self, ids: list[int], states: list) -> None:
         """Replace the whole committed state by a stored prefix of `ids`; all or nothing.
@@ -732,7 +498,8 @@ class Runtime:
         offset). Afterwards the runtime holds exactly `ids`.
 
         Args:
-            ids: the token ids the states were computed from (may be empty).
+            ids: the token ids the states were computed from (may be empty; None
+                where unknown, as in a prompt cache file: then it never publishes).
             states: one argument tuple per layer, in layer order.
 
         Raises:
@@ -748,8 +515,8 @@ class Runtime:
                 f"restore() with {self.depth} open branch(es): commit or roll them back first"
             )
         ids = list(ids)
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-            raise ValueError(f"restore(): ids must be non-negative ints; got {ids!r:.80}")
+        if not all(t is None or isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise ValueError(f"restore(): ids must be non-negative ints (or None); got {ids!r:.80}")
         if len(states) != len(self.cache) or not all(isinstance(s, tuple) for s in states):
             raise ValueError(
                 f"restore(): {len(states)} state tuples for {len(self.cache)} layers; pass one tuple per layer"
@@ -783,48 +550,19 @@ class Runtime:
         """A Runtime holding the committed state of segcache layer caches, e.g. loaded back
         with mlx-lm's `load_prompt_cache` from a file `save_prompt_cache(path, rt.cache)` wrote.
 
-        The new runtime builds its own layers (its own options apply) and loads
-        copies of the given ones' committed states; its token ids are None (the
-        file does not hold them), so it forks and generates, but does not publish.
-        A full-attention layer saved quantized (`QuantizedKVLayer`) is loaded
-        into a quantized layer of the same group size and bits.
+        Its token ids are None (the file does not hold them): it forks and generates,
+        but does not publish. See `segcache.prompt_layers.load_layers`.
 
         Args:
             model: the model the cache was computed with.
-            cache: one segcache layer per decoder layer, of the kinds and
-                layouts `Runtime(model)` builds, all holding the same count.
+            cache: one segcache layer per decoder layer, of the kinds and layouts
+                `Runtime(model)` builds, all holding the same count.
             **options: as for `Runtime(model, ...)`.
 
         Raises:
             ValueError: `cache` does not fit the model's layers.
         """
-        rt = cls(model, **options)
-        cache = list(cache)
-        if len(cache) != len(rt.cache):
-            raise ValueError(f"from_prompt_cache(): {len(cache)} caches for {len(rt.cache)} layers")
-        forms = {i: (src.group_size, src.bits) for i, (src, own) in enumerate(zip(cache, rt.cache))
-                 if type(src) is QuantizedKVLayer and type(own) is KVLayer}  # saved after kv_bits switched
-        if forms:
-            rt._quantize_layers(forms)
-        for i, (src, own) in enumerate(zip(cache, rt.cache)):
-            if type(src) is not type(own) or src.layout() != own.layout():
-                found = src.layout() if type(src) is type(own) else type(src).__name__
-                raise ValueError(f"from_prompt_cache(): layer {i} is {found}, this model needs {own.layout()}")
-        counts = {src.committed_offset for src in cache}
-        if len(counts) != 1:
-            raise ValueError(f"from_prompt_cache(): the layers hold different token counts {sorted(counts)}")
-        n = counts.pop()
-        if n == 0:
-            return rt
-        states = []
-        for src, own in zip(cache, rt.cache):
-            if src.resumes_from == PAGES:  # through the persistence protocol: copies, no kind switch
-                arrays, meta = {name: [a] for name, a in src.export_rows(0, n).items()}, {}
-            else:
-                arrays, meta = src.export_state()
-            states.append(own.state_from(arrays, meta, n))
-        rt._load(states, [None] * n)
-        return rt
+        return load_layers(cls(model, **options), cache)
 
     def publish(self) -> int:
         """Publish the committed tokens and state to the store (e.g. after generating).
@@ -839,9 +577,7 @@ class Runtime:
         Raises:
             StoreError: no store, or tokens fed without `forward` (ids unknown).
         """
-        if self.store is None:
-            raise StoreError("publish() on a Runtime without a store: pass store=open_store(...) to Runtime()")
-        return self.prefix_cache().publish_runtime(self)
+        return store_prefill.publish(self)
 
     def prefix_cache(self):
         """The `PrefixCache` of this runtime's store (shared with clones; rebuilt if the store changed)."""

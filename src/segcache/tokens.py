@@ -17,6 +17,8 @@ Every runtime path goes through one of these methods: `append` (forward),
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import mlx.core as mx
 
 from .errors import InvariantError
@@ -140,3 +142,24 @@ class TokenLedger:
 
     def __repr__(self) -> str:
         return f"TokenLedger(read={len(self._ids)}, unread={self._unread})"
+
+
+def token_array(tokens: mx.array) -> mx.array:
+    """`tokens` as a 1-D integer array, checked by shape and dtype only (values stay unread)."""
+    if tokens.ndim == 2 and tokens.shape[0] == 1:
+        tokens = tokens[0]
+    if tokens.ndim != 1 or tokens.size == 0 or not mx.issubdtype(tokens.dtype, mx.integer):
+        raise ValueError(
+            f"tokens must be a non-empty 1-D integer array (or shape [1, S]); got {tokens.dtype} {tokens.shape}"
+        )
+    return tokens
+
+
+def token_ids(tokens) -> list[int]:
+    """`tokens` (a list or an integer array) as a non-empty list of non-negative ints, or ValueError."""
+    if isinstance(tokens, mx.array):
+        tokens = token_array(tokens).tolist()
+    ids = list(tokens) if isinstance(tokens, Iterable) else None
+    if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ValueError(f"tokens must be a non-empty sequence of non-negative ints; got {tokens!r:.80}")
+    return ids

@@ -57,6 +57,8 @@ class Row:
     id: Hashable
     tokens: list = field(default_factory=list)  # ids at positions 0..length-1 (real tokens only; None: not read yet)
     base: int | None = None  # len(tokens) when the branch began
+    # (store, cache_salt) of the Runtime it joined from: the Runtime it leaves as carries them
+    home: tuple = (None, None)
 
     @property
     def branch_length(self) -> int:
@@ -159,6 +161,7 @@ class BatchRuntime:
             raise ValueError(f"join({row_id!r}): a row with that id is already in the batch")
         tokens: list = []
         states = [None] * len(self.cache)
+        home = (None, None) if runtime is None else (runtime.store, runtime.cache_salt)
         if runtime is not None:
             if runtime.model is not self.model:
                 raise ValueError("join(): the runtime is of another model")
@@ -176,7 +179,7 @@ class BatchRuntime:
         rows = [layer.row_from(state) for layer, state in zip(self.cache, states)]
         for layer, row in zip(self.cache, rows):
             layer.add_row(*row)
-        self.rows.append(Row(row_id, tokens))
+        self.rows.append(Row(row_id, tokens, home=home))
 
     def leave(self, *row_ids) -> None:
         """Drop rows (finished or cancelled); the others keep their state and branch."""
@@ -213,15 +216,18 @@ class BatchRuntime:
             clone = _shallow(layer)
             clone.take([i])
             other.cache.append(clone)
-        other.rows = [Row(self.rows[i].id, list(self.rows[i].tokens), self.rows[i].base)]
+        row = self.rows[i]
+        other.rows = [Row(row.id, list(row.tokens), row.base, row.home)]
         return other
 
     def to_runtime(self, row_id) -> Runtime:
-        """A single-sequence Runtime holding the row's committed state (copies); outside a branch."""
+        """A single-sequence Runtime holding the row's committed state (copies), with the store and
+        isolation domain of the Runtime the row joined from; outside a branch."""
         if self.branch_open:
             raise BranchError("to_runtime() with a branch open: commit or roll it back first")
         i = self.index(row_id)
-        rt = Runtime(self.model, recurrent_strategy=self.recurrent_strategy)
+        store, salt = self.rows[i].home
+        rt = Runtime(self.model, store=store, cache_salt=salt, recurrent_strategy=self.recurrent_strategy)
         tokens = self.rows[i].tokens
         if tokens:
             rt.restore(tokens, [layer.row_load(i, len(tokens)) for layer in self.cache])

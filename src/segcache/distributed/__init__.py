@@ -1,6 +1,6 @@
 """segcache across the ranks of an `mx.distributed` group (tensor or pipeline parallel).
 
-    shard.py      Shard: the slice a rank holds; load(): mlx-lm's sharded_load
+    shard.py      load(): mlx-lm's sharded_load (the Shard it names: segcache/ranks.py)
     channel.py    Channel: a few words per step between ranks (broadcast, share, check)
     lockstep.py   lockstep(): a step every rank runs, or none does
     store.py      open_rank_store(): each rank's own prefix store (rank-<r>-of-<n>)
@@ -12,6 +12,7 @@ serve/ranks.py. See docs/distributed.md.
 from .channel import Channel, ChannelStats, Step, Verdict, fingerprint
 from .lockstep import lockstep
 from .shard import Shard, load, shard_of
+from .store import open_rank_store, rank_path
 
 __all__ = [
     "Channel",
@@ -27,11 +28,3 @@ __all__ = [
     "shard_of",
 ]
 
-
-def __getattr__(name):
-    # store.py imports segcache.store, whose identity imports shard.py from here: load it late
-    if name in ("open_rank_store", "rank_path"):
-        from . import store
-
-        return getattr(store, name)
-    raise AttributeError(f"module 'segcache.distributed' has no attribute {name!r}")

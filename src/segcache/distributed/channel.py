@@ -28,7 +28,6 @@ that (no rank hangs forever on a dead peer).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 import threading
@@ -41,18 +40,13 @@ import msgpack
 import numpy as np
 
 from ..errors import RankDivergedError, RankFailedError, RankLostError
+from ..ranks import fingerprint
 
 FRAME_WORDS = 16  # int64 words per rank per collective: 128 bytes
 MAX_WORDS = 1 << 24  # one message at most (128 MiB): a longer count read off a frame is garbage
 LOST_EXIT = 75  # the exit status of a rank whose watchdog fired (EX_TEMPFAIL: start the group again)
 _WORD = 8
 _LO, _HI = -(1 << 63), (1 << 63) - 1
-
-
-def fingerprint(*values) -> int:
-    """A 64-bit digest of plain values (ints, lists of ints, strings, bytes), as a signed word."""
-    h = hashlib.blake2b(msgpack.packb(values, use_bin_type=True), digest_size=8, person=b"segcache.fp.1")
-    return int.from_bytes(h.digest(), "little", signed=True)
 
 
 @dataclass

@@ -57,6 +57,16 @@ class MlxCompat:
     # The layer `to_quantized` made of this one (mlx-lm's kv_bits puts it in this
     # layer's place in `rt.cache`; the runtime adopts exactly that object).
     replaced_by = None
+    # How mlx-lm's kv_bits treats the kind (Runtime.quantize_kv): a hook per kind, so the
+    # runtime tests no types. `kv_switches`: the kind becomes `to_quantized`'s layer once it
+    # holds `quantized_kv_start` tokens (full attention); `kv_refused`: kv_bits cannot run on
+    # a model with this kind (a window has no quantized form); neither: kv_bits leaves it be.
+    kv_switches = False
+    kv_refused = False
+
+    def kv_form(self) -> tuple[int, int] | None:
+        """(group_size, bits) of the quantized K/V this layer holds; None if it holds none."""
+        return None
 
     def _note_trim(self) -> None:
         low = self._trimmed_to

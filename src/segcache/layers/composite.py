@@ -25,6 +25,10 @@ class CompositeLayer(CacheList):
     """mlx-lm's `CacheList` whose children are segcache layers."""
 
     replaced_by = None  # CacheList has no to_quantized: never replaced (layers.compat.MlxCompat)
+    kv_switches = kv_refused = False  # kv_bits leaves a composite as it is (layers.compat.MlxCompat)
+
+    def kv_form(self) -> None:
+        return None
 
     def __init__(self, *children):
         super().__init__(*children)

@@ -73,6 +73,8 @@ class KVLayer(MlxCompat, OffsetBranches, KVCache):
         layer.state = state
         return layer._checked()
 
+    kv_switches = True  # mlx-lm's kv_bits swaps it for to_quantized's layer (layers.compat)
+
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> QuantizedKVLayer:
         """These tokens as a `QuantizedKVLayer`, as mlx-lm's `KVCache.to_quantized` quantizes them.
 

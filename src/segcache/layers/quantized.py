@@ -58,6 +58,10 @@ class QuantizedKVLayer(MlxCompat, OffsetBranches, QuantizedKVCache):
             layer.values = tuple(mx.quantize(values, group_size=group_size, bits=bits))
         return layer
 
+    def kv_form(self) -> tuple[int, int]:
+        """(group_size, bits): this layer holds quantized K/V (layers.compat)."""
+        return self.group_size, self.bits
+
     def clone(self) -> "QuantizedKVLayer":
         """An independent layer holding the committed tokens (shares the buffers until a write)."""
         other = QuantizedKVLayer(self.group_size, self.bits)

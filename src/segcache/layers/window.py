@@ -74,6 +74,8 @@ def _view(a: mx.array | None) -> mx.array | None:
 class WindowLayer(MlxCompat, QuantizeRefused, SnapshotBranches, RotatingKVCache):
     """mlx-lm's `RotatingKVCache` (same ring layout, same logits) plus a branch stack."""
 
+    kv_refused = True  # a ring has no quantized form (QuantizeRefused; layers.compat)
+
     def __init__(self, max_size: int, keep: int = 0):
         super().__init__(max_size=max_size, keep=keep)
         # marks[i]: the ring as it was when open branch i began, and what i appended.

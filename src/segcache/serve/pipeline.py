@@ -124,9 +124,9 @@ class Run:
         stops = self.turn.stops if self.turn is not None else self.gen.stops
         return finish.stop if finish.stop in stops else None
 
-    async def events_of(self, request: Optional["Request"] = None) -> AsyncIterator[object]:
-        """The engine's events: Progress while the prompt is prefilled, Chunks and a Finish per
-        choice (the last one marked `last`), or a Failure. With `request` (a
+    async def events_of(self, request: Optional["Request"] = None, progress: bool = True) -> AsyncIterator[object]:
+        """The engine's events: Progress while the prompt is prefilled (unless `progress` is
+        False), Chunks and a Finish per choice (the last one marked `last`), or a Failure. With `request` (a
         non-streaming client) the client is checked every POLL seconds; gone, the job is
         cancelled and ClientGone raised."""
         checked = time.monotonic()
@@ -150,6 +150,8 @@ class Run:
                         self.access.finished(event)
                     elif isinstance(event, Progress):
                         self.access.progress(event)
+                if isinstance(event, Progress) and not progress:
+                    continue
                 yield event
                 if isinstance(event, Failure) or (isinstance(event, Finish) and event.last):
                     return
@@ -168,7 +170,7 @@ class Run:
         pieces: list[list] = [[] for _ in range(n)]
         logprobs: list[list] = [[] for _ in range(n)]
         finishes: list[Optional[Finish]] = [None] * n
-        async for event in self.events_of(request):
+        async for event in self.events_of(request, progress=False):
             if isinstance(event, Chunk):
                 pieces[event.index].extend(splits[event.index].feed(event.text))
                 logprobs[event.index].extend(event.logprobs)

@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .. import lora
-from ..distributed.shard import shard_of
+from ..ranks import shard_of
 from .codec import FORMAT_VERSION
 
 SAMPLES_PER_TENSOR = 256
@@ -84,7 +84,7 @@ def weights_fingerprint(model, samples: int = SAMPLES_PER_TENSOR) -> bytes:
 
 def model_identity(model, *, page_tokens: int = 256, salt: bytes | str | None = None) -> bytes:
     """32-byte identity of (config, dtypes, cache layout, page size, format, salt, weights, adapters),
-    and for one rank of a sharded model its `Shard` (segcache.distributed.shard_of).
+    and for one rank of a sharded model its `Shard` (segcache.ranks.shard_of).
 
     Args:
         model: An mlx-lm model (``nn.Module`` with ``args`` or ``config``).

@@ -1,0 +1,255 @@
+"""A prompt's prefill on one runtime, resumed from the prefix store: the one caller of the
+prefix-cache protocol (`resume`, `snapshot`, `prefilled`, `publish`) outside `store/`.
+
+    begin    held ── store.resume (a prompt that ends quantized: the quantized layout first)
+                  ── the ranks agree it (ranks.Agreement) ── restore, all or nothing
+                  ── the ranks agree the restore, else every rank undoes it and computes
+    feed     resume.tokens ──chunk──chunk── stop ──chunk── ... ── L      a Snapshot at each stop
+             (on the runtime itself: `Prefill.feed`; a PrefillBatch row: `Prefill.reached`)
+    finish   prefilled(ids, resume, snapshots, seconds): counted, pages and checkpoints published
+
+The cache answers and the runtime computes: nothing here looks at a layer's
+kind (kv_bits goes through the layers' own hooks). This module imports neither
+`runtime.py` nor anything above it: `Runtime.prefill` / `prefill_steps` /
+`publish` delegate here, and a request's `Session` drives it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Generator, Iterable
+
+import mlx.core as mx
+
+from ..errors import BranchError, InvariantError, StoreError
+from ..store import Resume
+from ..tokens import token_ids
+
+
+class Prefill:
+    """One prompt's prefill on one runtime: where it resumed, where it stops, what it took.
+
+    Made by `begin` (resumed, restored, agreed); fed by `feed` or by a batch row's
+    `reached`; published by `finish`.
+
+    Attributes:
+        ids: the prompt (every token the runtime will hold).
+        resume: where it resumed (`Resume`, its states consumed by the runtime).
+        cache: the runtime's `PrefixCache` when it began, None without a store.
+        pos: prompt tokens the runtime holds now.
+        stops: the positions still to reach, ascending; the runtime's state is
+            snapshot at each (with a store), and the last is len(ids).
+        snaps: the store's snapshots at the stops passed, in order.
+        seconds: time spent in the forwards that fed it.
+        logits: the last position's logits once known (restored with a whole
+            prompt, or computed by the forward reaching the end), else None.
+        want_logits: compute the last position's logits (a store's checkpoint
+            keeps them; a caller may need them); without, no output head runs.
+    """
+
+    def __init__(self, ids: list, resume: Resume, cache, stops: list, logits, want_logits: bool):
+        self.ids, self.resume, self.cache = ids, resume, cache
+        # Invariant: resume.tokens <= pos <= len(ids); stops ascend, each in (pos, len(ids)],
+        # the last len(ids) while pos < len(ids), none once pos == len(ids).
+        self.pos = resume.tokens
+        self.stops = [p for p in stops if p > self.pos]
+        self.snaps: list = []
+        self.seconds = 0.0
+        self.logits = logits
+        self.want_logits = want_logits or cache is not None
+
+    @property
+    def left(self) -> int:
+        """Prompt tokens still to feed."""
+        return len(self.ids) - self.pos
+
+    def feed(self, rt, step_size: int) -> Generator[int, None, mx.array | None]:
+        """Forward the rest on `rt` in chunks of `step_size`, each ending at the next stop at
+        the latest. Yields the position between two forwards (never after the last); returns
+        the last position's logits (None if not wanted)."""
+        start = self.pos
+        while self.stops:
+            stop = self.stops[0]
+            if self.pos > start:
+                yield self.pos
+            tic = time.perf_counter()
+            end = min(self.pos + step_size, stop)
+            out = rt.forward(self.ids[self.pos : end])
+            state = [layer.state for layer in rt.cache]
+            if end == stop and self.want_logits:  # logits only where a checkpoint or the caller needs them
+                self.logits = out[:, -1, :] * 1  # own buffer: do not pin the [S, vocab] logits
+                mx.eval(self.logits, state)
+            else:
+                mx.eval(state)
+            del out, state
+            mx.clear_cache()  # a long prompt's chunks would otherwise keep their buffers cached
+            self.pos = end
+            if end == stop:
+                self._stop(rt, self.logits)
+            self.seconds += time.perf_counter() - tic  # not the time the caller spent between steps
+        return self.logits
+
+    def reached(self, rt, position: int, logits, seconds: float = 0.0) -> None:
+        """A forward elsewhere (a `PrefillBatch` row, fed to these stops) reached `position`, the
+        next stop: `rt` holds the prompt up to there, `logits` are its last position's; the
+        forward's share of `seconds` is this prompt's."""
+        if not self.stops or position != self.stops[0]:
+            raise InvariantError(f"a prefill reached {position}; its next stop is {self.stops[:1]}")
+        self.pos, self.seconds = position, self.seconds + seconds
+        self.logits = logits
+        self._stop(rt, logits)
+
+    def _stop(self, rt, logits) -> None:
+        self.stops.pop(0)
+        if self.cache is not None:
+            self.snaps.append(self.cache.snapshot(rt, logits))
+
+    def finish(self, rt) -> int:
+        """The whole prompt is in `rt`: count the prefill and publish it (pages, checkpoints).
+
+        Returns the records written (0 without a store, or when it failed: a warning).
+        """
+        if self.left:
+            raise InvariantError(f"finish() of a prefill {self.left} tokens short of its prompt")
+        if self.cache is None:
+            return 0
+        cache = self.cache  # kv_bits may have quantized the KV layers on the way: another layout
+        if cache.layouts != [layer.layout() for layer in rt.cache]:
+            cache = rt.prefix_cache()
+        return cache.prefilled(rt, self.ids, self.resume, self.snaps, self.seconds)
+
+    def check(self) -> None:
+        """Verify the invariants of the fields (see `__init__`)."""
+        L = len(self.ids)
+        if not self.resume.tokens <= self.pos <= L:
+            raise InvariantError(f"prefill at {self.pos}, resumed {self.resume.tokens}, of {L} tokens")
+        if self.stops != sorted(set(self.stops)) or any(not self.pos < p <= L for p in self.stops):
+            raise InvariantError(f"prefill stops {self.stops} not ascending inside ({self.pos}, {L}]")
+        if (self.pos < L) != bool(self.stops) or (self.stops and self.stops[-1] != L):
+            raise InvariantError(f"prefill at {self.pos} of {L} with stops {self.stops}")
+        lengths = [s.length for s in self.snaps]
+        if lengths != sorted(lengths) or any(n > self.pos for n in lengths):
+            raise InvariantError(f"prefill snapshots at {lengths}, at position {self.pos}")
+
+
+def held_prefix(rt, ids: list[int]) -> int:
+    """How many tokens of the prompt `ids` the runtime holds; raises unless it may prefill them."""
+    if rt.depth:
+        raise BranchError(
+            f"prefill() with {rt.depth} open branch(es): commit or roll them back first "
+            "(speculative tokens are never published)"
+        )
+    held = rt.tokens
+    if len(held) >= len(ids) or held != ids[: len(held)]:
+        raise BranchError(
+            f"prefill() of {len(ids)} tokens on a runtime holding {len(held)} tokens that are not a "
+            "strict prefix of them; pass the whole prompt (held tokens first, at least one new), "
+            "or use a fresh Runtime (or a clone of one holding a prefix)"
+        )
+    return len(held)
+
+
+def begin(rt, ids: list[int], held: int, checkpoints: Iterable[int] = (), agree=None,
+          want_logits: bool = True) -> Prefill:
+    """Resume the prompt `ids` on `rt` (holding ids[:held]) from its store, agreed by the ranks.
+
+    Store failures are a miss, never an error. `agree`: the ranks' `ranks.Agreement`
+    (None: a process of its own). Returns the `Prefill`, the runtime holding `resume.tokens`.
+    """
+    L = len(ids)
+    cache = rt.prefix_cache() if rt.store is not None else None
+    unquantized = None  # the layers to put back if a quantized resume does not load
+    if cache is not None and _ends_quantized(rt, ids, held):
+        cache, resume, unquantized = _quantized_resume(rt, ids, held)
+    else:
+        resume = Resume(held) if cache is None else cache.resume(rt, ids, held)
+    if cache is not None and agree is not None:
+        resume = _agreed(agree, resume, held)  # then every rank restores, or none (the same tokens)
+    point = rt.savepoint() if resume.states is not None and agree is not None else None
+    restored = True
+    if resume.states is not None:
+        try:
+            rt.restore(ids[: resume.tokens], list(resume.states))
+        except Exception as exc:  # states that do not load are a miss, never a failed prefill
+            cache.failed("restoring the resumed prefix", exc)
+            resume, restored = Resume(held), False
+            if unquantized is not None:  # computed from scratch: at full precision until the start
+                rt.put_back(unquantized)
+    if point is not None and not agree.restored(restored):
+        if restored:  # another rank could not: every rank computes
+            rt.undo(point)
+        resume = Resume(held)
+    del point
+    # The layers hold the states now. No other reference may stay: the next forward writes
+    # into a KV buffer in place only if nothing else references it (else it copies it whole).
+    logits, resume = resume.logits, dataclasses.replace(resume, states=None, logits=None)
+    stops = [L]
+    if cache is not None:
+        start = resume.tokens
+        stops = sorted({L, *resume.stops, *(p for p in checkpoints if isinstance(p, int) and start < p < L)})
+    return Prefill(ids, resume, cache, stops, logits, want_logits)
+
+
+def prefill_steps(rt, tokens, *, step_size: int = 2048, checkpoints: Iterable[int] = (),
+                  agree=None) -> Generator[Resume | int, None, mx.array]:
+    """`Runtime.prefill_steps` (see there): the arguments checked now, then a generator."""
+    ids = token_ids(tokens)
+    if not isinstance(step_size, int) or isinstance(step_size, bool) or step_size <= 0:
+        raise ValueError(f"prefill(step_size={step_size!r}): step_size must be a positive int")
+    held = held_prefix(rt, ids)
+    if rt.store is not None:
+        rt.prefix_cache()  # raises now on layers the store cannot hold
+    return _steps(rt, ids, held, step_size, checkpoints, agree)
+
+
+def _steps(rt, ids, held, step_size, checkpoints, agree):
+    plan = begin(rt, ids, held, checkpoints, agree)
+    yield plan.resume  # the caller may run other work first
+    last = yield from plan.feed(rt, step_size)
+    plan.finish(rt)
+    return last
+
+
+def publish(rt) -> int:
+    """`Runtime.publish` (see there): the committed tokens and state, to the runtime's store."""
+    if rt.store is None:
+        raise StoreError("publish() on a Runtime without a store: pass store=open_store(...) to Runtime()")
+    return rt.prefix_cache().publish_runtime(rt)
+
+
+def _ends_quantized(rt, ids: list[int], held: int) -> bool:
+    """True if kv_bits will have quantized this fresh runtime's KV layers by the prompt's end."""
+    q = rt.kv_quantization
+    return q is not None and held == 0 and len(ids) >= q.start and any(layer.kv_switches for layer in rt.cache)
+
+
+def _quantized_resume(rt, ids: list[int], held: int):
+    """The store's resume of a prompt that ends quantized: quantized pages first.
+
+    The prompt is looked up under the quantized layout (empty quantized layers
+    swapped in, nothing to convert). On a miss the unquantized layers come
+    back, so the prompt is computed as mlx-lm computes it (at full precision
+    until `quantized_kv_start`), resuming what the unquantized layout holds
+    (prompts published before they reached the start).
+
+    Returns:
+        (the prefix cache of the layout resumed, its `Resume`, the unquantized
+        layers when the quantized ones stay in place, else None).
+    """
+    own = rt.quantize_now()
+    cache = rt.prefix_cache()
+    resume = cache.resume(rt, ids, held)
+    if resume.states is not None and resume.tokens >= rt.kv_quantization.start:  # below, mlx-lm holds them unquantized
+        return cache, resume, own
+    rt.put_back(own)
+    cache = rt.prefix_cache()
+    return cache, cache.resume(rt, ids, held), None
+
+
+def _agreed(agree, resume: Resume, held: int) -> Resume:
+    """The resume every rank of the group found, or a miss on every rank (segcache/ranks.py)."""
+    tokens, stops = agree.resume(held, resume.tokens, resume.stops)
+    if tokens != resume.tokens:
+        return Resume(held)
+    return resume if stops == tuple(resume.stops) else dataclasses.replace(resume, stops=())

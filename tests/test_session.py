@@ -1,0 +1,134 @@
+"""One request's life (segcache/session/): `stream_generate` and the server's engine run the same
+Session, so for the same prompt and answer they publish the same records, the EOS included."""
+
+import segcache  # noqa: F401, I001  (binds the system BLAS before mlx loads)
+
+import functools
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+
+from segcache import Runtime, open_store
+from segcache.batch.decoder import BatchDecoder
+from segcache.generation import stream_generate
+from segcache.serve.engine import Chunk, Engine, Finish, GenRequest, Progress
+from segcache.serve.worker import Job, Scheduler
+from segcache.session.session import Session
+from segcache.testing import models
+from segcache.testing import tokenizer as test_tokenizer
+
+PROMPT = "def add(a, b):\n    return a + b\n\ndef add("
+
+
+@functools.lru_cache(maxsize=None)
+def model(family: str):
+    return models.build(family, seed=0)
+
+
+@functools.lru_cache(maxsize=None)
+def eos_case(family: str):
+    """(prompt ids, a tokenizer whose EOS greedy decoding emits at its 10th token or earlier)."""
+    tk = test_tokenizer.tokenizer(eos=False)
+    prompt = tk.encode(PROMPT)
+    free = [r.token for r in mlx_lm.stream_generate(model(family), tk, mx.array(prompt), max_tokens=12)]
+    return prompt, test_tokenizer.tokenizer(eos=False, eos_token_ids=[free[9]])
+
+
+def records(store) -> list:
+    return sorted((e.key, e.kind, e.tokens) for e in store.entries())
+
+
+def served(family, tk, prompt, store, concurrency, **drafting):
+    """Serve the prompt through the engine; its events."""
+    engine = Engine(model(family), tk, store=store, decode_concurrency=concurrency, checkpoint_interval=0,
+                    vocab_size=models.VOCAB, **drafting)
+    sched = Scheduler(engine, max_queue=1, max_running=concurrency, begin_step=engine.begin_step)
+    events = []
+    sched.submit(Job(GenRequest("x", list(prompt), 30), events.append))
+    for _ in range(500):
+        if not sched.step():
+            break
+    assert not sched.pending() and len(engine.decoder) == 0
+    return events
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "llama"])
+@pytest.mark.parametrize("drafting", [{}, {"prompt_lookup": True}], ids=["plain", "lookup"])
+def test_stream_generate_and_the_engine_publish_the_same_records(tmp_path, family, drafting):
+    prompt, tk = eos_case(family)
+    target = model(family)
+    with open_store(tmp_path / "generate") as store:
+        rt = Runtime(target, store=store)
+        out = list(stream_generate(target, tk, prompt, max_tokens=30, runtime=rt, **drafting))
+        assert out[-1].finish_reason == "stop"  # it ended on its EOS ...
+        answer = [r.token for r in out]
+        assert rt.tokens == prompt + answer  # ... which the runtime holds, fed
+        want = records(store)
+    # the published prompt + answer reaches the EOS: a checkpoint there
+    assert max(t for _, kind, t in want if kind == "ckpt") == len(prompt) + len(answer)
+    for concurrency in (1, 3):
+        with open_store(tmp_path / f"served{concurrency}") as store:
+            events = served(family, tk, prompt, store, concurrency, **drafting)
+            finish = events[-1]
+            assert isinstance(finish, Finish) and finish.reason == "stop"
+            assert finish.usage.completion_tokens == len(answer)
+            assert "".join(e.text for e in events if isinstance(e, Chunk)) == "".join(r.text for r in out)
+            assert records(store) == want, concurrency
+
+
+def test_a_session_keeps_its_invariants_through_its_life(tmp_path):
+    """Driven by hand: resumed, fed in chunks (a Progress each), joined, stepped, settled, left;
+    `check()` holds at every point, and a second session resumes what the first published."""
+    family = "qwen3_5"
+    prompt, tk = eos_case(family)
+    target = model(family)
+    with open_store(tmp_path / "s") as store:
+        history = prompt + [7, 8, 9] * 20
+        L = len(history) - 1  # the prefill holds all but the last token
+        decoder = BatchDecoder(target, one_row=True)
+        session = Session(decoder, Runtime(target, store=store), history, checkpoints=[30], prefill_step=16)
+        session.check()
+        plan = session.begin()
+        session.check()
+        assert plan.resume.tokens == 0 and plan.stops == [30, L]
+        seen = []
+        for progress in session.feed(16):
+            assert isinstance(progress, Progress) and progress.total == len(history)
+            seen.append(progress.processed)
+            session.check()
+        assert seen == sorted({*range(16, 30, 16), *range(30, L, 16)})  # chunks end at each stop
+        assert session.prefilled and [s.length for s in plan.snaps] == [30, L]
+        session.join(0, session.ready(), max_tokens=8)
+        session.check()
+        emitted = session.step(0)
+        session.check()
+        rt = session.leave(0)
+        session.check()
+        assert rt.tokens == history + [t for t, _, _ in emitted] and not session.rows
+        nxt = rt.tokens + [5, 6]
+        again = Session(BatchDecoder(target, one_row=True), Runtime(target, store=store), nxt)
+        assert again.begin().resume.restored == len(rt.tokens)  # prompt + answer, as published
+        again.check()
+
+
+def test_the_surfaces_see_progress_unless_told_not_to():
+    """A request's `Progress` events reach its HTTP side; the surfaces' event stream passes them
+    on (keepalives, pings) unless told not to, as a non-streaming collect is."""
+    import asyncio
+
+    from segcache.serve.engine import Usage
+    from segcache.serve.pipeline import Run
+
+    def events_of(progress):
+        async def main():
+            queue = asyncio.Queue()
+            for e in (Progress(3, 8), Progress(6, 8), Chunk("hi"), Finish("stop", Usage(8, 1, 0))):
+                queue.put_nowait(e)
+            run = Run(GenRequest("r", [1] * 8, 4), Job(GenRequest("r", [1] * 8, 4), lambda e: None), queue)
+            return [type(e).__name__ async for e in run.events_of(progress=progress)]
+
+        return asyncio.run(main())
+
+    assert events_of(False) == ["Chunk", "Finish"]
+    assert events_of(True) == ["Progress", "Progress", "Chunk", "Finish"]
