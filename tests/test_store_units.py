@@ -68,11 +68,15 @@ def reference_unresumable(entries) -> set[bytes]:
 
 
 def run_past_budgets(model, path, n: int, length: int):
-    """Prefill n distinct prompts through a store far smaller than they need; return them."""
+    """Prefill n distinct prompts through a store far smaller than they need; return them.
+
+    Each prompt also checkpoints every 2 pages (as `segcache serve --checkpoint-interval`
+    does): those checkpoints share the prompt's pages with its last one, and must not
+    keep old prompts' pages while the newest prompts go."""
     ps = prompts(n, length)
     with open_store(path, ram_bytes=400_000, disk_bytes=2_500_000, page_tokens=P) as s:
         for ids in ps:
-            Runtime(model, store=s).prefill(ids)
+            Runtime(model, store=s).prefill(ids, checkpoints=range(2 * P, len(ids), 2 * P))
         st = s.stats()
         assert st["disk_evictions"] > 0 and st["ram_evictions"] > 0, st  # both budgets were passed
         s.check()

@@ -198,8 +198,7 @@ class PrefixStore:
             mx.eval([a for _, record in items for a in record.arrays.values()])
             self._ram.put_many(items)
             if self._remote is not None:
-                for key, record in items:
-                    self._remote.put(key, record)
+                self._remote.put_many(items)
 
     def get(self, key: bytes, *, count: bool = True, expect: Expect | None = None) -> Record | None:
         """Return the record at key, or None. RAM first; a disk hit is promoted to RAM.

@@ -18,8 +18,13 @@ record whose parent is needed (or that has none). Everything else is
 The eviction order (`Units.order`): first every unresumable record, then whole
 units, least valuable first. The unit of an end that no other needed end lies
 below is the end, the support ancestors no other needed end uses, and the index
-records under them; its value is the end's cost (seconds of compute it saves) per
-byte of the whole unit, bucketed and ordered by recency as `policy.eviction_key`.
+records under them: what goes. Its value is the end's cost (seconds of compute it
+saves) per byte of what that cost pays for, the end and every support record
+above it, shared or not (`covered`), bucketed and ordered by recency as
+`policy.eviction_key`. Per byte of the unit alone, a checkpoint part way along a
+prompt whose pages a deeper checkpoint also needs would look worth its whole
+prompt in a few kilobytes, and old prompts' checkpoints would pin their pages
+while new prompts went.
 Removing a unit may leave an ancestor to a single end (whose unit grows) or to
 none (an end itself, on dense models, then becomes a candidate); both are
 re-ranked. Records named in ``keep`` (being written, or needed by records still
@@ -167,11 +172,22 @@ class Units:
             out.extend(i for i in self.indexes.get(k, ()) if i in self.needed)
         return out
 
+    def covered(self, end: bytes) -> int:
+        """Bytes of what the end's cost pays for: the end and every support record above it,
+        shared or not (a checkpoint's cost counts its whole prompt; a page's on a dense model,
+        its own tokens)."""
+        n = self.items[end].nbytes
+        p, seen = self._parent(end), {end}
+        while p is not None and p in self.items and p not in seen and not self.items[p].end:
+            seen.add(p)
+            n += self.items[p].nbytes
+            p = self._parent(p)
+        return n
+
     def _rank(self, end: bytes):
         members = self.unit(end)
         it = self.items[end]
-        nbytes = sum(self.items[k].nbytes for k in members)
-        return (any(k in self.keep for k in members),) + eviction_key(it.cost, nbytes, it.last_use)
+        return (any(k in self.keep for k in members),) + eviction_key(it.cost, self.covered(end), it.last_use)
 
     def order(self) -> Iterator[list[bytes]]:
         """Groups of keys to delete, in order: each unresumable record alone, then units.
