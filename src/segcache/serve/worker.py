@@ -63,9 +63,10 @@ class Job:
 class Scheduler:
     """A bounded FIFO of jobs and the step loop that serves them.
 
-    Invariants: len(waiting) + len(running) <= max_queue + max_running; the running jobs'
-    rows (a job of n choices: n) <= max_running, or one job runs; a job is in at most one of
-    them; every running job has its generator.
+    Invariants: the live jobs (`_live`: waiting, and running but not cancelled) <= max_queue +
+    max_running; no waiting job is cancelled (`withdraw` takes it out); the running jobs' rows
+    (a job of n choices: n) <= max_running, or one job runs; a job is in at most one of them;
+    every running job has its generator.
     """
 
     def __init__(self, engine: Engine, max_queue: int = 64, max_running: int = 1,
