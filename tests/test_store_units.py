@@ -14,10 +14,12 @@ import segcache  # noqa: F401, I001  (binds the system BLAS before mlx loads)
 import random
 
 import mlx.core as mx
+import pytest
 
 from conftest import tiny
 from segcache import Runtime
 from segcache.store import Record, open_store
+from segcache.store.layout import Layout
 from segcache.store.ram import footprint
 from segcache.testing.statemachine import _Reference, assert_logits_close
 
@@ -67,16 +69,28 @@ def reference_unresumable(entries) -> set[bytes]:
     return set(by_key) - live
 
 
+@pytest.fixture(autouse=True)
+def steady_rate(monkeypatch):
+    """A fixed seconds-per-token rate: on a loaded machine the first prefills' timings vary
+    several-fold, which would price a few early records above the rest (cost-aware, as
+    meant); here the order must follow the units and recency alone."""
+
+    def learn(self, seconds, tokens):
+        self.spt = 1e-3
+
+    monkeypatch.setattr(Layout, "learn", learn)
+
+
 def run_past_budgets(model, path, n: int, length: int):
     """Prefill n distinct prompts through a store far smaller than they need; return them.
 
-    Each prompt also checkpoints every 2 pages (as `segcache serve --checkpoint-interval`
+    Each prompt also checkpoints at every page (as `segcache serve --checkpoint-interval`
     does): those checkpoints share the prompt's pages with its last one, and must not
     keep old prompts' pages while the newest prompts go."""
     ps = prompts(n, length)
     with open_store(path, ram_bytes=400_000, disk_bytes=2_500_000, page_tokens=P) as s:
         for ids in ps:
-            Runtime(model, store=s).prefill(ids, checkpoints=range(2 * P, len(ids), 2 * P))
+            Runtime(model, store=s).prefill(ids, checkpoints=range(P, len(ids), P))
         st = s.stats()
         assert st["disk_evictions"] > 0 and st["ram_evictions"] > 0, st  # both budgets were passed
         s.check()
@@ -201,3 +215,27 @@ def test_ram_entries_stay_bounded_by_what_they_cost(tmp_path):
         assert max(counts) <= most and max(counts) - min(counts[1:]) <= 1, counts
         assert most < budget // rec.nbytes // 8  # the arrays alone would admit 8x as many
         s.check()
+
+
+def test_a_prompts_checkpoints_along_its_pages_do_not_outlive_newer_prompts(tmp_path):
+    """Checkpoints at every page of a prompt share its pages with its last one: each is worth
+    its tokens over the pages it needs, not over its own few bytes, so an older prompt goes
+    whole before a newer one loses anything."""
+
+    def put_prompt(s, name: bytes):  # the shipped target's sizes: 256-token pages of 0.5 MB, states of 45 KB
+        parent = None
+        for j in range(1, 5):
+            page = b"%s.p%d" % (name, j)
+            s.put(page, Record("page", 0, {"k": mx.zeros((500_000,), dtype=mx.uint8)}, cost=1.24, parent=parent))
+            s.put(b"%s.c%d" % (name, j), Record("ckpt", 256 * j, {"s": mx.zeros((45_000,), dtype=mx.uint8)},
+                                                 cost=1.24 * j, parent=page))
+            parent = page
+        s.put(name + b".end", Record("ckpt", 1058, {"s": mx.zeros((105_000,), dtype=mx.uint8)}, cost=5.1, parent=parent))
+        return {e.key for e in s.entries() if e.key.startswith(name + b".")}
+
+    with open_store(tmp_path, ram_bytes=0, disk_bytes=1 << 26) as s:
+        old = put_prompt(s, b"old")
+        new = put_prompt(s, b"new")
+        s.gc(sum(e.nbytes for e in s.entries() if e.key in new))
+        keys = {e.key for e in s.entries()}
+        assert keys == new, f"left of the old prompt {sorted(keys & old)}, lost of the new {sorted(new - keys)}"
