@@ -29,7 +29,7 @@ import mlx.core as mx
 import mlx_lm
 
 from segcache import Runtime
-from segcache.serve.worker import FLUSH_CHUNK, Flusher
+from segcache.serve.worker import FLUSH_CHUNK, FLUSH_PAUSE, Flusher
 from segcache.store import open_store
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,6 +54,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--mb", type=float, default=40.0, help="MB of records each flush writes")
     ap.add_argument("--chunk", type=int, default=FLUSH_CHUNK, help="bytes per hold of the store's lock")
+    ap.add_argument("--pause", type=float, default=FLUSH_PAUSE, help="seconds between two chunks")
     args = ap.parse_args()
     model, tok = mlx_lm.load(str(args.model))
     text = (MODELS / "heldout_stdlib.txt").read_text()
@@ -73,7 +74,7 @@ def main() -> int:
         for r in range(args.rounds):
             for k in store._ram.keys():  # the bench's own way to give the flush the same work again
                 store._ram._dirty.add(k)
-            flusher = Flusher(store, chunk=args.chunk)
+            flusher = Flusher(store, chunk=args.chunk, pause=args.pause)
             done = threading.Event()
             tic = time.perf_counter()
             writer = threading.Thread(target=lambda: (flusher.flush(), done.set()))
