@@ -47,7 +47,7 @@ import msgpack
 from ..errors import InvariantError, StoreError, StoreFormatError, StoreWarning
 from . import codec, units
 from .files import STORE_FILES, fsync_dir, no_store, prepare_dir, sole_user
-from .policy import eviction_key, safe_cost
+from .policy import safe_cost
 from .record import Record
 
 T = TypeVar("T")
