@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in helps.items():
         sub.add_parser(name, help=text, description=text).add_argument("path", help="store directory")
     sub.choices["stats"].add_argument("--remote", metavar="URL", help="also probe this Redis/Valkey (keys, memory, eviction policy)")
-    g = sub.add_parser("gc", help="evict records (leaves first) until the store holds at most --max-bytes")
+    g = sub.add_parser("gc", help="evict what nothing resumes from, then whole units, until the store holds at most --max-bytes")
     g.add_argument("path", help="store directory")
     g.add_argument("--max-bytes", type=_bytes, required=True, help="bytes the store may keep, >= 0")
     return p

@@ -620,7 +620,7 @@ class DiskTier:
         return self._run(fn, write=True)
 
     def gc(self, max_bytes: int, pages: int | None = None) -> int:
-        """Evict records, leaves first, until their values hold <= max_bytes (and the pages in use
+        """Evict every unresumable record, then units (`units.py`), until their values hold <= max_bytes (and the pages in use
         are <= pages, if given), then give the file's free pages back if it is larger than
         max_bytes (`_compact`); returns the count."""
         if max_bytes < 0:

@@ -533,8 +533,9 @@ class PrefixStore:
     def gc(self, max_bytes: int, *, file: bool = False) -> int:
         """Evict disk records until the disk tier holds <= max_bytes; returns the count.
 
-        Leaves go first (records no stored record names as parent), least useful per
-        byte and oldest first among them, so no record is left without its parent.
+        Every record nothing can resume from goes first, then whole units (a checkpoint
+        with the pages only it needs; `units.py`), least useful per byte and oldest
+        first, so no record is left without what it needs.
         Then, if data.mdb is larger than max_bytes and no other process has the store
         open, it is rewritten without its free pages (LMDB never shrinks it itself).
 
