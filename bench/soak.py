@@ -2,8 +2,9 @@
 
     python bench/soak.py                          # the four phases, the soak 8 minutes (~11 min)
     python bench/soak.py --minutes 1              # a shorter soak
-    python bench/soak.py --only streams,kill      # some of: streams, disconnects, kill, soak
+    python bench/soak.py --only streams,kill      # some of: streams, disconnects, kill, soak, pressure
     python bench/soak.py --serve-args "--decode-concurrency 8"
+    python bench/soak.py --only pressure --model src/segcache/models/draft   # the dense llama
 
   streams      64 streamed completions at once: each one ends (a finish_reason, then [DONE]), no 5xx,
                no connection reset
@@ -16,6 +17,11 @@
                repeated prompts over a 95 KB text, some dropped mid-stream) with store budgets small
                enough that both tiers evict: 0 errors, and the server's resident memory after the
                first minute stays within 15% of its value then (its range and slope printed)
+  pressure     --pressure-prompts distinct ~3,000-character prompts (60) one after another through
+               --prompt-cache-bytes 20000000 --disk-bytes 60M, past both budgets; a clean stop,
+               `segcache store stats` and `store verify`; a restart and the --replay newest (10) asked
+               again: the share of their prompt tokens resumed (>= 80% passes), unresumable bytes on
+               disk (0 passes), evictions, and RAM entries and RSS over time (printed as a curve)
 
 Servers run the shipped hybrid target (or --model) on 127.0.0.1, each on a fresh store in a
 temporary directory. The machine should be otherwise quiet for figures that go into docs.
@@ -27,6 +33,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shlex
 import shutil
 import signal
@@ -43,7 +50,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "src" / "segcache" / "models"
 TEXT = (MODELS / "heldout_stdlib.txt").read_text()
-PHASES = ("streams", "disconnects", "kill", "soak")
+PHASES = ("streams", "disconnects", "kill", "soak", "pressure")
 
 
 def _port() -> int:
@@ -352,6 +359,76 @@ def phase_soak(make, rng, minutes: float) -> list[tuple[str, bool]]:
             ("soak: both store tiers evicted", evicted)]
 
 
+def _segcache(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
+    return subprocess.run([sys.executable, "-m", "segcache.cli", *args], capture_output=True, text=True, env=env)
+
+
+def phase_pressure(make, rng, store: Path, count: int, replay: int, ram: str, disk: str,
+                   chars: int = 3000) -> list[tuple[str, bool]]:
+    """Distinct prompts past both budgets, a clean restart, the newest asked again."""
+    flags = ["--prompt-cache-bytes", ram, "--disk-bytes", disk, "--max-queue", "64"]
+    prompts = []
+    for i in range(count):  # distinct from their first characters: no shared prefix, no branch point
+        start = rng.randrange(0, len(TEXT) - chars)
+        prompts.append(f"# prompt {i}\n" + TEXT[start : start + chars])
+    srv = make("pressure", flags, store=store).start()
+    curve = []  # (seconds, prompts sent, RAM entries, RSS MB, disk entries, evictions, unresumable bytes)
+    tic = time.monotonic()
+    try:
+        for i, p in enumerate(prompts):
+            r = whole(srv.url, "/v1/completions", {"prompt": p, "max_tokens": 4})
+            if r["status"] != 200:
+                print(f"  prompt {i}: {r['status']} {str(r['body'])[:200]}")
+            if i % max(1, count // 30) == 0 or i == count - 1:
+                st = httpx.get(srv.url + "/stats", timeout=60).json()["store"] or {}
+                curve.append((time.monotonic() - tic, i + 1, st.get("ram_entries"), srv.rss_mb(), st.get("disk_entries"),
+                              st.get("evictions"), st.get("disk_unresumable_bytes")))
+    finally:
+        srv.stop()
+    stats = _segcache("store", "stats", str(store))
+    verify = _segcache("store", "verify", str(store))
+    srv = make("pressure-restart", flags, store=store).start()
+    shares = []
+    try:
+        for p in prompts[-replay:]:
+            usage = whole(srv.url, "/v1/completions", {"prompt": p, "max_tokens": 1})["body"]["usage"]
+            shares.append(usage["prompt_tokens_details"]["cached_tokens"] / usage["prompt_tokens"])
+    finally:
+        srv.stop()
+    print(f"pressure: {count} distinct prompts of ~{chars} characters through --prompt-cache-bytes {ram} "
+          f"--disk-bytes {disk}", flush=True)
+    print(f"  {'s':>6} {'prompts':>7} {'ram entries':>11} {'RSS MB':>7} {'disk entries':>12} {'evictions':>9} "
+          f"{'unresumable B':>13}")
+    for t, n, ram_n, rss, disk_n, ev, useless in curve:
+        print(f"  {t:6.1f} {n:7d} {ram_n!s:>11} {rss:7.0f} {disk_n!s:>12} {ev!s:>9} {useless!s:>13}")
+    print("  " + stats.stdout.strip().replace("\n", "\n  "))
+    print(f"  store verify exit {verify.returncode}: {verify.stdout.strip().splitlines()[0] if verify.stdout else verify.stderr}")
+    mean = sum(shares) / len(shares) if shares else 0.0
+    print(f"  restart, the {replay} newest again: resumed {mean:.0%} of their prompt tokens "
+          f"(each: {', '.join(f'{x:.0%}' for x in shares)})", flush=True)
+    found = re.search(r"unresumable (\d+) bytes", stats.stdout)
+    useless = int(found.group(1)) if found else None
+    after = [row for row in curve if row[0] >= 60] or curve[len(curve) // 2 :]
+    third = max(1, len(after) // 3)  # flat: the last third's mean within 5% of the first third's (no growth)
+
+    def flat(col: int) -> bool:
+        first, last = [r[col] or 0 for r in after[:third]], [r[col] or 0 for r in after[-third:]]
+        return sum(last) / len(last) <= 1.05 * sum(first) / len(first)
+
+    ram_flat, rss_flat = flat(2), flat(3)
+    avg = lambda rows, col: sum(r[col] or 0 for r in rows) / len(rows)  # noqa: E731
+    print(f"  after the first minute: RAM entries {min(r[2] for r in after)}-{max(r[2] for r in after)} (first third's "
+          f"mean {avg(after[:third], 2):.0f}, last third's {avg(after[-third:], 2):.0f}), RSS "
+          f"{min(r[3] for r in after):.0f}-{max(r[3] for r in after):.0f} MB ({avg(after[:third], 3):.0f}, "
+          f"{avg(after[-third:], 3):.0f})", flush=True)
+    return [("pressure: the newest prompts resume >= 80% after a restart", mean >= 0.8),
+            ("pressure: no unresumable bytes on disk", useless == 0),
+            ("pressure: store verify passes", verify.returncode == 0),
+            ("pressure: RAM entries and RSS flat after the first minute (last third within 5% of the first)",
+             ram_flat and rss_flat)]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("--minutes", type=float, default=8.0, help="length of the soak (default 8)")
@@ -360,6 +437,10 @@ def main() -> int:
     parser.add_argument("--serve-args", default="", help="more flags for every server, e.g. '--decode-concurrency 8'")
     parser.add_argument("--seed", type=int, default=0, help="prompt choice")
     parser.add_argument("--keep", action="store_true", help="keep the stores and logs (the directory is printed)")
+    parser.add_argument("--pressure-prompts", type=int, default=60, help="distinct prompts of the pressure phase")
+    parser.add_argument("--replay", type=int, default=10, help="newest prompts asked again after the restart")
+    parser.add_argument("--pressure-ram", default="20000000", help="--prompt-cache-bytes of the pressure phase")
+    parser.add_argument("--pressure-disk", default="60M", help="--disk-bytes of the pressure phase")
     args = parser.parse_args()
     only = [p.strip() for p in args.only.split(",") if p.strip()]
     unknown = set(only) - set(PHASES)
@@ -382,6 +463,9 @@ def main() -> int:
         results += phase_kill(make, rng, work / "kill-store")
     if "soak" in only:
         results += phase_soak(make, rng, args.minutes)
+    if "pressure" in only:
+        results += phase_pressure(make, rng, work / "pressure-store", args.pressure_prompts, args.replay,
+                                  args.pressure_ram, args.pressure_disk)
     print()
     for name, ok in results:
         print(f"{'ok  ' if ok else 'FAIL'} {name}")

@@ -12,6 +12,7 @@ import pytest
 
 from segcache.errors import StoreError, StoreWarning
 from segcache.store import Record, open_store
+from segcache.store.ram import footprint
 
 NODE = b"node"
 PER_PROC = 20
@@ -98,7 +99,7 @@ def test_a_failed_flush_leaves_records_dirty_and_a_later_flush_writes_them(tmp_p
 
 def test_a_write_path_store_error_never_escapes_put_after_the_insert(tmp_path, monkeypatch):
     one = Record("kv", 1, {"x": mx.arange(1000, dtype=mx.float32)})
-    with open_store(tmp_path, ram_bytes=2 * one.nbytes, disk_bytes=1 << 26) as s:
+    with open_store(tmp_path, ram_bytes=2 * footprint(b"k0", one), disk_bytes=1 << 26) as s:
 
         def broken(*a, **k):
             raise StoreError("simulated write failure")

@@ -113,6 +113,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="connections open at most; past it the longest idle one is closed, or a 503 when none "
                         "is idle (default 0: from the descriptor limit, raised to the hard limit at start)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting at most; more get 429 (default 64)")
+    p.add_argument("--flush-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="write the prefix store's new records to disk at least this often, off the model thread "
+                        "(a crash loses at most this long of prompts; 0: only when idle and at exit; default 10)")
     p.add_argument("--max-body-bytes", type=parse_size, default=8 << 20, help="largest request body (default 8M)")
     p.add_argument("--decode-concurrency", type=int, default=32,
                    help="requests decoded together in one batched forward (default 32, as mlx_lm.server; 1: one "
@@ -418,7 +421,7 @@ def run(args: argparse.Namespace) -> int:
         scheduler = group.scheduler(engine, args)
     else:
         scheduler = Scheduler(engine, max_queue=args.max_queue, max_running=running, begin_step=engine.begin_step)
-    worker = Worker(scheduler)
+    worker = Worker(scheduler, flush_interval=args.flush_interval)
     server = Server(settings, Prompter(tokenizer, template, args.chat_template_args), scheduler, worker, store)
 
     def close() -> None:

@@ -9,7 +9,15 @@ to its last, and the next waits in arrival order. With --decode-concurrency N
 it admits N, and the engine (engine.py) runs one decoder step over the
 running rows per scheduler step (`begin_step` marks the step). Cancellation
 (a client gone) is a flag read at the next step: the job's generator is
-closed there, which publishes what the client received and frees its row.
+closed there, which publishes what the client received and frees its row. A
+job cancelled while it waits leaves the queue at once; the queue's limit and
+`pending` count only jobs whose client is still there.
+
+A `Flusher` thread writes the prefix store's new records (published when each
+prompt's prefill ends) to disk every --flush-interval seconds, 1 MB per hold of
+the store's lock and 10 ms apart, so a crash loses at most that long of work and
+decoding steps neither wait for the disk (decoding does not touch the store) nor
+for the GIL for long.
 """
 
 from __future__ import annotations
@@ -26,7 +34,12 @@ from .engine import Engine, Failure, Finish, GenRequest
 
 log = logging.getLogger("segcache.serve")
 
-FLUSH_EVERY = 10.0  # seconds: under sustained load, write published records at least this often
+FLUSH_EVERY = 10.0  # seconds (--flush-interval): under sustained load, write published records at least this often
+# A flush is spread out: writing holds the GIL (copies out of MLX, b"".join) in stretches
+# that the model thread's decode steps wait on. bench/flush.py, two loaded cores, decode step
+# median while writing / without: 4 MB chunks 1 ms apart 2.02x, 1 MB chunks 10 ms apart 1.03x.
+FLUSH_CHUNK = 1 << 20  # bytes of records written per hold of the store's lock
+FLUSH_PAUSE = 0.01  # seconds between two chunks: 40 MB take about a second
 
 
 class QueueFull(Exception):
@@ -41,17 +54,26 @@ class Job:
         self.deliver = deliver
         self.cancelled = False  # set by the HTTP side, read by the worker at each step
         self.steps = None  # the engine's generator once admitted
+        self.delivered = False  # an event went to the client (its row decoded: the engine logs its line)
+        self.scheduler: "Scheduler | None" = None  # set by submit: a cancelled waiting job leaves it at once
+        self.queued = time.monotonic()
 
     def cancel(self) -> None:
+        """The client is gone (or the answer ended): stop at the next step, or leave the queue now."""
+        if self.cancelled:
+            return
         self.cancelled = True
+        if self.scheduler is not None:
+            self.scheduler.withdraw(self)
 
 
 class Scheduler:
     """A bounded FIFO of jobs and the step loop that serves them.
 
-    Invariants: len(waiting) + len(running) <= max_queue + max_running; the running jobs'
-    rows (a job of n choices: n) <= max_running, or one job runs; a job is in at most one of
-    them; every running job has its generator.
+    Invariants: the live jobs (`_live`: waiting, and running but not cancelled) <= max_queue +
+    max_running; no waiting job is cancelled (`withdraw` takes it out); the running jobs' rows
+    (a job of n choices: n) <= max_running, or one job runs; a job is in at most one of them;
+    every running job has its generator.
     """
 
     def __init__(self, engine: Engine, max_queue: int = 64, max_running: int = 1,
@@ -64,7 +86,6 @@ class Scheduler:
         self.running: list[Job] = []
         self._cond = threading.Condition()
         self._stopping = False
-        self._last_flush = time.monotonic()
 
     def submit(self, job: Job) -> None:
         """Queue a job.
@@ -76,15 +97,31 @@ class Scheduler:
             if self._stopping:
                 raise QueueFull("the server is shutting down")
             # a free running slot counts too: a job always passes through `waiting`
-            if len(self.waiting) + len(self.running) >= self.max_queue + self.max_running:
+            if self._live() >= self.max_queue + self.max_running:
                 raise QueueFull(f"{len(self.waiting)} requests are waiting (--max-queue {self.max_queue})")
+            job.scheduler = self
             self.waiting.append(job)
             self._cond.notify()
 
-    def pending(self) -> int:
-        """Jobs waiting or running."""
+    def _live(self) -> int:
+        """Jobs waiting or running whose client is still there (the caller holds the lock)."""
+        return len(self.waiting) + sum(1 for job in self.running if not job.cancelled)
+
+    def withdraw(self, job: Job) -> None:
+        """A cancelled job leaves the queue now if it still waits (any thread; a running one
+        stops at its next step, and counts no more meanwhile)."""
         with self._cond:
-            return len(self.waiting) + len(self.running)
+            try:
+                self.waiting.remove(job)
+            except ValueError:
+                return  # running (or done): the worker drops it at its next step
+        log.info("%s: client gone after %.3f s in the queue; nothing computed", job.request.id,
+                 time.monotonic() - job.queued)
+
+    def pending(self) -> int:
+        """Jobs waiting or running, not counting those whose client is gone."""
+        with self._cond:
+            return self._live()
 
     def step(self) -> bool:
         """Admit waiting jobs up to max_running and advance each running job by one token.
@@ -109,6 +146,9 @@ class Scheduler:
 
     def _advance(self, job: Job) -> None:
         if job.cancelled:
+            if not job.delivered:  # gone while prefilling: the engine logs rows that decoded
+                log.info("%s: client gone during its prefill (%.3f s after it queued)", job.request.id,
+                         time.monotonic() - job.queued)
             self._drop(job)
             return
         try:
@@ -127,6 +167,7 @@ class Scheduler:
         if any(isinstance(e, Finish) and e.last for e in events):
             self._drop(job)
             self._maybe_flush()  # before the answer ends: a finished request is on disk
+        job.delivered = True
         for e in events:
             job.deliver(e)
 
@@ -139,11 +180,11 @@ class Scheduler:
             self.running.remove(job)
 
     def _maybe_flush(self) -> None:
+        """Flush on the model thread when nothing else waits (the timer covers sustained load)."""
         with self._cond:
             idle = not self.running and not self.waiting
-        if idle or time.monotonic() - self._last_flush > FLUSH_EVERY:
+        if idle:
             self.engine.flush()
-            self._last_flush = time.monotonic()
 
     def run(self) -> None:
         """Serve until `stop()`; jobs queued before it are served first."""
@@ -164,13 +205,66 @@ class Scheduler:
             self._cond.notify_all()
 
 
-class Worker:
-    """The model thread: runs `scheduler.run()` until `stop()`."""
+class Flusher:
+    """Writes the prefix store's records not yet on disk every `interval` seconds, on its own thread.
 
-    def __init__(self, scheduler: Scheduler):
+    Each hold of the store's lock writes at most `chunk` bytes, so the model thread's
+    lookups and publishes wait at most one chunk; decoding steps never touch the store.
+    """
+
+    def __init__(self, store, interval: float = FLUSH_EVERY, chunk: int = FLUSH_CHUNK, pause: float = FLUSH_PAUSE):
+        self.store = store
+        self.interval = float(interval)
+        self.chunk = int(chunk)
+        self.pause = float(pause)
+        self.flushes = 0  # timer rounds that wrote something
+        self.records = 0  # records written by the timer
+        self._halt = threading.Event()
+        self.thread = threading.Thread(target=self._main, name="segcache-flush", daemon=True)
+
+    def start(self) -> None:
+        if self.store is not None and self.interval > 0:
+            self.thread.start()
+
+    def _main(self) -> None:
+        deadline = time.monotonic() + self.interval
+        while not self._halt.wait(max(0.0, deadline - time.monotonic())):
+            deadline = time.monotonic() + self.interval  # from the start of this round: at least this often
+            self.flush()
+
+    def flush(self) -> int:
+        """Write every record not yet on disk, a chunk per lock hold; returns how many."""
+        written = 0
+        while not self._halt.is_set() and not self.store.closed:
+            try:
+                n, left = self.store.flush_some(self.chunk)
+            except Exception as exc:  # closed meanwhile, or the disk failed: a cache, not worth a crash
+                if not self.store.closed:
+                    log.warning("prefix store flush failed: %s", exc)
+                break
+            written += n
+            if not left or not n:  # done, or the disk takes nothing now (warned): the next round retries
+                break
+            time.sleep(self.pause)  # the lock and the GIL to the model thread between chunks
+        if written:
+            self.flushes += 1
+            self.records += written
+        return written
+
+    def stop(self) -> None:
+        self._halt.set()
+        if self.thread.is_alive():
+            self.thread.join()
+
+
+class Worker:
+    """The model thread: runs `scheduler.run()` until `stop()`; with a store, a `Flusher` beside it."""
+
+    def __init__(self, scheduler: Scheduler, flush_interval: float = FLUSH_EVERY):
         self.scheduler = scheduler
         self.thread = threading.Thread(target=self._main, name="segcache-model", daemon=True)
         self.error: BaseException | None = None
+        self.flusher = Flusher(getattr(scheduler.engine, "store", None), flush_interval)
 
     def _main(self) -> None:
         try:
@@ -183,6 +277,7 @@ class Worker:
 
     def start(self) -> None:
         self.thread.start()
+        self.flusher.start()
 
     @property
     def alive(self) -> bool:
@@ -192,6 +287,7 @@ class Worker:
         self.scheduler.stop()
         if self.thread.is_alive():
             self.thread.join(timeout)
+        self.flusher.stop()  # before the store closes; the model thread flushed on its way out
 
 
 def release_streams() -> None:

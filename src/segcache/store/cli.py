@@ -40,12 +40,14 @@ def stats(path: str, remote: str | None = None) -> int:
             c[1] += e.nbytes
             c[2] += e.tokens
     print(f"store   {path}")
-    print(f"entries {st['entries']}   bytes {_mib(st['disk_bytes'])}   data.mdb {_mib(st['disk_file_bytes'])}")
+    print(f"entries {st['entries']}   bytes {_mib(st['disk_bytes'])}   data.mdb {_mib(st['disk_file_bytes'])}   "
+          f"unresumable {st['disk_unresumable_bytes']} bytes")
     for kind, (n, b, t) in sorted(kinds.items()):
         label = f"{kind} ({KINDS[kind]})" if kind in KINDS else kind
         print(f"  {label:<26} {n:>8} entries {_mib(b):>12} {t:>12} tokens")
     if "page" in kinds:
-        print("  (pages: tokens are stored K/V; checkpoints: tokens are the prompt length they resume)")
+        print("  (pages: tokens are stored K/V, 0 where only a checkpoint resumes; checkpoints: the prompt length they resume;\n"
+              "   unresumable: records no checkpoint or chain of pages can resume from, 0 after any eviction)")
     print("remote  " + "   ".join(f"{k[7:]} {st[k]}" for k in ("remote_reads", "remote_writes", "remote_errors", "remote_dropped", "remote_backlog", "remote_corrupt"))
           + ("" if remote else "   (counters of this handle; pass --remote URL to probe a remote)"))
     if info is not None:
@@ -65,12 +67,14 @@ def ls(path: str) -> int:
 
 
 def verify(path: str) -> int:
-    """Decode every record; delete bad ones. Exit code 1 if anything was wrong."""
+    """Decode every record; delete bad ones and the ones nothing can resume from. Exit code 1 if a
+    record or the index was damaged."""
     with _open(path) as s:
         r = s.verify()
-    print(f"checked {r['checked']} records: {r['corrupt']} corrupt (deleted), {r['orphans']} orphan index entries (deleted)")
-    print(f"now {r['entries']} entries, {_mib(r['bytes'])}")
-    return 1 if r["corrupt"] or r["orphans"] or r["fixed_total"] else 0
+    print(f"checked {r['checked']} records: {r['corrupt']} corrupt (deleted), {r['orphans']} orphan index entries (deleted), "
+          f"{r['unresumable']} unresumable ({r['unresumable_bytes']} bytes, deleted)")
+    print(f"now {r['entries']} entries, {_mib(r['bytes'])}, unresumable 0 bytes")
+    return 1 if r["corrupt"] or r["orphans"] or r["fixed_total"] else 0  # unresumable records are waste, not damage
 
 
 def gc(path: str, max_bytes: int) -> int:
@@ -101,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in helps.items():
         sub.add_parser(name, help=text, description=text).add_argument("path", help="store directory")
     sub.choices["stats"].add_argument("--remote", metavar="URL", help="also probe this Redis/Valkey (keys, memory, eviction policy)")
-    g = sub.add_parser("gc", help="evict records (leaves first) until the store holds at most --max-bytes")
+    g = sub.add_parser("gc", help="evict what nothing resumes from, then whole units, until the store holds at most --max-bytes")
     g.add_argument("path", help="store directory")
     g.add_argument("--max-bytes", type=_bytes, required=True, help="bytes the store may keep, >= 0")
     return p

@@ -30,7 +30,6 @@ reuse, so the values' byte total says little about data.mdb's size. Here:
 
 from __future__ import annotations
 
-import heapq
 import math
 import mmap
 import os
@@ -46,9 +45,9 @@ import lmdb
 import msgpack
 
 from ..errors import InvariantError, StoreError, StoreFormatError, StoreWarning
-from . import codec
+from . import codec, units
 from .files import STORE_FILES, fsync_dir, no_store, prepare_dir, sole_user
-from .policy import eviction_key, safe_cost
+from .policy import safe_cost
 from .record import Record
 
 T = TypeVar("T")
@@ -70,6 +69,8 @@ _HYSTERESIS = 0.07  # eviction ahead of a write goes this share below the high-w
 _FIT_TRIES = 4  # runs freed for one value the map cannot place before it is given up
 _LOW_WATER = 0.95  # evict the values' byte total to 95% of the budget so a full store does not scan on every put
 _BATCH_BYTES = 256 << 20  # encoded bytes per write transaction when writing many records
+GRACE = 60.0  # seconds: a page written before the checkpoint that needs it (a flush in batches, another
+# process's RAM) is not unresumable yet
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,10 @@ class DiskTier:
         self.reads = 0  # records read and checked, since open
         self._touched: dict[bytes, float] = {}  # last-use updates not yet written
         self._warned: set[bytes] = set()  # keys already reported as corrupt (one warning per record)
+        # Eviction keeps what records not on disk yet need: () -> (keys they extend, their own keys).
+        self.pinned: Callable[[], tuple[set[bytes], set[bytes]]] = lambda: (set(), set())
+        self.grace = GRACE  # seconds a record nothing needs yet is kept (what it serves may be on its way)
+        self._writing: set[bytes] = set()  # keys of the `write` in progress: its later batches need them
         self._closed = True
         had_store = prepare_dir(self.path, create=create)
         self._open_env(create=create)
@@ -296,6 +301,13 @@ class DiskTier:
         Never raises: a record that cannot be encoded or written (full file system,
         I/O error, over the budget) is warned about and counted in `dropped`.
         """
+        self._writing = {k for k, _ in items}  # a later batch's records may need an earlier one's
+        try:
+            return self._write(items)
+        finally:
+            self._writing = set()
+
+    def _write(self, items: list[tuple[bytes, Record]]) -> set[bytes]:
         written: set[bytes] = set()
         batch, size = [], 0
         now = time.time()
@@ -490,61 +502,87 @@ class DiskTier:
         except codec.CorruptRecordError:
             return default
 
-    def _evict_txn(self, txn, used: int, target: int | None, keep: set[bytes] = frozenset(),
-                   pages: int | None = None, fits: int | None = None) -> tuple[int, int]:
-        """Delete records until used <= target and the pages in use <= pages (None: no bound),
-        leaves first; returns (used, count). With ``fits``, delete one record only, the first
-        leaf whose value is at least ``fits`` bytes: its run of pages then holds such a value.
+    def _units(self, txn, keep=frozenset(), grace: bool = True) -> units.Units:
+        """The records' units (`units.py`) as the index lists them now.
 
-        Only records that no stored record names as parent are candidates, so eviction
-        never strands the records below one; among leaves the least useful per byte and
-        the oldest go first (policy.eviction_key), and a parent becomes a candidate once
-        its last child is gone. ``keep`` (the keys being written) goes last. The caller
-        writes ``used`` back to META_BYTES in the same transaction.
+        Kept, besides ``keep``: the records ``pinned`` names (what records still in RAM
+        extend), and (with ``grace``) records written in the last ``self.grace`` seconds
+        that nothing needs yet (a page whose checkpoint is on its way, from this
+        process or another).
         """
-
-        def over(used: int) -> bool:
-            if fits is not None:
-                return n == 0
-            return (target is not None and used > target) or (pages is not None and self._in_use(txn) > pages)
-
-        info: dict[bytes, tuple[tuple, int, bytes | None]] = {}
+        items: dict[bytes, units.Item] = {}
+        created: dict[bytes, float] = {}
         for k, raw in txn.cursor(db=self.index):
             k = bytes(k)
             try:
                 e = Entry.unpack(k, raw)
-                rank = eviction_key(e.cost, e.nbytes, e.last_use)
-                info[k] = ((k in keep,) + rank, e.nbytes, e.parent if e.parent != k else None)
-            except codec.CorruptRecordError:
-                info[k] = ((False, -(10**9), 0.0), len(txn.get(k, db=self.records) or b""), None)
-        children: dict[bytes, int] = {}
-        for _, _, p in info.values():
-            if p is not None and p in info:
-                children[p] = children.get(p, 0) + 1
-        heap = [(rank, k) for k, (rank, nb, _) in info.items() if not children.get(k) and (fits is None or nb >= fits)]
-        heapq.heapify(heap)
+                items[k] = units.Item(k, e.kind, e.tokens, e.nbytes, e.parent, e.cost, e.last_use)
+                created[k] = e.created
+            except codec.CorruptRecordError:  # unreadable entry: unresumable, first to go
+                items[k] = units.Item(k, "", 0, len(txn.get(k, db=self.records) or b""), k, 0.0, 0.0)
+        protect, elsewhere = self.pinned()
+        keep = set(keep) | set(protect) | self._writing
+        found = units.Units(items, keep=keep, elsewhere=elsewhere)
+        recent = time.time() - self.grace
+        young = {k for k in items if k not in found.needed and created.get(k, 0.0) > recent} if grace else set()
+        if young:
+            found = units.Units(items, keep=keep | young, elsewhere=elsewhere)
+        return found
+
+    def _evict_txn(self, txn, used: int, target: int | None, keep: set[bytes] = frozenset(),
+                   pages: int | None = None, fits: int | None = None, purge: bool = False,
+                   grace: bool = True) -> tuple[int, int]:
+        """Delete records until used <= target and the pages in use <= pages (None: no bound);
+        returns (used, count). With ``fits``, delete one unit only, the first holding a value of
+        at least ``fits`` bytes: its run of pages then holds such a value.
+
+        Whenever anything is deleted (and always with ``purge``), every unresumable record
+        goes first, whatever the bound; then whole units, least valuable first
+        (`units.Units.order`), so a surviving record always has what it resumes from and
+        what it needs. ``keep`` (the keys being written) goes last. Without ``grace``
+        (`gc`, `verify`: asked for), records written in the last seconds that nothing
+        needs yet are unresumable too. The caller writes ``used`` back to META_BYTES in
+        the same transaction.
+        """
+
+        fitted = False
+
+        def over(used: int) -> bool:
+            if fits is not None:
+                return not fitted
+            return (target is not None and used > target) or (pages is not None and self._in_use(txn) > pages)
+
         n = 0
-        while info and over(used):
-            if heap:
-                _, k = heapq.heappop(heap)
-            elif fits is not None:
+        if not purge and not over(used):
+            return used, 0
+        found = self._units(txn, keep, grace=grace)
+        sizes = {k: it.nbytes for k, it in found.items.items()}
+        unresumable = set(found.unresumable())
+
+        def delete(group):
+            nonlocal used, n
+            for k in group:
+                txn.delete(k, db=self.records)
+                txn.delete(k, db=self.index)
+                self._touched.pop(k, None)
+                used -= sizes[k]
+                n += 1
+
+        for group in found.order():
+            if group[0] in unresumable and group[0] not in found.keep:
+                delete(group)
+                continue
+            if not over(used):
                 break
-            else:  # only a parent cycle is left (a damaged store): break it at its cheapest record
-                k = min(info, key=lambda x: info[x][0])
-            _, nb, p = info.pop(k)
-            txn.delete(k, db=self.records)
-            txn.delete(k, db=self.index)
-            self._touched.pop(k, None)
-            used -= nb
-            n += 1
-            if p is not None and p in info:
-                children[p] -= 1
-                if children[p] == 0:
-                    heapq.heappush(heap, (info[p][0], p))
+            if fits is not None:
+                if not any(sizes[k] >= fits for k in group):
+                    continue
+                fitted = True
+            delete(group)
         return used, n
 
     def _evict_to(self, txn, target: int, pages: int | None = None) -> int:
-        used, n = self._evict_txn(txn, self._used(txn), target, pages=pages)
+        used, n = self._evict_txn(txn, self._used(txn), target, pages=pages, purge=True, grace=False)
         txn.put(META_BYTES, _U64.pack(max(used, 0)), db=self.meta)
         return n
 
@@ -582,7 +620,7 @@ class DiskTier:
         return self._run(fn, write=True)
 
     def gc(self, max_bytes: int, pages: int | None = None) -> int:
-        """Evict records, leaves first, until their values hold <= max_bytes (and the pages in use
+        """Evict every unresumable record, then units (`units.py`), until their values hold <= max_bytes (and the pages in use
         are <= pages, if given), then give the file's free pages back if it is larger than
         max_bytes (`_compact`); returns the count."""
         if max_bytes < 0:
@@ -695,10 +733,11 @@ class DiskTier:
         return self._run(self._used)
 
     def stats(self) -> dict[str, int]:
-        used, pages, entries = self._run(lambda txn: (self._used(txn), self._in_use(txn), txn.stat(self.records)["entries"]))
+        used, pages, entries, useless = self._run(lambda txn: (self._used(txn), self._in_use(txn), txn.stat(self.records)["entries"],
+                                                               self._units(txn, grace=False).unresumable_bytes()))
         return {"disk_reads": self.reads, "disk_evictions": self.evictions, "disk_corrupt": self.corrupt_dropped,
                 "disk_dropped": self.dropped, "disk_bytes": used, "disk_entries": entries,
-                "disk_page_bytes": pages, "disk_file_bytes": self.file_bytes()}
+                "disk_page_bytes": pages, "disk_file_bytes": self.file_bytes(), "disk_unresumable_bytes": useless}
 
     def count(self) -> int:
         return self._run(lambda txn: txn.stat(self.records)["entries"])
@@ -755,8 +794,18 @@ class DiskTier:
             txn.put(META_BYTES, _U64.pack(total), db=self.meta)
             return len(orphans), fixed_total, txn.stat(self.records)["entries"], total
 
-        orphans, fixed_total, n, total = self._run(fix, write=True)
-        return {"checked": len(keys), "corrupt": dropped, "orphans": orphans, "fixed_total": fixed_total, "entries": n, "bytes": total}
+        orphans, fixed_total, _, _ = self._run(fix, write=True)
+
+        def purge(txn):  # what nothing can resume from (past the grace of records on their way)
+            used = self._used(txn)
+            left, gone = self._evict_txn(txn, used, None, purge=True, grace=False)
+            txn.put(META_BYTES, _U64.pack(max(left, 0)), db=self.meta)
+            return gone, used - left, txn.stat(self.records)["entries"], left
+
+        useless, useless_bytes, n, total = self._run(purge, write=True)
+        self.evictions += useless
+        return {"checked": len(keys), "corrupt": dropped, "orphans": orphans, "fixed_total": fixed_total,
+                "unresumable": useless, "unresumable_bytes": useless_bytes, "entries": n, "bytes": total}
 
     def check(self, budget: bool = True) -> None:
         """Raise InvariantError unless index, records and byte total agree (and fit the budget)."""
@@ -778,6 +827,11 @@ class DiskTier:
             raise InvariantError(f"byte total {used} != sum of records {sum(rec_keys.values())}")
         if budget and used > self.disk_bytes:
             raise InvariantError(f"disk tier holds {used} bytes over its budget {self.disk_bytes}")
+        if self.evictions:
+            useless = self._run(lambda txn: self._units(txn).unresumable_bytes())
+            if useless:
+                raise InvariantError(f"disk tier holds {useless} bytes nothing can resume from after {self.evictions} "
+                                     f"evictions (every eviction removes those first)")
 
     def close(self) -> None:
         """Write pending last-use updates and close the environment; idempotent."""

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import statistics
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..layers.protocol import CHECKPOINT, PAGES
 from ..spec import spec_of
@@ -17,6 +18,7 @@ from .identity import model_identity
 
 APC_VERSION = 2  # record schema of the prefix cache; part of the identity, so a change is a miss
 DEFAULT_SPT = 1e-3  # seconds per token assumed before any prefill was timed
+SPT_SAMPLES = 8  # prefills whose median rate prices the records (Layout.learn)
 
 
 @dataclass
@@ -29,7 +31,11 @@ class Layout:
         resumes: per layer, PAGES or CHECKPOINT.
         probe: per layer, the spec of what it exported after one token.
         logits: the spec entry of one position's logits.
-        spt: seconds per prompt token, measured by the last prefill that computed some.
+        spt: seconds per prompt token: the median of the first `SPT_SAMPLES` prefills that
+            computed some after the first (`learn`), then fixed. A record's cost decides its eviction against
+            its neighbours', by buckets of powers of two: a rate that followed every prefill
+            (MLX's first call, a loaded machine) would put records of the same worth in
+            different buckets, and a newer one would go before an older one.
     """
 
     identity: bytes
@@ -38,6 +44,15 @@ class Layout:
     probe: tuple[dict, ...]
     logits: tuple[str, tuple]
     spt: float = DEFAULT_SPT
+    samples: list = field(default_factory=list, compare=False, repr=False)  # the first SPT_SAMPLES rates
+
+    def learn(self, seconds: float, tokens: int) -> None:
+        """Count a prefill that computed `tokens` tokens in `seconds`."""
+        if tokens <= 0 or not seconds > 0 or len(self.samples) > SPT_SAMPLES:
+            return
+        self.samples.append(seconds / tokens)
+        warm = self.samples[1:] or self.samples  # the first prefill also pays MLX's first calls
+        self.spt = statistics.median(warm)
 
     @property
     def stateful(self) -> bool:

@@ -1,8 +1,9 @@
 """The eviction order shared by the RAM and disk tiers.
 
 Both tiers keep what saves the most recompute per byte and break ties by
-recency. Utility is bucketed by powers of two so that recency decides among
-records of similar worth instead of a 1% cost difference pinning a stale record.
+recency. Utility is bucketed by powers of four so that recency decides among
+records of similar worth instead of a small cost difference (a prefill timed on
+a busy machine) pinning a stale record.
 Every input is clamped to a finite value here, so a NaN or infinite cost (a
 caller's bug, or a damaged index entry) can never break the sort order.
 """
@@ -27,11 +28,11 @@ def safe_cost(cost) -> float:
 
 
 def utility_bucket(cost: float, nbytes: int) -> int:
-    """Return log2 of seconds saved per MiB, floored; higher is more worth keeping."""
+    """Return log4 of seconds saved per MiB, floored; higher is more worth keeping."""
     per_mib = safe_cost(cost) / max(int(nbytes), 1) * (1 << 20)
     if per_mib <= 0.0:
         return _UNKNOWN
-    return max(_UNKNOWN + 1, min(_MAX_BUCKET, math.floor(math.log2(per_mib))))
+    return max(_UNKNOWN + 1, min(_MAX_BUCKET, math.floor(math.log2(per_mib) / 2)))
 
 
 def eviction_key(cost: float, nbytes: int, last_use: float) -> tuple[int, float]:

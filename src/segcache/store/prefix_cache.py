@@ -304,7 +304,7 @@ class PrefixCache:
         out = []
         for j, key, rec in zip(pages, keys, recs):
             self._fit(key, rec, spec, spec, f"page {j}")
-            if rec.kind != "page" or rec.tokens != P:
+            if rec.kind != "page" or rec.tokens not in (0, P):  # 0: a stateful model's page (P before)
                 raise _Miss(f"record at the key of page {j} is not a page")
             out.append((rec, P))
         if n:
@@ -356,14 +356,16 @@ class PrefixCache:
         store, lay = self.store, self.layout
         P, spt, N = lay.page_tokens, lay.spt, len(ids)
         ix = self._prompt(rt, ids)
-        written = 0
         paged = lay.layers(PAGES)
+        # A page resumes alone only where every layer resumes from pages; on a stateful
+        # model it serves the checkpoints past it, and says so (tokens 0: the store's units).
+        page_tokens = 0 if lay.stateful else P
+        puts: list[tuple[bytes, Record]] = []  # one publish enters the store together
         for j in range(1, N // P + 1):
             key = ix.page_key(j)
             if paged and not store.contains(key):
                 arrays = self._rows_of(rt, paged, (j - 1) * P, j * P)
-                store.put(key, Record("page", P, arrays, {"start": (j - 1) * P}, P * spt, parent=ix.parent(j - 1)))
-                written += 1
+                puts.append((key, Record("page", page_tokens, arrays, {"start": (j - 1) * P}, P * spt, parent=ix.parent(j - 1))))
         tails: dict[int, list[list[int]]] = {}
         for snap in snaps:
             r = snap.length
@@ -382,10 +384,11 @@ class PrefixCache:
                     metas[str(i)] = meta
             if snap.logits is not None:
                 arrays["logits"] = snap.logits
-            saved = (r if lay.stateful else n) * spt
+            saved = (r if lay.stateful else max(n, 1)) * spt  # dense: the tail, or at least the last forward
             meta = {"length": r, "tail": n, "layers": metas}
-            store.put(key, Record("ckpt", r, arrays, meta, saved, parent=ix.parent(j)))
-            written += 1
+            puts.append((key, Record("ckpt", r, arrays, meta, saved, parent=ix.parent(j))))
+        store.put_many(puts)
+        written = len(puts)
         for j in range(0, N // P + 1):
             cont, new_tails = ix.rem(j, N), tails.get(j, [])
             if ix.node(j).add(list(cont), new_tails):  # cheap read first: most nodes are unchanged
@@ -461,7 +464,7 @@ class PrefixCache:
         store.note_prefill(L, resume.restored)
         if resume.tokens == L:
             return 0
-        self.layout.spt = seconds / (L - resume.tokens)
+        self.layout.learn(seconds, L - resume.tokens)
         try:
             return self.publish(rt, ids, self.chosen(snaps))
         except Exception as exc:

@@ -1,6 +1,12 @@
-"""The RAM tier: decoded records bounded by bytes, evicted by compute saved per byte.
+"""The RAM tier: decoded records bounded by bytes, evicted by what a resume needs.
 
-Putting a record is a dict insert: no copy and no compression. Records that
+Putting a record is a dict insert: no copy and no compression. The budget counts
+what a record costs this process, not only its array bytes (`footprint`): an
+index node of a few hundred bytes holds a Python object, its dicts, an MLX array
+and the tier's own bookkeeping, about 1.5 KiB measured, so many small records
+cannot outgrow the budget unseen. Eviction goes by units (`units.py`): first the
+records no record in RAM resumes from, then a checkpoint with the pages only it
+needs, least valuable first. Records that
 leave RAM and are not on disk yet ("dirty") are handed, in one batch per
 eviction round, to a callback that suspends them to disk. It answers the
 tiers' interface (`tier.py`) and, for the store above it, keeps which records
@@ -14,10 +20,18 @@ from typing import Callable, Sequence
 
 from ..errors import InvariantError, StoreWarning
 from .codec import Expect, fits
-from .policy import eviction_key
 from .record import Record
+from .units import Item, Units
 
 SuspendFn = Callable[[list[tuple[bytes, Record]]], None]
+
+RECORD_OVERHEAD = 1024  # bytes a record costs besides its arrays: the objects, its meta, the tier's maps
+ARRAY_OVERHEAD = 512  # bytes an MLX array costs besides its data (wrapper, descriptor, allocation)
+
+
+def footprint(key: bytes, record: Record) -> int:
+    """Bytes the RAM budget counts for one record: its arrays, its key and the fixed overheads."""
+    return record.nbytes + len(key) + RECORD_OVERHEAD + ARRAY_OVERHEAD * len(record.arrays)
 
 
 class RamTier:
@@ -29,7 +43,7 @@ class RamTier:
         self.budget = int(ram_bytes)
         self._on_evict = on_evict  # receives dirty records leaving RAM; must not raise
         self._items: dict[bytes, Record] = {}
-        self._nbytes: dict[bytes, int] = {}  # same keys as _items; Record.nbytes at insert
+        self._nbytes: dict[bytes, int] = {}  # same keys as _items; footprint(key, record) at insert
         self._last: dict[bytes, int] = {}  # same keys as _items; value of _clock at last use
         self._dirty: set[bytes] = set()  # subset of _items: not known to be on disk
         self.used = 0  # == sum(_nbytes.values()) <= budget between public calls
@@ -50,21 +64,34 @@ class RamTier:
 
     def put(self, key: bytes, record: Record, *, dirty: bool = True) -> None:
         """Insert (or replace) key, then evict until the budget holds."""
-        self.pop(key)
-        n = record.nbytes
-        if n > self.budget:  # never fits: straight to disk
-            self.evictions += 1
+        self.put_many([(key, record)], dirty=dirty)
+
+    def put_many(self, items: list[tuple[bytes, Record]], *, dirty: bool = True) -> None:
+        """Insert (or replace) records together, then evict until the budget holds.
+
+        What one publish writes goes in together: its pages are needed by its
+        checkpoint, which an eviction between them would not see yet. They are
+        evicted last (`Units` keep).
+        """
+        big = []
+        for key, record in items:
+            self.pop(key)
+            n = footprint(key, record)
+            if n > self.budget:  # never fits: straight to disk
+                self.evictions += 1
+                if dirty:
+                    big.append((key, record))
+                continue
+            self._items[key] = record
+            self._nbytes[key] = n
+            self._last[key] = self._tick()
             if dirty:
-                self._on_evict([(key, record)])
-            return
-        self._items[key] = record
-        self._nbytes[key] = n
-        self._last[key] = self._tick()
-        if dirty:
-            self._dirty.add(key)
-        self.used += n
+                self._dirty.add(key)
+            self.used += n
+        if big:
+            self._on_evict(big)
         if self.used > self.budget:
-            self._evict(self.budget)
+            self._evict(self.budget, keep={k for k, _ in items})
 
     def get(self, key: bytes, expect: Expect | None = None) -> Record | None:
         """The record at key (counting a use), or None; one that does not fit `expect` is dropped."""
@@ -102,17 +129,28 @@ class RamTier:
             self._dirty.discard(key)
         return rec
 
-    def _evict(self, target: int) -> None:
-        order = sorted(self._items, key=lambda k: eviction_key(self._items[k].cost, self._nbytes[k], self._last[k]))
+    def units(self, keep=frozenset()) -> Units:
+        """The records' units as RAM holds them (a parent on disk only ends a chain, `units.py`)."""
+        items = {k: Item(k, r.kind, r.tokens, self._nbytes[k], r.parent, r.cost, self._last[k]) for k, r in self._items.items()}
+        return Units(items, complete=False, keep=keep)
+
+    def _evict(self, target: int, keep=frozenset()) -> None:
+        """Evict the unresumable records, then units, until at most target bytes remain.
+
+        Dirty records leave in one batch, each unit's records parents first, so the
+        disk receives a checkpoint with the pages it needs."""
+        found = self.units(keep)
+        useless = set(found.unresumable())
         out = []
-        for k in order:
-            if self.used <= target:
+        for group in found.order():
+            if group[0] not in useless and self.used <= target:
                 break
-            dirty = k in self._dirty
-            rec = self.pop(k)
-            self.evictions += 1
-            if dirty:
-                out.append((k, rec))
+            for k in reversed(group):  # parents (pages) before the checkpoint
+                dirty = k in self._dirty
+                rec = self.pop(k)
+                self.evictions += 1
+                if dirty:
+                    out.append((k, rec))
         if out:  # state is consistent before the callback runs
             self._on_evict(out)
 
@@ -124,6 +162,10 @@ class RamTier:
     def dirty(self) -> list[tuple[bytes, Record]]:
         """Records not yet on disk, oldest use first."""
         return sorted(((k, self._items[k]) for k in self._dirty), key=lambda kv: self._last[kv[0]])
+
+    def dirty_keys(self) -> set[bytes]:
+        """The keys of the records not yet on disk."""
+        return set(self._dirty)
 
     def mark_clean(self, keys) -> None:
         self._dirty.difference_update(keys)
@@ -148,7 +190,7 @@ class RamTier:
         if total != self.used:
             raise InvariantError(f"RAM tier counts {self.used} bytes, records sum to {total}")
         for k, r in self._items.items():
-            if r.nbytes != self._nbytes[k]:
+            if footprint(k, r) != self._nbytes[k]:
                 raise InvariantError(f"record {k.hex()[:16]} changed size in RAM")
         if self.used > self.budget:
             raise InvariantError(f"RAM tier holds {self.used} bytes over its budget {self.budget}")

@@ -14,12 +14,14 @@ class Record:
 
     Attributes:
         kind: What the record holds, e.g. ``"kv"`` or ``"ckpt"``; free text, <= 64 chars.
-        tokens: How many prompt tokens this record lets a caller skip.
+        tokens: How many prompt tokens this record lets a caller skip. 0: it resumes
+            nothing alone and is kept only for the records below it (a page of a
+            model with checkpoint layers; `units.py`).
         arrays: Name -> array. Arrays are immutable, so the store keeps them as given.
         meta: Plain msgpack-able values (str, int, float, bool, None, bytes, lists, dicts).
         cost: Estimated seconds of compute the record saves; drives eviction.
         parent: Key of the record this one extends (a page's previous page), or None.
-            The disk tier evicts only records no stored record names as parent, so
+            The tiers evict a record with what only it needs (`units.py`), so
             eviction never strands the records below one.
     """
 

@@ -225,6 +225,16 @@ class RemoteTier:
         compress = self.compress
         self._offer(("put", key, lambda: codec.encode(record, key=key, compress=compress)))
 
+    def put_many(self, items: Sequence[tuple[bytes, Record]]) -> None:
+        """Queue the write-throughs of records that belong together (a checkpoint and the pages it
+        needs), in order, parents first: all of them, or none (counted dropped) if the queue lacks
+        room. A checkpoint sent without its pages would only cost the remote memory."""
+        if len(items) > 1 and not self._closed and self._ok("write") and self._queue.maxsize - self._queue.qsize() < len(items):
+            self._count_dropped(len(items))
+            return
+        for key, record in items:
+            self.put(key, record)
+
     def update(self, key: bytes, fn: Callable[[Record | None], Record | None]) -> None:
         """Queue ``fn`` over the record at key, merged atomically on the remote (WATCH/MULTI).
 

@@ -49,6 +49,7 @@ class EntryInfo:
     kind: str
     last_use: float  # unix seconds (RAM-only records: time of listing)
     tier: str  # "disk" or "ram"
+    parent: bytes | None = None  # the record this one extends (Record.parent)
 
 
 def _validate(key: bytes, record: Record) -> None:
@@ -125,6 +126,7 @@ class PrefixStore:
         self._lock = threading.RLock()  # one operation at a time per handle
         self._disk = DiskTier(self.path, disk_bytes=disk_bytes, compress=compress, create=create, max_readers=max_readers)
         self._ram = RamTier(ram_bytes, self._suspend)
+        self._disk.pinned = self._pinned
         # Since this handle opened. A prefill through the prefix cache counts once
         # (hit if it resumed any tokens); a direct get() counts per record.
         self._hits = self._misses = self._hit_tokens = 0
@@ -160,6 +162,11 @@ class PrefixStore:
 
     # -- suspend to disk ----------------------------------------------------
 
+    def _pinned(self) -> tuple[set[bytes], set[bytes]]:
+        """What the disk must keep for records still only in RAM: the keys they extend, and their own."""
+        dirty = self._ram.dirty_keys()
+        return {r.parent for k in dirty if (r := self._ram.peek(k)) is not None and r.parent is not None}, dirty
+
     def _suspend(self, items: list[tuple[bytes, Record]]) -> set[bytes]:
         """Write records RAM evicts (or flushes) to disk; returns the keys now there. Never raises."""
         return self._disk.write(items)
@@ -172,13 +179,26 @@ class PrefixStore:
         Raises:
             StoreError: The key or record is malformed (nothing is stored), or the store is closed.
         """
+        self.put_many([(key, record)])
+
+    def put_many(self, items: Sequence[tuple[bytes, Record]]) -> None:
+        """Store records that belong together (a checkpoint and the pages it needs) in RAM.
+
+        They enter RAM at once, so an eviction sees the checkpoint that needs the
+        pages, and they leave it (and reach the remote) parents first.
+
+        Raises:
+            StoreError: A key or record is malformed (nothing is stored), or the store is closed.
+        """
+        items = list(items)
         with self._lock:
             self._check_open()
-            _validate(key, record)
-            mx.eval(list(record.arrays.values()))
-            self._ram.put(key, record)
+            for key, record in items:
+                _validate(key, record)
+            mx.eval([a for _, record in items for a in record.arrays.values()])
+            self._ram.put_many(items)
             if self._remote is not None:
-                self._remote.put(key, record)
+                self._remote.put_many(items)
 
     def get(self, key: bytes, *, count: bool = True, expect: Expect | None = None) -> Record | None:
         """Return the record at key, or None. RAM first; a disk hit is promoted to RAM.
@@ -394,6 +414,33 @@ class PrefixStore:
             except (lmdb.Error, StoreError) as e:
                 warnings.warn(f"segcache store: last-use times not written to {self.path}: {e}", StoreWarning, stacklevel=2)
 
+    def flush_some(self, max_bytes: int) -> tuple[int, int]:
+        """`flush` about max_bytes of the oldest records not yet on disk, in one hold of the lock.
+
+        For a writer thread beside the model's: the lock is held for one chunk, so a
+        lookup or a publish waits at most that long. At least one record is written.
+
+        Returns:
+            (records now on disk, records still only in RAM).
+        """
+        with self._lock:
+            self._check_open()
+            dirty = self._ram.dirty()
+            take, size = [], 0
+            for key, rec in dirty:
+                if take and size + rec.nbytes > max_bytes:
+                    break
+                take.append((key, rec))
+                size += rec.nbytes
+            written = self._suspend(take) if take else set()
+            self._ram.mark_clean(written)
+            if len(take) == len(dirty):
+                try:
+                    self._disk.flush()
+                except (lmdb.Error, StoreError) as e:
+                    warnings.warn(f"segcache store: last-use times not written to {self.path}: {e}", StoreWarning, stacklevel=2)
+            return len(written), len(dirty) - len(written)
+
     def drain_remote(self, timeout: float = 5.0) -> bool:
         """Wait (at most timeout seconds) until queued write-throughs were sent or dropped.
 
@@ -467,13 +514,13 @@ class PrefixStore:
             self._check_open()
             with _store_errors(self.path, "listing entries"):
                 disk = self._disk.entries()
-            out = [EntryInfo(e.key, e.tokens, e.nbytes, e.kind, e.last_use, "disk") for e in disk]
+            out = [EntryInfo(e.key, e.tokens, e.nbytes, e.kind, e.last_use, "disk", e.parent) for e in disk]
             on_disk = {e.key for e in out}
             now = time.time()
             for k in self._ram.keys():
                 if k not in on_disk:
                     r = self._ram.peek(k)
-                    out.append(EntryInfo(k, r.tokens, r.nbytes, r.kind, now, "ram"))
+                    out.append(EntryInfo(k, r.tokens, r.nbytes, r.kind, now, "ram", r.parent))
             return out
 
     def verify(self) -> dict:
@@ -486,8 +533,9 @@ class PrefixStore:
     def gc(self, max_bytes: int, *, file: bool = False) -> int:
         """Evict disk records until the disk tier holds <= max_bytes; returns the count.
 
-        Leaves go first (records no stored record names as parent), least useful per
-        byte and oldest first among them, so no record is left without its parent.
+        Every record nothing can resume from goes first, then whole units (a checkpoint
+        with the pages only it needs; `units.py`), least useful per byte and oldest
+        first, so no record is left without what it needs.
         Then, if data.mdb is larger than max_bytes and no other process has the store
         open, it is rewritten without its free pages (LMDB never shrinks it itself).
 

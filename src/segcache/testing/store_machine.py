@@ -9,13 +9,16 @@ runtime carries a store and random steps:
   a prompt that an earlier prefill published comes back bit-identical,
 * `prefill_main`: continue the main runtime's committed tokens through the store,
 * `evict` the RAM tier to disk, `reopen` the store (a new handle: disk only),
+* `squeeze` the disk tier to a drawn share of its bytes (`gc`): whole units go,
+  and `check` proves that nothing left is unresumable (every checkpoint keeps
+  the pages it needs, no page outlives what resumes from it),
 * `misplace`: reopen after swapping two same-size values on disk (a bad
   restore); every prefill after it must still match mlx-lm: a record under a
   key it was not written for is a counted miss, never served,
 * `check` the store after every step.
 
-Budgets are large, so nothing is lost: a miss would be a bug, not eviction
-(until `misplace` damaged the store).
+Budgets are large, so nothing is lost but what `squeeze` evicts: until then
+a miss would be a bug (as after `misplace`, which damages the store).
 
 Use `store_machine_for(model)` to get a TestCase-ready machine for a model.
 """
@@ -51,6 +54,7 @@ class StoreMachine(RuntimeMachine):
         self.published: list[list[int]] = []  # prompts and committed states published so far
         self.exact: dict[tuple, mx.array] = {}  # prompt -> logits its prefill published
         self.damaged = False  # a misplace happened: misses (recomputed, maybe in other chunks) are expected
+        self.squeezed = False  # a squeeze evicted: a published prompt may be recomputed (maybe in other chunks)
 
     def _open(self):
         return open_store(self._dir, ram_bytes=1 << 24, disk_bytes=1 << 28, page_tokens=PAGE_TOKENS)
@@ -90,7 +94,7 @@ class StoreMachine(RuntimeMachine):
         want = _Reference(self.model).logits_after([], prompt)[:, -1]
         self._close(logits, want, f"prefill of {len(prompt)} tokens")
         key = tuple(prompt)
-        if key in self.exact and not self.damaged:
+        if key in self.exact and not self.damaged and not self.squeezed:
             assert mx.array_equal(logits, self.exact[key]).item(), "a published prompt came back with other logits"
         else:
             mx.eval(logits)
@@ -113,6 +117,15 @@ class StoreMachine(RuntimeMachine):
     def evict(self):
         self.store.evict_ram(0)
         assert self.store.stats()["ram_bytes"] == 0
+
+    @rule(share=st.sampled_from([0.0, 0.3, 0.6, 0.9]))
+    def squeeze(self, share):
+        self.store.evict_ram(0)  # everything on disk, so the squeeze decides what is left
+        before = self.store.stats()["disk_bytes"]
+        if self.store.gc(int(before * share)):
+            self.squeezed = True
+        st = self.store.stats()
+        assert st["disk_bytes"] <= before * share and st["disk_unresumable_bytes"] == 0, st
 
     @rule()
     def reopen(self):
