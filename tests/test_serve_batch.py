@@ -60,7 +60,9 @@ def test_eight_clients_in_one_batch_each_as_alone(tmp_path, ref, drafting):
         assert all(" tok/s" in line and ", -, " not in line for line in done), done
         if drafting:
             mode = "draft" if "--draft-model" in drafting else "lookup"
-            assert all(f", {mode} accepted " in line for line in done), done
+            # every row names its drafter; under load the cost gate may keep a row plain throughout
+            assert all(f", {mode} accepted " in line or f", {mode} drafted nothing," in line for line in done), done
+            assert any(f", {mode} accepted " in line for line in done), done
         # a prompt served again resumes from the store: cached counts the target's tokens only
         usage = httpx.post(srv.url + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 2},
                            timeout=120).json()["usage"]

@@ -96,6 +96,8 @@ class Choice:
             drafting = sum(1 for d in stats.drafted_per_round if d)
             acc = (f", {stats.mode} accepted {stats.acceptance_rate:.0%} "
                    f"({stats.accepted / drafting:.2f}/round)")
+        elif stats.mode != "plain":  # the cost gate (or the drafter's offer) chose plain steps throughout
+            acc = f", {stats.mode} drafted nothing"
         rid = req.id if req.n == 1 else f"{req.id}[{self.index}]"
         log.info("%s: prompt %d tok, cached %d (%s), generated %d tok, ttft %.3f s, %s%s, %s",
                  rid, len(req.ids), self.cached, self.tier, n, self.ttft, gen, acc, self.outcome)
