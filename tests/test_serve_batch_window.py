@@ -47,14 +47,18 @@ def test_concurrent_clients_on_a_window_model_each_as_alone(tmp_path, model_dir,
         assert not any(t.is_alive() for t in threads)
         assert out == ref, srv.log()[-2000:]
         # a row published at its end (to_runtime: the ring in temporal order) resumes a request alone
-        # that extends it. Its prompt runs past the published ids by more than the token whose logits
-        # a prefill returns: a prompt that is the published ids and one token more needs the logits at
-        # their end, which a publish of a finished row does not store (the prefill then resumes at the
-        # prompt's own checkpoint, as it should), so it would test the store's logits rule, not the row.
-        published = tok.encode(PROMPTS[3] + ref[3])
-        prompt = PROMPTS[3] + ref[3] + " x = 1\n"
-        assert tok.encode(prompt)[: len(published)] == published and len(tok.encode(prompt)) > len(published) + 1
-        want = mlx_lm.generate(model, tok, prompt=tok.encode(prompt), max_tokens=N)
+        # that extends it. A row that ended on its EOS is published with the EOS fed (the session's
+        # one end-of-sequence rule: a chat's next turn closes the message with that token), so the
+        # extension carries it. Its prompt runs past the published ids by more than the token whose
+        # logits a prefill returns: a prompt that is the published ids and one token more needs the
+        # logits at their end, which a publish of a finished row does not store (the prefill then
+        # resumes at the prompt's own checkpoint, as it should), so it would test the store's logits
+        # rule, not the row.
+        *_, last = mlx_lm.stream_generate(model, tok, prompt=tok.encode(PROMPTS[3]), max_tokens=N)
+        published = tok.encode(PROMPTS[3] + ref[3]) + ([last.token] if last.finish_reason == "stop" else [])
+        prompt = published + tok.encode(" x = 1\n")
+        assert len(prompt) > len(published) + 1
+        want = mlx_lm.generate(model, tok, prompt=prompt, max_tokens=N)
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": prompt, "max_tokens": N}, timeout=300).json()
         assert r["choices"][0]["text"] == want
         if not drafting:  # every row ends where its client's text does, so to_runtime publishes it
