@@ -175,3 +175,8 @@ class MTPHead:
         c = cache[layer] if cache is not None else None
         h = self.module(self._embed(tokens), hidden, layer, c)
         return self._project(h), h
+
+    def project(self, h: mx.array) -> mx.array:
+        """Logits of the head's states ``h`` (the target's output head), e.g. of the positions a
+        drafter reads only."""
+        return self._project(h)
