@@ -242,6 +242,9 @@ class HeadRows:
             raise BranchError("feed_tails() with a round open")
         if max(self.lags, default=0) > longer_than:
             self._feed([max(a - 1, 0) for a in self.lags], histories)
+            # computed now, on the plain step that fed it: left lazy it would be computed by the
+            # next round's catch-up, whose step (the gate's probe) would then look that much dearer
+            mx.async_eval(self.layers[0].keys, self.layers[0].values)
 
     # -- a round ------------------------------------------------------------------------
 
