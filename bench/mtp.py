@@ -2,7 +2,7 @@
 (and on request prompt lookup and the draft model), one row and 8 rows, on held-out code.
 
     python bench/mtp.py [--rows 1,8] [--tokens 64] [--repeats 3] [--prompts 8] [--head PATH]
-                        [--configs plain,mtp1,mtp2,mtp3,mtp-gated[,lookup,draft]]
+                        [--configs plain,mtp1,mtp2,mtp3,mtp-gated,mtp-gated-cpu[,lookup,draft]]
 
 The head: --head PATH (a head file), else the shipped target's own
 (models/target/mtp.safetensors), else one fitted here for --fit-steps steps on
@@ -13,7 +13,9 @@ the frozen target's own next-token distributions over mlx-lm's Python sources
 Configurations, each on freshly prefilled rows (prefill and the head's prompt pairs
 not timed), rotated per repeat so load from other processes hits every one alike:
 plain | mtp1 mtp2 mtp3 (ungated, non-adaptive: every round drafts k) | mtp-gated
-(depth up to 3, the cost gate choosing per step) | lookup (4, adaptive) | draft
+(depth up to 3, the cost gate choosing per step from wall-clock step times, as
+`segcache serve` runs) | mtp-gated-cpu (the same gate timing steps by the
+process's CPU time: steadier where other processes share the cores) | lookup (4, adaptive) | draft
 (the shipped draft model, 4, min-prob 0.25). Every row's tokens are checked equal
 to plain decoding. Reports median tok/s (min-max) and the ratio to plain's
 median, acceptance per draft position (position j: rounds that reached j and
@@ -124,6 +126,9 @@ def decoder(cfg: str, model, draft, head, rows: int):
         return BatchDecoder(model, num_draft_tokens=k, mtp=head, gate=False, adaptive=False, one_row=one)
     if cfg == "mtp-gated":
         return BatchDecoder(model, num_draft_tokens=3, mtp=head, gate=Gate(), adaptive=False, one_row=one)
+    if cfg == "mtp-gated-cpu":  # the gate timing steps by the process's CPU time, not the wall clock
+        return BatchDecoder(model, num_draft_tokens=3, mtp=head, gate=Gate(clock=time.process_time),
+                            adaptive=False, one_row=one)
     if cfg == "lookup":
         return BatchDecoder(model, num_draft_tokens=4, gate=not one, one_row=one)
     if cfg == "draft":
@@ -150,8 +155,7 @@ def run(cfg, model, draft, head, toks, n, rows):
                 mx.eval(drt.forward(toks[i][:-1]))
             dec.add(i, rt, toks[i][-1], max_tokens=n, draft_runtime=drt)
         if cfg.startswith("mtp"):  # the head's prompt pairs (lazy after add) are not timed
-            mx.eval([(layer.keys, layer.values) for layer in dec.drafter.rows.layers if layer.keys is not None],
-                    dec.drafter.rows.tail)
+            mx.eval(head_state(dec.drafter))
         t0, c0 = time.perf_counter(), time.process_time()
         while dec.rows:
             out = dec.step()
@@ -169,6 +173,15 @@ def run(cfg, model, draft, head, toks, n, rows):
     total = sum(min(n, len(g)) for g in got.values())
     return {"tps": total / elapsed, "cpu_tps": total / cpu, "gate": dec.gate, "rounds": rounds,
             "tokens": {i: g[:n] for i, g in got.items()}, "chosen": chosen}
+
+
+def head_state(drafter) -> list:
+    """The MTP drafter's arrays (batched rows; or the row-by-row drafter of earlier versions, so
+    this bench also measures those)."""
+    rows = drafter.rows
+    if hasattr(rows, "layers"):
+        return [(layer.keys, layer.values) for layer in rows.layers if layer.keys is not None] + [rows.tail]
+    return [c.keys_and_values() for r in rows.values() for c in r.cache if c.keys is not None]
 
 
 def per_position(rounds, depth=3) -> list[str]:
@@ -239,7 +252,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--configs", default="plain,mtp1,mtp2,mtp3,mtp-gated")
+    ap.add_argument("--configs", default="plain,mtp1,mtp2,mtp3,mtp-gated,mtp-gated-cpu")
     ap.add_argument("--head", help="a head file (default: the shipped one, else a fitted one)")
     ap.add_argument("--fit-steps", type=int, default=300)
     ap.add_argument("--refit", action="store_true", help="fit a new head even if one is cached")

@@ -14,10 +14,12 @@ import mlx_lm
 import pytest
 
 from segcache.batch.decoder import BatchDecoder
+from segcache.batch.gate import Gate
 from segcache.errors import BranchError, InvariantError
 from segcache.mtp import forward_with_hidden, load_head
 from segcache.mtp.segment import HeadRows
 from segcache.runtime import Runtime
+from test_batch_decode import PROMPTS
 from test_mtp_decode import fitted, reference
 
 TOL = 1e-4  # the batches' float32 tolerance (docs/batching.md)
@@ -200,8 +202,6 @@ def test_greedy_batched_mtp_with_late_joins_equals_plain_greedy(target):
         model, head, prompts = _shipped()
         n = 24
     else:
-        from test_batch_decode import PROMPTS
-
         model, head = fitted(target)
         prompts, n = PROMPTS, 20
     want = {i: reference(model, p, n) for i, p in enumerate(prompts)}
@@ -212,3 +212,15 @@ def test_greedy_batched_mtp_with_late_joins_equals_plain_greedy(target):
         assert got == want, (k, gate)
         differing |= any(len(set(s.values())) > 1 for s in per_step)
     assert differing
+
+
+def test_the_gate_times_steps_by_its_own_clock():
+    """A Gate's `clock` is what the decoder times its steps with (a CPU-time clock on a shared
+    machine): every recorded step cost is that clock's difference."""
+    model, head = fitted("qwen3_5")
+    ticks = iter(range(0, 10_000, 3))
+    gate = Gate(clock=lambda: float(next(ticks)))
+    dec = BatchDecoder(model, num_draft_tokens=2, mtp=head, gate=gate)
+    _run_batched(dec, model, PROMPTS[:3], late=(), n=8)
+    samples = [x for kept in gate.cost.samples.values() for x in kept]
+    assert samples and all(x == 3.0 for x in samples)

@@ -166,8 +166,8 @@ class HeadRows:
         for i in range(0, n - 1, step):
             j = min(i + step, n - 1)
             toks = mx.array(history[i + 1 : j + 1], dtype=mx.uint32)[None]
-            _, h = self.head(hidden[None, i:j], toks, cache)
-            mx.eval(h, cache[0].keys_and_values())
+            self.head(hidden[None, i:j], toks, cache)
+            mx.eval(cache[0].keys_and_values())  # the K/V only: the layer's output is never read
         held = max(n - 1, 0)
         for layer, c in zip(self.layers, cache):
             if c is cache[0] and held:
