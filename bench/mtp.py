@@ -121,7 +121,7 @@ def decoder(cfg: str, model, draft, head, rows: int):
     one = rows == 1
     if cfg == "plain":
         return BatchDecoder(model, one_row=one)
-    if cfg.startswith("mtp") and cfg != "mtp-gated":
+    if cfg in ("mtp1", "mtp2", "mtp3"):
         k = int(cfg[3:])
         return BatchDecoder(model, num_draft_tokens=k, mtp=head, gate=False, adaptive=False, one_row=one)
     if cfg == "mtp-gated":

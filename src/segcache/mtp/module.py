@@ -51,8 +51,15 @@ class MTPModule(nn.Module):
     def __call__(self, embedded: mx.array, hidden: mx.array, layer: int = 0,
                  cache: Optional[Any] = None) -> mx.array:
         """The head's hidden state after layer ``layer`` and the final norm, [B, L, H]."""
-        z = self.fc(mx.concatenate(
+        return self.apply(self.combine(embedded, hidden), layer, cache)
+
+    def combine(self, embedded: mx.array, hidden: mx.array) -> mx.array:
+        """The decoder layer's input: ``fc`` of the normed embedding and hidden state, [B, L, H]."""
+        return self.fc(mx.concatenate(
             [self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], axis=-1))
+
+    def apply(self, z: mx.array, layer: int = 0, cache: Optional[Any] = None) -> mx.array:
+        """Layer ``layer`` on its input ``z`` (its K/V appended to ``cache``), then the final norm."""
         z = self.layers[layer](z, create_attention_mask(z, cache), cache)
         return self.norm(z)
 
@@ -175,6 +182,10 @@ class MTPHead:
         c = cache[layer] if cache is not None else None
         h = self.module(self._embed(tokens), hidden, layer, c)
         return self._project(h), h
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        """The target's embedding of ``tokens`` (what the head's first input is)."""
+        return self._embed(tokens)
 
     def project(self, h: mx.array) -> mx.array:
         """Logits of the head's states ``h`` (the target's output head), e.g. of the positions a

@@ -81,6 +81,34 @@ class HeadKV(BatchKVLayer):
         return self.keys[..., :end, :], self.values[..., :end, :]
 
 
+class _LastQuery:
+    """A read-only view of a head layer for one query per row at its last pair (position
+    lengths[i] - 1), attending the keys the layer holds for it: `update_and_fetch` returns the
+    buffer and writes nothing (the pair's K/V are in it already)."""
+
+    def __init__(self, layer: HeadKV):
+        self.layer = layer
+        self.ends = list(layer.lengths)
+
+    def __bool__(self) -> bool:  # models test `if cache`
+        return True
+
+    @property
+    def offset(self):
+        at = [max(L - 1, 0) for L in self.ends]
+        return at[0] if len(set(at)) == 1 else mx.array(at, dtype=mx.int32)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
+        if len(set(self.ends)) == 1:
+            return None  # one query per row over exactly its keys
+        T = max(self.ends)
+        return (mx.arange(T)[None, :] < mx.array(self.ends, dtype=mx.int32)[:, None])[:, None, None, :]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        T = max(self.ends)
+        return self.layer.keys[..., :T, :], self.layer.values[..., :T, :]
+
+
 @dataclass
 class _Base:
     """The state at a round's fork, per row (what `rollback` restores)."""
@@ -264,10 +292,20 @@ class HeadRows:
         if any(d and a == 0 for d, a in zip(drafting, self.lags)):
             raise InvariantError("catch_up(): a drafting row has no hidden state to draft from")
         feeds = [a if d else max(a - 1, 0) for d, a in zip(drafting, self.lags)]
-        h = self._feed(feeds, histories)
+        S = max(feeds)
+        toks = [list(h[b + 1 : b + 1 + n]) + [0] * (S - n) for h, b, n in zip(histories, self.held, feeds)]
+        module, layer = self.head.module, self.layers[0]
+        before = list(layer.lengths)
+        z = module.combine(self.head.embed(mx.array(toks, dtype=mx.uint32)), self.tail[:, :S])
+        # every pair's K/V (the layer's output here is never read, so only the K/V are computed) ...
+        module.apply(z, 0, self.layers[0])
+        layer.lengths = [L + n for L, n in zip(before, feeds)]  # pads lie past each row's end
+        self.held = [b + n for b, n in zip(self.held, feeds)]
+        self.tail, self.lags = _shift(self.tail, self.lags, feeds)
         self._fed = feeds
+        # ... and the layer's output at each row's last pair only: one query per row
         last = mx.array([max(n - 1, 0) for n in feeds], dtype=mx.int32)[:, None, None]
-        return mx.take_along_axis(h, last, axis=1)
+        return module.apply(mx.take_along_axis(z, last, axis=1), 0, _LastQuery(layer))
 
     def depth(self, h: mx.array, tokens: mx.array, depth: int) -> tuple:
         """One position per row on the head's own states `h` [B, 1, H] and drafts `tokens` [B, 1]:
