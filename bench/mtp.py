@@ -234,6 +234,67 @@ def verify_costs(model, prompts, rows: int, top: int = 16, repeats: int = 7) -> 
     return [statistics.median(samples[k]) / one for k in range(1, top + 1)] + [one]
 
 
+def head_costs(model, head, prompts, rows: int, depth: int = 3, repeats: int = 7) -> list[float] | None:
+    """The head's work in a round of width K = 1..depth at `rows` rows (a catch-up of 2 pairs per
+    row, then K - 1 depth calls, every depth's logits), in one-token target forwards of the same
+    rows, interleaved with those forwards (medians). None where the drafter has no batched rows."""
+    try:
+        from segcache.mtp.segment import HeadRows
+    except ImportError:  # the row-by-row drafter of earlier versions
+        return None
+    hr = HeadRows(head)
+    br = BatchRuntime(model) if rows > 1 else None
+    hist = [prompts[i % len(prompts)] for i in range(rows)]  # the targets hold all but the last token
+    last = []
+    for i, p in enumerate(hist):
+        rt = Runtime(model)
+        mx.eval(rt.forward(p[:-1]))
+        hidden = forward_with_hidden(model, mx.array(p[:-1])[None])[1][0]
+        hr.join(i, hidden[:-1], p[:-1], 2048)  # then one more state: the catch-up feeds 2 pairs
+        last.append(hidden[-1:])
+        if br is not None:
+            br.join(i, rt)
+        else:
+            one = rt
+    hr.close(mx.stack(last), [1] * rows)
+    mx.eval([layer.keys for layer in hr.layers if layer.keys is not None], hr.tail)
+
+    def plain():
+        t0 = time.perf_counter()
+        if br is not None:
+            br.fork()
+            mx.eval(br.forward([[p[-1]] for p in hist]))
+            br.rollback()
+        else:
+            b = one.fork()
+            mx.eval(one.forward([hist[0][-1]]))
+            b.rollback()
+        return time.perf_counter() - t0
+
+    def head_round(k):
+        t0 = time.perf_counter()
+        hr.fork()
+        h = hr.catch_up([True] * rows, hist)
+        logits = head.project(h)
+        out = [logits]
+        for j in range(1, k):
+            logits, h = hr.depth(h, mx.argmax(logits[:, 0], axis=-1).astype(mx.uint32)[:, None], j)
+            out.append(logits)
+        mx.eval(out)
+        hr.rollback()
+        return time.perf_counter() - t0
+
+    samples = {k: [] for k in range(depth + 1)}
+    plain()
+    head_round(depth)
+    for _ in range(repeats):
+        samples[0].append(plain())
+        for k in range(1, depth + 1):
+            samples[k].append(head_round(k))
+    one_step = statistics.median(samples[0])
+    return [statistics.median(samples[k]) / one_step for k in range(1, depth + 1)]
+
+
 def gate_costs(gate, rows: int, costs: list[float]) -> str:
     """The gate's measured step cost of each width it tried at `rows` rows, in plain steps, beside
     c(K + 1) (the verify alone): what it chose from."""
@@ -273,6 +334,10 @@ def main() -> int:
               f"({1000 * costs[-1]:.1f} ms for k = 1)")
         print("  k    " + " ".join(f"{k:5d}" for k in range(1, 17)))
         print("  c(k) " + " ".join(f"{c:5.2f}" for c in costs[:16]))
+        heads = head_costs(model, head, toks, rows)
+        if heads is not None:
+            print("  the head's work in a round of width K (catch-up of 2 pairs + K - 1 depths), in one-token "
+                  "forwards: " + " ".join(f"K={k}: {c:.2f}" for k, c in enumerate(heads, 1)))
         results = {c: [] for c in configs}
         cpu = {c: [] for c in configs}
         last = {}
@@ -307,6 +372,17 @@ def main() -> int:
                 print(f"{'':10} the gate's widths (steps, last repeat): "
                       + " ".join(f"K={k}:{n}" for k, n in sorted(out["chosen"].items())))
                 print(f"{'':10} " + gate_costs(out["gate"], rows, costs))
+        if "mtp3" in last and heads is not None:
+            # the gate's rule with c(k) and the head's measured work in place of its online step times
+            a = [float(x) if x != "-" else 0.0 for x in per_position(last["mtp3"]["rounds"])]
+            rates = {0: 1.0}
+            for k in (1, 2, 3):
+                rates[k] = (1 + sum(math.prod(a[:j]) for j in range(1, k + 1))) / (costs[k] + heads[k - 1])
+            best = max(rates, key=lambda k: (rates[k], -k))
+            print("  by c(k) and the head's work: tokens per plain step's time per row "
+                  + " ".join(f"K={k}: {r:.2f}" for k, r in rates.items())
+                  + f" -> width {best} ({'plain steps' if best == 0 else 'speculation pays'}); "
+                  "compare the gate's widths above")
         if "mtp3" in last:
             a = [float(x) if x != "-" else 0.0 for x in per_position(last["mtp3"]["rounds"])]
             for k in (1, 2, 3):
