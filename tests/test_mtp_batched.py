@@ -12,6 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm
 import pytest
+from mlx.utils import tree_flatten
 
 from segcache.batch.decoder import BatchDecoder
 from segcache.batch.gate import Gate
@@ -224,3 +225,19 @@ def test_the_gate_times_steps_by_its_own_clock():
     _run_batched(dec, model, PROMPTS[:3], late=(), n=8)
     samples = [x for kept in gate.cost.samples.values() for x in kept]
     assert samples and all(x == 3.0 for x in samples)
+
+
+def test_a_float16_head_drafts_for_a_float32_target_from_a_float32_copy_bit_for_bit():
+    model, head, prompts = _shipped()
+    params = dict(tree_flatten(head.module.parameters()))
+    assert {v.dtype for v in params.values()} == {mx.float16}  # the shipped file
+    run = BatchDecoder(model, num_draft_tokens=2, mtp=head).drafter.head
+    assert run is not head and {v.dtype for _, v in tree_flatten(run.module.parameters())} == {mx.float32}
+    assert {v.dtype for v in dict(tree_flatten(head.module.parameters())).values()} == {mx.float16}  # untouched
+    hidden = forward_with_hidden(model, mx.array(prompts[0])[None])[1]
+    toks = mx.array(prompts[0][1:] + [0])[None]
+    a, ha = head(hidden, toks, head.make_cache())
+    b, hb = run(hidden, toks, run.make_cache())
+    assert mx.array_equal(a, b).item() and mx.array_equal(ha, hb).item()
+    fitted_head = fitted("qwen3_5")[1]
+    assert fitted_head.for_drafting() is fitted_head  # float32 already: the head itself

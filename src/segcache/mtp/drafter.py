@@ -69,6 +69,7 @@ class MTP:
     """
 
     def __init__(self, head: MTPHead, *, prefill_step: int = 2048):
+        head = head.for_drafting()  # float16 weights of a float32 target: a float32 copy (same drafts)
         self.head = head
         self.model = head.model
         self.tap = install(head.model)

@@ -298,14 +298,14 @@ class HeadRows:
         before = list(layer.lengths)
         z = module.combine(self.head.embed(mx.array(toks, dtype=mx.uint32)), self.tail[:, :S])
         # every pair's K/V (the layer's output here is never read, so only the K/V are computed) ...
-        module.apply(z, 0, self.layers[0])
+        module.run_layer(z, 0, self.layers[0])
         layer.lengths = [L + n for L, n in zip(before, feeds)]  # pads lie past each row's end
         self.held = [b + n for b, n in zip(self.held, feeds)]
         self.tail, self.lags = _shift(self.tail, self.lags, feeds)
         self._fed = feeds
         # ... and the layer's output at each row's last pair only: one query per row
         last = mx.array([max(n - 1, 0) for n in feeds], dtype=mx.int32)[:, None, None]
-        return module.apply(mx.take_along_axis(z, last, axis=1), 0, _LastQuery(layer))
+        return module.run_layer(mx.take_along_axis(z, last, axis=1), 0, _LastQuery(layer))
 
     def depth(self, h: mx.array, tokens: mx.array, depth: int) -> tuple:
         """One position per row on the head's own states `h` [B, 1, H] and drafts `tokens` [B, 1]:
