@@ -68,6 +68,10 @@ class MTP:
             prompt hidden states must be recomputed) when a row joins.
     """
 
+    mode = "mtp"
+    min_prob = 0.0
+    draft_runtimes = True  # the prefill's HiddenStates
+
     def __init__(self, head: MTPHead, *, prefill_step: int = 2048):
         head = head.for_drafting()  # float16 weights of a float32 target: a float32 copy (same drafts)
         self.head = head
@@ -198,8 +202,11 @@ class MTP:
     def extend(self, row_id, tokens: Sequence[int]):
         pass  # the row's history (the decoder's) has them; its hidden states come at close
 
-    def check(self, states) -> None:
-        """Between rounds: the head's invariants, its rows the decoder's, held + tail = the target's tokens."""
+    def check(self, states, settled: bool = True) -> None:
+        """Between rounds (`settled`; with a round open there is nothing to check): the head's
+        invariants, its rows the decoder's, held + tail = the target's tokens."""
+        if not settled:
+            return
         ids = [s.row_id for s in states]
         if sorted(map(repr, ids)) != sorted(map(repr, self.rows.ids)):
             raise InvariantError(f"MTP head rows {self.rows.ids}, decoder rows {ids}")
