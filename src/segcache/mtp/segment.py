@@ -168,6 +168,7 @@ class HeadRows:
         self.layers = [HeadKV() for _ in range(head.num_layers)]
         self.held: list[int] = []  # row i: exact pairs in layers[0]
         self.lags: list[int] = []  # row i: hidden states in tail[i] not fed yet
+        # (between rounds held[i] + lags[i] is the number of tokens row i's target holds: check(tokens))
         self.tail: mx.array | None = None  # [B, T >= max(lags), H]; None iff every lag is 0
         self._base: _Base | None = None  # the open round's fork (None: no round)
         self._fed: list[int] | None = None  # the open round's catch-up: pairs each row keeps
@@ -355,7 +356,8 @@ class HeadRows:
         if any(any(layer.lengths) for layer in self.layers[1:]):
             raise InvariantError("MTP head: a deeper layer holds pairs between rounds")
         if any(a < 0 for a in self.lags) or (self.tail is None) != (not any(self.lags)):
-            raise InvariantError(f"MTP head: lags {self.lags} but tail {None if self.tail is None else self.tail.shape}")
+            shape = None if self.tail is None else self.tail.shape
+            raise InvariantError(f"MTP head: lags {self.lags} but tail {shape}")
         if self.tail is not None and (self.tail.shape[0] != B or self.tail.shape[1] < max(self.lags)):
             raise InvariantError(f"MTP head: tail {self.tail.shape} does not hold lags {self.lags}")
         if tokens is not None:
