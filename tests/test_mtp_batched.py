@@ -34,6 +34,11 @@ JOINED, KEPT, DRAFTING = [5, 9, 3, 12], [1, 3, 2, 4], [True, True, False, True]
 DEPTH = 3
 
 
+def mtp_decoder(model, **options):
+    """The decoder under test (the one place it is built)."""
+    return BatchDecoder(model, **options)
+
+
 def _rows(head, full, index):
     """HeadRows of rows `index`: joined at JOINED, then given KEPT more target states."""
     rows = HeadRows(head)
@@ -208,7 +213,7 @@ def test_greedy_batched_mtp_with_late_joins_equals_plain_greedy(target):
     want = {i: reference(model, p, n) for i, p in enumerate(prompts)}
     differing = False
     for k, gate in ((1, False), (3, False), (3, True)):
-        dec = BatchDecoder(model, num_draft_tokens=k, mtp=head, gate=gate, adaptive=False)
+        dec = mtp_decoder(model, num_draft_tokens=k, mtp=head, gate=gate, adaptive=False)
         got, per_step = _run_batched(dec, model, prompts, late=(1, 3), n=n)
         assert got == want, (k, gate)
         differing |= any(len(set(s.values())) > 1 for s in per_step)
@@ -221,7 +226,7 @@ def test_the_gate_times_steps_by_its_own_clock():
     model, head = fitted("qwen3_5")
     ticks = iter(range(0, 10_000, 3))
     gate = Gate(clock=lambda: float(next(ticks)))
-    dec = BatchDecoder(model, num_draft_tokens=2, mtp=head, gate=gate)
+    dec = mtp_decoder(model, num_draft_tokens=2, mtp=head, gate=gate)
     _run_batched(dec, model, PROMPTS[:3], late=(), n=8)
     samples = [x for kept in gate.cost.samples.values() for x in kept]
     assert samples and all(x == 3.0 for x in samples)
@@ -231,7 +236,7 @@ def test_a_float16_head_drafts_for_a_float32_target_from_a_float32_copy_bit_for_
     model, head, prompts = _shipped()
     params = dict(tree_flatten(head.module.parameters()))
     assert {v.dtype for v in params.values()} == {mx.float16}  # the shipped file
-    run = BatchDecoder(model, num_draft_tokens=2, mtp=head).drafter.head
+    run = mtp_decoder(model, num_draft_tokens=2, mtp=head).drafter.head
     assert run is not head and {v.dtype for _, v in tree_flatten(run.module.parameters())} == {mx.float32}
     assert {v.dtype for v in dict(tree_flatten(head.module.parameters())).values()} == {mx.float16}  # untouched
     hidden = forward_with_hidden(model, mx.array(prompts[0])[None])[1]
