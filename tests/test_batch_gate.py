@@ -129,8 +129,12 @@ def test_measured_cost_plain_first_then_each_width_then_scaled_across_row_counts
     cost = MeasuredCost(window=3)
     gate = Gate(cost)
     rows = [Acceptance(), Acceptance()]
-    assert gate.choose([3, 3], rows) == 0  # nothing known: a plain step measures it
+    assert gate.choose([3, 3], rows) == 0  # nothing known: plain steps measure it
+    cost.record(2, 0, 9.0)  # the first also computed a join's lazy work
     cost.record(2, 0, 1.0)
+    assert gate.choose([3, 3], rows) == 0  # plain_samples (3) plain steps before any width
+    cost.record(2, 0, 1.0)
+    assert cost.estimate(2, 0) == 1.0  # the median: the first step's cost dropped
     assert gate.choose([3, 3], rows) == 1  # the narrowest untried width, guessed as cheap as plain
     for t in (1.2, 99.0, 1.3, 1.3):  # an outlier, then it leaves the window
         cost.record(2, 1, t)

@@ -84,6 +84,10 @@ class MeasuredCost:
         b = min(known, key=lambda b: abs(b - rows))
         return self._median(b, width) * self._median(rows, 0) / self._median(b, 0)
 
+    def count(self, rows: int, width: int) -> int:
+        """Steps of that shape measured (in the window)."""
+        return len(self.samples.get((rows, width), ()))
+
     def record(self, rows: int, width: int, seconds: float) -> None:
         kept = self.samples.setdefault((rows, width), [])
         kept.append(max(seconds, 1e-6))
@@ -141,11 +145,16 @@ class Gate:
         probe: after that many plain steps in a row, one step drafts one token
             (0: never probe); doubled after each probe finding the estimates no
             better than the last, up to `max_probe`.
-        clock: seconds, for measuring steps.
+        clock: seconds, for measuring steps (the decoder times its steps by it).
+        plain_samples: with measured costs, a row count's plain steps are measured
+            this many times before any width is tried at it: the first step at a
+            row count often also computes what a join or a leave left lazy (the
+            rows' merged or cut caches), and a plain cost taken from it alone makes
+            every width look cheap (the gate then speculates where it does not pay).
     """
 
     def __init__(self, cost=None, *, decay: float = 0.8, probe: int = 8, max_probe: int = 64,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, plain_samples: int = 3):
         if cost is None:
             cost = MeasuredCost()
         elif callable(cost) and not isinstance(cost, (TableCost, MeasuredCost)):
@@ -157,6 +166,7 @@ class Gate:
         self.quiet = 0  # plain steps in a row (the gate chose 0)
         self.probed = None  # at the last probe: expected rate of width 1 over plain
         self.clock = clock
+        self.plain_samples = plain_samples
         self.last: dict = {}  # the last choice: width, expected tokens per second of each width
 
     def choose(self, avail: list[int], rows: list[Acceptance]) -> int:
@@ -165,9 +175,10 @@ class Gate:
         if top == 0:
             return 0
         plain = self.cost.estimate(B, 0)
-        if plain is None:
+        counted = getattr(self.cost, "count", None)  # a fixed table has nothing to count
+        if plain is None or (counted is not None and counted(B, 0) < self.plain_samples):
             self.last = {"width": 0, "why": "measure plain"}
-            return 0  # one plain step measures it (plain is never a loss)
+            return 0  # plain steps measure it (plain is never a loss)
         rates, floor = {0: B / plain}, plain
         for k in range(1, top + 1):
             c = self.cost.estimate(B, k)
