@@ -162,3 +162,18 @@ def test_the_draft_batch_skips_plain_steps_and_catches_up_before_drafting(family
     assert lags[1] == [2] * len(PROMPTS)  # two plain steps never fed the draft
     # the draft is the target: after catching up it proposes what the target emits, so every probe accepts
     assert all(s.accepted == s.drafted > 0 for s in states)
+
+
+def test_no_probe_sooner_than_max_probe_where_no_acceptance_could_pay():
+    """Every width costs more than 1 + K plain steps: probes (which only move acceptance) wait
+    max_probe; where a perfect row would pay, they keep their usual backoff."""
+    hopeless = Gate(lambda r, w: 1.0 + 1.5 * w, probe=2, max_probe=8)
+    hopeful = Gate(lambda r, w: 1.0 + 0.9 * w, probe=2, max_probe=8)
+    for gate in (hopeless, hopeful):
+        row = Acceptance(hits=0.0, tries=4.0)  # a row accepting nothing: plain steps pay
+        widths = [gate.choose([2], [row]) for _ in range(20)]
+        probes = [i for i, k in enumerate(widths) if k]
+        if gate is hopeless:
+            assert probes == [8, 17]  # every max_probe + 1 steps
+        else:
+            assert probes[:3] == [2, 7, 16]  # 2, then 4, then 8 plain steps between probes

@@ -18,7 +18,9 @@ when rows draft, so after `probe` plain steps in a row the batch drafts one
 token (every row that can), and estimates that collapsed after a miss streak
 can recover; a probe finding the estimates no better than the last one did
 doubles the wait (up to `max_probe`), so while speculation does not pay
-probes cost one one-draft step per `probe`..`max_probe` steps.
+probes cost one one-draft step per `probe`..`max_probe` steps. Where every
+width costs more than 1 + K plain steps (not even drafts all accepted could
+pay: a CPU where the drafter costs half a forward) probes wait `max_probe`.
 
 The gate only sets widths: rows verify their drafts exactly as before, so
 every row's output is the same whatever it decides.
@@ -192,7 +194,8 @@ class Gate:
         best = max(rates, key=lambda k: (rates[k], -k))
         if best:  # speculation pays by the estimates: probes wait the shortest again
             self.quiet, self.wait = 0, self.probe
-        elif self.probe and self.quiet >= self.wait:
+        elif self.probe and self.quiet >= self.wait and (self.quiet >= self.max_probe
+                                                         or not self._hopeless(B, top, plain)):
             # back off while probes show the estimates no better than at the last probe
             ratio = rates[1] / rates[0]
             better = self.probed is not None and ratio > self.probed
@@ -202,6 +205,15 @@ class Gate:
             self.quiet += 1
         self.last = {"width": best, "rates": rates}
         return best
+
+    def _hopeless(self, rows: int, top: int, plain: float) -> bool:
+        """Every width up to `top` is measured and costs more than 1 + K plain steps: not even
+        drafts all accepted could pay, so a probe (which only moves acceptance) waits `max_probe`."""
+        for k in range(1, top + 1):
+            c = self.cost.estimate(rows, k)
+            if c is None or c <= (1 + k) * plain:
+                return False
+        return True
 
     def record(self, rows: int, width: int, seconds: float) -> None:
         self.cost.record(rows, width, seconds)
