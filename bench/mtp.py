@@ -1,7 +1,8 @@
-"""MTP self-speculation on the shipped hybrid target: plain, MTP depth 1-3, gated MTP,
-prompt lookup and the draft model, one row and 8 rows, on held-out code.
+"""MTP self-speculation on the shipped hybrid target: plain, MTP depth 1-3, gated MTP
+(and on request prompt lookup and the draft model), one row and 8 rows, on held-out code.
 
     python bench/mtp.py [--rows 1,8] [--tokens 64] [--repeats 3] [--prompts 8] [--head PATH]
+                        [--configs plain,mtp1,mtp2,mtp3,mtp-gated,mtp-gated-cpu[,lookup,draft]]
 
 The head: --head PATH (a head file), else the shipped target's own
 (models/target/mtp.safetensors), else one fitted here for --fit-steps steps on
@@ -9,15 +10,22 @@ the frozen target's own next-token distributions over mlx-lm's Python sources
 (not the held-out files), cached in ~/.cache/segcache/bench-mtp-head.safetensors
 (the output says which). Prompts: 400-character slices of models/heldout_stdlib.txt.
 
-Configurations, each on freshly prefilled rows (prefill not timed), rotated per
-repeat: plain | mtp1 mtp2 mtp3 (ungated, non-adaptive: every round drafts k) |
-mtp-gated (depth up to 3, the cost gate choosing per step) | lookup (4, adaptive) |
-draft (the shipped draft model, 4, min-prob 0.25). Every row's tokens are checked
-equal to plain decoding. Reports median tok/s (min-max) and the ratio to plain,
-acceptance per draft position (position j: rounds that reached j and accepted it),
-and the verify cost here: one row's forward of 1..5 positions relative to one.
-From the measured acceptance it prints what the head would give where a verify of
-k+1 positions costs about one forward (a GPU): expected tokens per verify.
+Configurations, each on freshly prefilled rows (prefill and the head's prompt pairs
+not timed), rotated per repeat so load from other processes hits every one alike:
+plain | mtp1 mtp2 mtp3 (ungated, non-adaptive: every round drafts k) | mtp-gated
+(depth up to 3, the cost gate choosing per step from wall-clock step times, as
+`segcache serve` runs) | mtp-gated-cpu (the same gate timing steps by the
+process's CPU time: steadier where other processes share the cores) | lookup (4, adaptive) | draft
+(the shipped draft model, 4, min-prob 0.25). Every row's tokens are checked equal
+to plain decoding. Reports median tok/s (min-max) and the ratio to plain's
+median, acceptance per draft position (position j: rounds that reached j and
+accepted it), the gate's choices (steps per width) for mtp-gated, and the c(k)
+table: a verify of k = 1..16 positions per row (in a branch, rolled back) in
+one-token forwards of the same rows, for each row count, and the head's work in a
+round of width K in the same unit (both timed by the process's CPU time unless
+--table-clock wall), with the width the gate's rule picks from them. From the measured
+acceptance it prints what the head would give where a verify of k+1 positions
+costs about one forward (a GPU): expected tokens per verify.
 """
 
 from __future__ import annotations
@@ -38,13 +46,17 @@ import mlx.optimizers as optim
 import mlx_lm
 
 from segcache.batch.decoder import BatchDecoder
+from segcache.batch.gate import Gate, MeasuredCost
+from segcache.batch.runtime import BatchRuntime
 from segcache.drafters import make_decoder
-from segcache.batch.gate import Gate
 from segcache.mtp import HEAD_FILE, MTPHead, forward_with_hidden, load_head, save_head
 from segcache.runtime import Runtime
 
 MODELS = Path(__file__).resolve().parents[1] / "src" / "segcache" / "models"
 CACHED_HEAD = Path(os.path.expanduser("~/.cache/segcache/bench-mtp-head.safetensors"))
+# The c(k) and head tables time single forwards by this clock (--table-clock): the process's CPU
+# time by default, which other processes sharing the cores disturb far less than the wall clock.
+TABLE_CLOCK = time.process_time
 
 
 def warm_start(head, model) -> None:
@@ -115,11 +127,14 @@ def decoder(cfg: str, model, draft, head, rows: int):
     one = rows == 1
     if cfg == "plain":
         return BatchDecoder(model, one_row=one)
-    if cfg.startswith("mtp") and cfg != "mtp-gated":
+    if cfg in ("mtp1", "mtp2", "mtp3"):
         k = int(cfg[3:])
         return make_decoder(model, num_draft_tokens=k, mtp=head, gate=False, adaptive=False, one_row=one)
     if cfg == "mtp-gated":
         return make_decoder(model, num_draft_tokens=3, mtp=head, gate=Gate(), adaptive=False, one_row=one)
+    if cfg == "mtp-gated-cpu":  # the gate timing steps by the process's CPU time, not the wall clock
+        return make_decoder(model, num_draft_tokens=3, mtp=head, gate=Gate(clock=time.process_time),
+                            adaptive=False, one_row=one)
     if cfg == "lookup":
         return make_decoder(model, num_draft_tokens=4, gate=not one, one_row=one)
     if cfg == "draft":
@@ -133,7 +148,8 @@ def run(cfg, model, draft, head, toks, n, rows):
     dec = decoder(cfg, model, draft, head, rows)
     got = {i: [] for i in range(len(toks))}
     rounds = []
-    elapsed = 0.0
+    chosen: dict = {}  # the gate's width -> steps
+    elapsed = cpu = 0.0
     for at in range(0, len(toks), rows):
         group = list(range(at, min(at + rows, len(toks))))
         for i in group:
@@ -145,18 +161,33 @@ def run(cfg, model, draft, head, toks, n, rows):
                 mx.eval(drt.forward(toks[i][:-1]))
             dec.add(i, rt, toks[i][-1], max_tokens=n, draft_runtime=drt)
         if cfg.startswith("mtp"):  # the head's prompt pairs (lazy after add) are not timed
-            mx.eval([c.keys_and_values() for r in dec.drafter.rows.values() for c in r.cache if c.keys is not None])
-        t0 = time.perf_counter()
+            mx.eval(head_state(dec.drafter))
+        t0, c0 = time.perf_counter(), time.process_time()
         while dec.rows:
-            for rid, emitted in dec.step().items():
+            out = dec.step()
+            if dec.gate is not None and dec.gate.last:
+                width = dec.gate.last["width"]
+                chosen[width] = chosen.get(width, 0) + 1
+            for rid, emitted in out.items():
                 got[rid].extend(t for t, _, _ in emitted)
                 if dec.rows[rid].finished or len(got[rid]) >= n:
                     s = dec.rows[rid].stats
                     rounds += list(zip(s.drafted_per_round, s.accepted_per_round))
                     dec.remove(rid)
         elapsed += time.perf_counter() - t0
+        cpu += time.process_time() - c0
     total = sum(min(n, len(g)) for g in got.values())
-    return {"tps": total / elapsed, "tokens": {i: g[:n] for i, g in got.items()}, "rounds": rounds}
+    return {"tps": total / elapsed, "cpu_tps": total / cpu, "gate": dec.gate, "rounds": rounds,
+            "tokens": {i: g[:n] for i, g in got.items()}, "chosen": chosen}
+
+
+def head_state(drafter) -> list:
+    """The MTP drafter's arrays (batched rows; or the row-by-row drafter of earlier versions, so
+    this bench also measures those)."""
+    rows = drafter.rows
+    if hasattr(rows, "layers"):
+        return [(layer.keys, layer.values) for layer in rows.layers if layer.keys is not None] + [rows.tail]
+    return [c.keys_and_values() for r in rows.values() for c in r.cache if c.keys is not None]
 
 
 def per_position(rounds, depth=3) -> list[str]:
@@ -168,21 +199,118 @@ def per_position(rounds, depth=3) -> list[str]:
     return out
 
 
-def verify_costs(model, tok, prompt, repeats=9) -> list[float]:
-    """One row's verify forward of 1..5 positions (median seconds), in a branch rolled back."""
-    rt = Runtime(model)
-    mx.eval(rt.forward(prompt))
-    costs = []
-    for w in range(1, 6):
-        samples = []
-        for _ in range(repeats):
+def verify_costs(model, prompts, rows: int, top: int = 16, repeats: int = 7) -> list[float]:
+    """c(k): a forward of k = 1..top positions per row over `rows` prefilled rows, in a branch
+    rolled back, in one-token forwards of the same rows (median seconds of k over median of 1).
+    The sizes are interleaved per repeat (load hits all alike)."""
+    if rows == 1:
+        rt = Runtime(model)
+        mx.eval(rt.forward(prompts[0]))
+
+        def once(k):
             b = rt.fork()
-            t0 = time.perf_counter()
-            mx.eval(rt.forward(prompt[-w:]), [layer.state for layer in rt.cache])
-            samples.append(time.perf_counter() - t0)
+            t0 = TABLE_CLOCK()
+            mx.eval(rt.forward(prompts[0][-k:]), [layer.state for layer in rt.cache])
+            dt = TABLE_CLOCK() - t0
             b.rollback()
-        costs.append(statistics.median(samples))
-    return costs
+            return dt
+    else:
+        br = BatchRuntime(model)
+        for i in range(rows):
+            rt = Runtime(model)
+            mx.eval(rt.forward(prompts[i % len(prompts)]))
+            br.join(i, rt)
+
+        def once(k):
+            br.fork()
+            t0 = TABLE_CLOCK()
+            mx.eval(br.forward([p[-k:] for p in (prompts[i % len(prompts)] for i in range(rows))]),
+                    [layer.state for layer in br.cache])
+            dt = TABLE_CLOCK() - t0
+            br.rollback()
+            return dt
+
+    samples = {k: [] for k in range(1, top + 1)}
+    once(1)  # warm-up
+    for r in range(repeats):
+        order = list(range(1, top + 1))
+        for k in order[r % top :] + order[: r % top]:
+            samples[k].append(once(k))
+    one = statistics.median(samples[1])
+    return [statistics.median(samples[k]) / one for k in range(1, top + 1)] + [one]
+
+
+def head_costs(model, head, prompts, rows: int, depth: int = 3, repeats: int = 7) -> list[float] | None:
+    """The head's work in a round of width K = 1..depth at `rows` rows (a catch-up of 2 pairs per
+    row, then K - 1 depth calls, every depth's logits), in one-token target forwards of the same
+    rows, interleaved with those forwards (medians). None where the drafter has no batched rows."""
+    try:
+        from segcache.mtp.segment import HeadRows
+    except ImportError:  # the row-by-row drafter of earlier versions
+        return None
+    hr = HeadRows(head)
+    br = BatchRuntime(model) if rows > 1 else None
+    hist = [prompts[i % len(prompts)] for i in range(rows)]  # the targets hold all but the last token
+    last = []
+    for i, p in enumerate(hist):
+        rt = Runtime(model)
+        mx.eval(rt.forward(p[:-1]))
+        hidden = forward_with_hidden(model, mx.array(p[:-1])[None])[1][0]
+        hr.join(i, hidden[:-1], p[:-1], 2048)  # then one more state: the catch-up feeds 2 pairs
+        last.append(hidden[-1:])
+        if br is not None:
+            br.join(i, rt)
+        else:
+            one = rt
+    hr.close(mx.stack(last), [1] * rows)
+    mx.eval([layer.keys for layer in hr.layers if layer.keys is not None], hr.tail)
+
+    def plain():
+        t0 = TABLE_CLOCK()
+        if br is not None:
+            br.fork()
+            mx.eval(br.forward([[p[-1]] for p in hist]))
+            br.rollback()
+        else:
+            b = one.fork()
+            mx.eval(one.forward([hist[0][-1]]))
+            b.rollback()
+        return TABLE_CLOCK() - t0
+
+    def head_round(k):
+        t0 = TABLE_CLOCK()
+        hr.fork()
+        h = hr.catch_up([True] * rows, hist)
+        logits = head.project(h)
+        out = [logits]
+        for j in range(1, k):
+            logits, h = hr.depth(h, mx.argmax(logits[:, 0], axis=-1).astype(mx.uint32)[:, None], j)
+            out.append(logits)
+        mx.eval(out)
+        hr.rollback()
+        return TABLE_CLOCK() - t0
+
+    samples = {k: [] for k in range(depth + 1)}
+    plain()
+    head_round(depth)
+    for _ in range(repeats):
+        samples[0].append(plain())
+        for k in range(1, depth + 1):
+            samples[k].append(head_round(k))
+    one_step = statistics.median(samples[0])
+    return [statistics.median(samples[k]) / one_step for k in range(1, depth + 1)]
+
+
+def gate_costs(gate, rows: int, costs: list[float]) -> str:
+    """The gate's measured step cost of each width it tried at `rows` rows, in plain steps, beside
+    c(K + 1) (the verify alone): what it chose from."""
+    cost = gate.cost
+    if not isinstance(cost, MeasuredCost) or (rows, 0) not in cost.samples:
+        return "the gate measured no plain step at this row count"
+    plain = cost.estimate(rows, 0)
+    widths = sorted(w for b, w in cost.samples if b == rows and w)
+    return (f"its step cost at {rows} rows, in plain steps: "
+            + " ".join(f"K={w}: {cost.estimate(rows, w) / plain:.2f} (c({w + 1}) = {costs[w]:.2f})" for w in widths))
 
 
 def main() -> int:
@@ -191,36 +319,48 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--configs", default="plain,mtp1,mtp2,mtp3,mtp-gated,lookup,draft")
+    ap.add_argument("--configs", default="plain,mtp1,mtp2,mtp3,mtp-gated,mtp-gated-cpu")
+    ap.add_argument("--table-clock", choices=("cpu", "wall"), default="cpu",
+                    help="what the c(k) and head tables time forwards by (default: process CPU time)")
     ap.add_argument("--head", help="a head file (default: the shipped one, else a fitted one)")
     ap.add_argument("--fit-steps", type=int, default=300)
     ap.add_argument("--refit", action="store_true", help="fit a new head even if one is cached")
     args = ap.parse_args()
+    global TABLE_CLOCK
+    TABLE_CLOCK = time.process_time if args.table_clock == "cpu" else time.perf_counter
 
     model, tok = mlx_lm.load(str(MODELS / "target"))
-    draft, _ = mlx_lm.load(str(MODELS / "draft"))
+    configs = args.configs.split(",")
+    draft = mlx_lm.load(str(MODELS / "draft"))[0] if "draft" in configs else None
     head, where = the_head(model, tok, args)
     text = (MODELS / "heldout_stdlib.txt").read_text()
     toks = [tok.encode(text[i * 2000 : i * 2000 + 400]) for i in range(args.prompts)]
-    configs = args.configs.split(",")
-    print(f"target: models/target; head: {where}; {len(toks)} held-out prompts, {args.tokens} tokens each")
-
-    costs = verify_costs(model, tok, toks[0])
-    print("verify cost here (one row, positions 1..5, relative to 1): "
-          + " ".join(f"{c / costs[0]:.2f}" for c in costs) + f"  ({1000 * costs[0]:.1f} ms for 1)")
+    print(f"target: models/target; head: {where}; {len(toks)} held-out prompts, {args.tokens} tokens each; "
+          f"{args.repeats} repeats, configurations interleaved (medians; the machine may be shared)")
 
     for rows in [int(r) for r in args.rows.split(",")]:
+        costs = verify_costs(model, toks, rows)
+        print(f"\nc(k) at {rows} row(s): a verify of k positions per row in one-token forwards "
+              f"({1000 * costs[-1]:.1f} ms {args.table_clock} time for k = 1)")
+        print("  k    " + " ".join(f"{k:5d}" for k in range(1, 17)))
+        print("  c(k) " + " ".join(f"{c:5.2f}" for c in costs[:16]))
+        heads = head_costs(model, head, toks, rows)
+        if heads is not None:
+            print("  the head's work in a round of width K (catch-up of 2 pairs + K - 1 depths), in one-token "
+                  "forwards: " + " ".join(f"K={k}: {c:.2f}" for k, c in enumerate(heads, 1)))
         results = {c: [] for c in configs}
+        cpu = {c: [] for c in configs}
         last = {}
         for r in range(args.repeats):
             for c in configs[r % len(configs):] + configs[: r % len(configs)]:
                 out = run(c, model, draft, head, toks, args.tokens, rows)
                 results[c].append(out["tps"])
+                cpu[c].append(out["cpu_tps"])
                 last[c] = out
         plain = last.get("plain")
         print(f"\n{rows} row(s) at a time:")
-        print(f"{'config':10} {'tok/s median (min-max)':28} {'vs plain':8} {'accepted/drafted':17} acceptance at 1,2,3")
-        base = statistics.median(results["plain"]) if "plain" in results else None
+        print(f"{'config':10} {'tok/s median (min-max)':28} {'vs plain':8} {'CPU time':8} {'accepted/drafted':17} "
+              "acceptance at 1,2,3")
         for c in configs:
             tps = results[c]
             out = last[c]
@@ -228,18 +368,37 @@ def main() -> int:
                 raise SystemExit(f"{c}: tokens differ from plain decoding")
             drafted = sum(d for d, _ in out["rounds"])
             accepted = sum(a for _, a in out["rounds"])
-            ratio = f"{statistics.median(tps) / base:.2f}x" if base else "-"
+            # the median of each repeat's ratio to plain's run in the same repeat (paired)
+            ratio = (f"{statistics.median(t / p for t, p in zip(tps, results['plain'])):.2f}x"
+                     if "plain" in results else "-")
+            # the same from the process's CPU time (steadier where other processes take the cores)
+            by_cpu = (f"{statistics.median(t / p for t, p in zip(cpu[c], cpu['plain'])):.2f}x"
+                      if "plain" in cpu else "-")
             acc = f"{accepted}/{drafted}" if drafted else "-"
-            print(f"{c:10} {statistics.median(tps):7.1f} ({min(tps):.1f}-{max(tps):.1f}){'':8} {ratio:8} {acc:17} "
-                  + " ".join(per_position(out["rounds"])) if drafted else
-                  f"{c:10} {statistics.median(tps):7.1f} ({min(tps):.1f}-{max(tps):.1f}){'':8} {ratio:8} -")
+            span = f"({min(tps):.1f}-{max(tps):.1f})"
+            line = f"{c:10} {statistics.median(tps):7.1f} {span:20} {ratio:8} {by_cpu:8} {acc:17} "
+            print(line + (" ".join(per_position(out["rounds"])) if drafted else "-"))
+            if out["chosen"]:
+                print(f"{'':10} the gate's widths (steps, last repeat): "
+                      + " ".join(f"K={k}:{n}" for k, n in sorted(out["chosen"].items())))
+                print(f"{'':10} " + gate_costs(out["gate"], rows, costs))
+        if "mtp3" in last and heads is not None:
+            # the gate's rule with c(k) and the head's measured work in place of its online step times
+            a = [float(x) if x != "-" else 0.0 for x in per_position(last["mtp3"]["rounds"])]
+            rates = {0: 1.0}
+            for k in (1, 2, 3):
+                rates[k] = (1 + sum(math.prod(a[:j]) for j in range(1, k + 1))) / (costs[k] + heads[k - 1])
+            best = max(rates, key=lambda k: (rates[k], -k))
+            print("  by c(k) and the head's work: tokens per plain step's time per row "
+                  + " ".join(f"K={k}: {r:.2f}" for k, r in rates.items())
+                  + f" -> width {best} ({'plain steps' if best == 0 else 'speculation pays'}); "
+                  "compare the gate's widths above")
         if "mtp3" in last:
             a = [float(x) if x != "-" else 0.0 for x in per_position(last["mtp3"]["rounds"])]
             for k in (1, 2, 3):
                 expected = 1 + sum(math.prod(a[:j]) for j in range(1, k + 1))
                 print(f"  depth {k}: {expected:.2f} tokens per verify where a verify of {k + 1} positions costs one "
-                      f"forward (a GPU), before the head's own cost; here a verify of {k + 1} costs "
-                      f"{costs[k] / costs[0]:.2f} forwards")
+                      f"forward (a GPU), before the head's own cost; here c({k + 1}) = {costs[k]:.2f}")
     return 0
 
 

@@ -129,8 +129,12 @@ def test_measured_cost_plain_first_then_each_width_then_scaled_across_row_counts
     cost = MeasuredCost(window=3)
     gate = Gate(cost)
     rows = [Acceptance(), Acceptance()]
-    assert gate.choose([3, 3], rows) == 0  # nothing known: a plain step measures it
+    assert gate.choose([3, 3], rows) == 0  # nothing known: plain steps measure it
+    cost.record(2, 0, 9.0)  # the first also computed a join's lazy work
     cost.record(2, 0, 1.0)
+    assert gate.choose([3, 3], rows) == 0  # plain_samples (3) plain steps before any width
+    cost.record(2, 0, 1.0)
+    assert cost.estimate(2, 0) == 1.0  # the median: the first step's cost dropped
     assert gate.choose([3, 3], rows) == 1  # the narrowest untried width, guessed as cheap as plain
     for t in (1.2, 99.0, 1.3, 1.3):  # an outlier, then it leaves the window
         cost.record(2, 1, t)
@@ -158,3 +162,18 @@ def test_the_draft_batch_skips_plain_steps_and_catches_up_before_drafting(family
     assert lags[1] == [2] * len(PROMPTS)  # two plain steps never fed the draft
     # the draft is the target: after catching up it proposes what the target emits, so every probe accepts
     assert all(s.accepted == s.drafted > 0 for s in states)
+
+
+def test_no_probe_sooner_than_max_probe_where_no_acceptance_could_pay():
+    """Every width costs more than 1 + K plain steps: probes (which only move acceptance) wait
+    max_probe; where a perfect row would pay, they keep their usual backoff."""
+    hopeless = Gate(lambda r, w: 1.0 + 1.5 * w, probe=2, max_probe=8)
+    hopeful = Gate(lambda r, w: 1.0 + 0.9 * w, probe=2, max_probe=8)
+    for gate in (hopeless, hopeful):
+        row = Acceptance(hits=0.0, tries=4.0)  # a row accepting nothing: plain steps pay
+        widths = [gate.choose([2], [row]) for _ in range(20)]
+        probes = [i for i, k in enumerate(widths) if k]
+        if gate is hopeless:
+            assert probes == [8, 17]  # every max_probe + 1 steps
+        else:
+            assert probes[:3] == [2, 7, 16]  # 2, then 4, then 8 plain steps between probes

@@ -176,11 +176,14 @@ def test_head_cache_is_the_committed_tokens_pairs(family):
         dec.step()
     dec._close()
     dec.check()
-    for rid, s in dec.rows.items():
-        row = dec.drafter.rows[rid]
-        dec.drafter._feed(row, s.history)  # every pair but the pending one's
+    rows = dec.drafter.rows
+    rows.feed_tails([dec.rows[r].history for r in rows.ids], 0)  # every pair but the pending one's
+    rows.check([len(dec.rows[r].history) - 1 for r in rows.ids])
+    for i, rid in enumerate(rows.ids):
+        s = dec.rows[rid]
         ref = pairs_from_scratch(model, head, s.history)
-        k, v = row.cache[0].keys_and_values()
+        n = rows.held[i]
+        k, v = rows.layers[0].keys[i : i + 1, :, :n], rows.layers[0].values[i : i + 1, :, :n]
         rk, rv = ref[0].keys_and_values()
         assert k.shape == rk.shape
         assert mx.allclose(k, rk, atol=1e-4).item() and mx.allclose(v, rv, atol=1e-4).item()
@@ -197,10 +200,13 @@ def test_prefill_hidden_states_equal_recomputed():
         rt.forward(p[:-1])
     dec.add("given", rt, p[-1], draft_runtime=HiddenStates(chunks[0][0]))
     start(dec, model, "recomputed", p)
-    a, b = dec.drafter.rows["given"], dec.drafter.rows["recomputed"]
-    assert a.held == b.held == len(p) - 2
-    assert mx.allclose(a.cache[0].keys_and_values()[0], b.cache[0].keys_and_values()[0], atol=1e-5).item()
-    assert mx.allclose(a.tail, b.tail, atol=1e-5).item()
+    rows = dec.drafter.rows
+    a, b = rows.index("given"), rows.index("recomputed")
+    assert rows.held[a] == rows.held[b] == len(p) - 2 and rows.lags[a] == rows.lags[b] == 1
+    n = rows.held[a]
+    keys = rows.layers[0].keys
+    assert mx.allclose(keys[a, :, :n], keys[b, :, :n], atol=1e-5).item()
+    assert mx.allclose(rows.tail[a, :1], rows.tail[b, :1], atol=1e-5).item()
     dec.check()
 
 

@@ -359,6 +359,7 @@ class BatchDecoder:
         pending = [s.history[-1] for s in states]
         gate, drafter = self.gate, self.drafter
         t0 = time.perf_counter()
+        g0 = gate.clock() if gate is not None else 0.0  # the gate's own clock (wall time by default)
         draft, branch = no_draft(len(states)), False
         try:
             if drafter is not None:
@@ -404,7 +405,7 @@ class BatchDecoder:
         elif drafter is not None:
             drafter.close(states, [keep[r] for r in ids])
         if gate is not None:
-            gate.record(len(states), max(draft.widths, default=0), time.perf_counter() - t0)
+            gate.record(len(states), max(draft.widths, default=0), gate.clock() - g0)
         return out
 
     def _close(self) -> None:

@@ -18,7 +18,9 @@ when rows draft, so after `probe` plain steps in a row the batch drafts one
 token (every row that can), and estimates that collapsed after a miss streak
 can recover; a probe finding the estimates no better than the last one did
 doubles the wait (up to `max_probe`), so while speculation does not pay
-probes cost one one-draft step per `probe`..`max_probe` steps.
+probes cost one one-draft step per `probe`..`max_probe` steps. Where every
+width costs more than 1 + K plain steps (not even drafts all accepted could
+pay: a CPU where the drafter costs half a forward) probes wait `max_probe`.
 
 The gate only sets widths: rows verify their drafts exactly as before, so
 every row's output is the same whatever it decides.
@@ -91,6 +93,10 @@ class MeasuredCost:
         b = min(known, key=lambda b: abs(b - rows))
         return self._median(b, width) * self._median(rows, 0) / self._median(b, 0)
 
+    def count(self, rows: int, width: int) -> int:
+        """Steps of that shape measured (in the window)."""
+        return len(self.samples.get((rows, width), ()))
+
     def record(self, rows: int, width: int, seconds: float) -> None:
         kept = self.samples.setdefault((rows, width), [])
         kept.append(max(seconds, 1e-6))
@@ -148,11 +154,16 @@ class Gate:
         probe: after that many plain steps in a row, one step drafts one token
             (0: never probe); doubled after each probe finding the estimates no
             better than the last, up to `max_probe`.
-        clock: seconds, for measuring steps.
+        clock: seconds, for measuring steps (the decoder times its steps by it).
+        plain_samples: with measured costs, a row count's plain steps are measured
+            this many times before any width is tried at it: the first step at a
+            row count often also computes what a join or a leave left lazy (the
+            rows' merged or cut caches), and a plain cost taken from it alone makes
+            every width look cheap (the gate then speculates where it does not pay).
     """
 
     def __init__(self, cost=None, *, decay: float = 0.8, probe: int = 8, max_probe: int = 64,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, plain_samples: int = 3):
         if cost is None:
             cost = MeasuredCost()
         elif callable(cost) and not isinstance(cost, (TableCost, MeasuredCost)):
@@ -164,6 +175,7 @@ class Gate:
         self.quiet = 0  # plain steps in a row (the gate chose 0)
         self.probed = None  # at the last probe: expected rate of width 1 over plain
         self.clock = clock
+        self.plain_samples = plain_samples
         self.last: dict = {}  # the last choice: width, expected tokens per second of each width
 
     def choose(self, avail: list[int], rows: list[Acceptance]) -> int:
@@ -172,9 +184,10 @@ class Gate:
         if top == 0:
             return 0
         plain = self.cost.estimate(B, 0)
-        if plain is None:
+        counted = getattr(self.cost, "count", None)  # a fixed table has nothing to count
+        if plain is None or (counted is not None and counted(B, 0) < self.plain_samples):
             self.last = {"width": 0, "why": "measure plain"}
-            return 0  # one plain step measures it (plain is never a loss)
+            return 0  # plain steps measure it (plain is never a loss)
         rates, floor = {0: B / plain}, plain
         for k in range(1, top + 1):
             c = self.cost.estimate(B, k)
@@ -188,7 +201,8 @@ class Gate:
         best = max(rates, key=lambda k: (rates[k], -k))
         if best:  # speculation pays by the estimates: probes wait the shortest again
             self.quiet, self.wait = 0, self.probe
-        elif self.probe and self.quiet >= self.wait:
+        elif self.probe and self.quiet >= self.wait and (self.quiet >= self.max_probe
+                                                         or not self._hopeless(B, top, plain)):
             # back off while probes show the estimates no better than at the last probe
             ratio = rates[1] / rates[0]
             better = self.probed is not None and ratio > self.probed
@@ -198,6 +212,15 @@ class Gate:
             self.quiet += 1
         self.last = {"width": best, "rates": rates}
         return best
+
+    def _hopeless(self, rows: int, top: int, plain: float) -> bool:
+        """Every width up to `top` is measured and costs more than 1 + K plain steps: not even
+        drafts all accepted could pay, so a probe (which only moves acceptance) waits `max_probe`."""
+        for k in range(1, top + 1):
+            c = self.cost.estimate(rows, k)
+            if c is None or c <= (1 + k) * plain:
+                return False
+        return True
 
     def record(self, rows: int, width: int, seconds: float) -> None:
         self.cost.record(rows, width, seconds)

@@ -1,32 +1,30 @@
 """MTP self-speculation: the target's own multi-token-prediction head as a drafter.
 
-The drafter follows the decoder's protocol (batch/drafting.py). Per row it keeps the
-head's KV cache and the target's hidden states it has not fed to the head yet:
+The drafter follows the decoder's protocol (batch/drafting.py). Its state is one
+`HeadRows` (segment.py) over all its rows: the head's attention cache and the
+target's hidden states it has not fed to the head yet:
 
-    head cache:  pairs (hidden[p], token[p+1]) for p < held      committed
-    tail:        hidden[held .. n-1]                              n: tokens the target holds
+    head cache:  pairs (hidden[p], token[p+1]) for p < held[i]    committed
+    tail:        hidden[held[i] .. n_i - 1]                       n_i: tokens row i's target holds
 
-A round (row i, pending token y = token[n], k drafts):
+A round (row i, pending token y_i = token[n_i], k drafts), every call one for all rows:
 
-    catch-up   head(tail, history[held+1 .. n]) in one call       exact pairs: kept
-               -> d1 from its last position
-    depth j    head(h'_(j-1), d_(j-1)) one position each          the head's own h': dropped
-    verify     the target forwards [y, d1..dk] (the decoder); the tap keeps its hidden states
-    close      the head's cache is cut back to the catch-up; the tail becomes the
+    catch-up   head(tail_i, history_i[held_i+1 .. n_i]), rows right-padded      exact pairs: kept
+               -> d1_i from row i's last position
+    depth j    head(h'_(j-1), d_(j-1)), one position per row                      the head's own h': dropped
+    verify     the target forwards [y_i, d1_i..dk_i] (the decoder); the tap keeps its hidden states
+    close      the head's layers keep the catch-up (a branch commit); the tail becomes the
                verify's hidden states of the kept tokens (1 + accepted)
 
 so at every round's start the head holds exactly the pairs a head run on the
 committed tokens with the target's own hidden states would hold (the pairs of
 depth >= 2 are made of the head's hidden states and are never kept), as vLLM's
-and SGLang's MTP workers do. The head's cache is one mlx-lm `KVCache` per head
-layer and row, cut back by `trim` (exact: a KV cache is its first `offset`
-entries); the drafter rolls it back itself (`rollback`), it is not a segment of
-the target's runtime. A row's prompt pairs are fed when it joins, from the
-hidden states its prefill collected (`HiddenStates`), else from a forward of
-the prompt on a fresh cache.
-
-Rows draft one after another (each row's head call has its own cache length);
-every call stays lazy and the drafts of all rows are read with the verify.
+and SGLang's MTP workers do. A row that does not draft this round (width 0)
+feeds all of its tail but the last state in the catch-up. A row's prompt pairs
+are fed when it joins (on a cache of its own, then merged in), from the hidden
+states its prefill collected (`HiddenStates`), else from a forward of the
+prompt on a fresh cache. Every call stays lazy; the drafts of all rows are read
+with the verify.
 """
 
 from __future__ import annotations
@@ -42,10 +40,11 @@ from ..batch.drafting import Draft, each_row, no_draft
 from ..errors import InvariantError
 from ..processors import normalize
 from .module import MTPHead, _text_parts
+from .segment import HeadRows
 from .tap import install
 
 # A row that does not draft for this many steps (the gate chose plain steps) feeds
-# its tail to the head outside a round, so the tail stays short.
+# its tail to the head outside a round (all rows in one call), so tails stay short.
 TAIL = 16
 
 
@@ -59,31 +58,6 @@ class HiddenStates:
     def clone(self) -> "HiddenStates":
         """The same states (never written: rows of one prompt share them)."""
         return self
-
-
-@dataclass
-class _Row:
-    """One row's head state. Invariant (no round open): every cache's offset is `held`,
-    and held + len(tail) is the number of tokens the target's row holds."""
-
-    cache: list
-    held: int
-    tail: mx.array | None  # [L, H] or None (L = 0)
-
-    @property
-    def lag(self) -> int:
-        return 0 if self.tail is None else self.tail.shape[0]
-
-
-def _trim(cache: list, offset: int) -> None:
-    for c in cache:
-        c.trim(c.offset - offset)
-
-
-def _append(tail, new):
-    if new.shape[0] == 0:
-        return tail
-    return new if tail is None else mx.concatenate([tail, new], axis=0)
 
 
 class MTP:
@@ -100,17 +74,16 @@ class MTP:
     draft_runtimes = True  # the prefill's HiddenStates
 
     def __init__(self, head: MTPHead, *, prefill_step: int = 2048):
+        head = head.for_drafting()  # float16 weights of a float32 target: a float32 copy (same drafts)
         self.head = head
         self.model = head.model
         self.tap = install(head.model)
         self.prefill_step = prefill_step
-        self.rows: dict = {}
-        # The open round: row ids in the verify's order, the drafted rows' state before it
-        # ({id: (held, tail, offsets)}), and the cache offset each drafted row keeps at close.
+        self.rows = HeadRows(head)  # every row's head state, in the decoder's row order
+        # The open round: row ids in the verify's order (None: no round), and the
+        # verify's hidden states, taken by fill.
         self._ids: list | None = None
-        self._saved: dict = {}
-        self._keep: dict = {}
-        self._hidden: mx.array | None = None  # the verify's hidden states, taken by fill
+        self._hidden: mx.array | None = None
 
     # -- rows -------------------------------------------------------------------------
 
@@ -120,6 +93,8 @@ class MTP:
                              f"{type(draft_runtime).__name__}")
         if runtime.model is not self.model:
             raise ValueError(f"add({row_id!r}): the runtime is not of the head's target")
+        if row_id in self.rows.ids:
+            raise ValueError(f"add({row_id!r}): the MTP head has a row with that id already")
         n = len(history) - 1
         if None in history[:n]:
             raise ValueError(f"add({row_id!r}): the runtime holds tokens fed without Runtime.forward "
@@ -134,14 +109,11 @@ class MTP:
         if given is not None:
             parts.append(given)
         hidden = mx.concatenate(parts, axis=0) if len(parts) > 1 else parts[0] if parts else None
-        cache = self.head.make_cache()
-        row = _Row(cache, 0, hidden)
-        self._feed(row, history)
-        self.rows[row_id] = row
+        self.rows.join(row_id, hidden, history, self.prefill_step)
 
     def remove(self, row_id):
-        self.rows.pop(row_id, None)
-        self._saved.pop(row_id, None)
+        if row_id in self.rows.ids:
+            self.rows.leave(row_id)
 
     def _hidden_of(self, ids: list) -> mx.array:
         """The target's hidden states of `ids` [len, H], from forwards on a fresh mlx-lm cache."""
@@ -154,120 +126,90 @@ class MTP:
             out.append(h[0])
         return mx.concatenate(out, axis=0) if len(out) > 1 else out[0]
 
-    def _feed(self, row: _Row, history: list) -> None:
-        """Feed the head every pair of the row's tail but the last (outside any round)."""
-        lag = row.lag
-        if lag <= 1:
-            return
-        tail, held = row.tail, row.held
-        for i in range(0, lag - 1, self.prefill_step):
-            j = min(i + self.prefill_step, lag - 1)
-            toks = mx.array(history[held + i + 1 : held + j + 1], dtype=mx.uint32)[None]
-            _, h = self.head(tail[None, i:j], toks, row.cache)
-            mx.eval(h, [c.keys_and_values() for c in row.cache])
-        row.held, row.tail = held + lag - 1, tail[lag - 1 :]
-
     # -- a round ------------------------------------------------------------------------
 
     def offer(self, states, rooms):
-        return [room if self.rows[s.row_id].lag else 0 for s, room in zip(states, rooms)]
+        self.rows.order([s.row_id for s in states])
+        return [room if lag else 0 for lag, room in zip(self.rows.lags, rooms)]
 
     def draft(self, states, widths):
         J = max(widths, default=0)
         if J == 0:
             return no_draft(len(states))
+        rows = self.rows
+        rows.order([s.row_id for s in states])
         greedy = all(isinstance(s.acceptor, GreedyMatch) for s in states)
-        self._ids = [s.row_id for s in states]
-        self._saved, self._keep = {}, {}
-        chains, qs = [], []
+        processed = any(s.processors is not None for s in states)
+        histories = [s.history for s in states]
+        rows.fork()
+        self._ids = list(rows.ids)
         try:
-            for i, (s, w) in enumerate(zip(states, widths)):
-                if w == 0:
-                    chains.append(mx.zeros((J,), dtype=mx.uint32))
-                    qs.append(None)
-                    continue
-                chain, q = each_row([s], lambda _, s: self._chain(s, w, greedy))[0]
-                if w < J:
-                    chain = mx.concatenate([chain, mx.zeros((J - w,), dtype=mx.uint32)])
-                chains.append(chain)
-                qs.append(q)
+            h = rows.catch_up([w > 0 for w in widths], histories)
+            logits = self.head.project(h)  # [B, 1, V]: the drafting rows' last positions only
+            chain, qs = [], [[] for _ in states]
+            for j in range(J):
+                raw = logits[:, 0]  # [B, V]
+                if processed:  # a row's processors shape its drafts as they will shape the verify
+                    so_far = mx.stack(chain, axis=1) if chain else None
+                    lp = mx.concatenate(each_row(states, lambda i, s: normalize(raw[i : i + 1])
+                                                 if s.processors is None or j >= widths[i]
+                                                 else s.processors.process_next(
+                                                     raw[i], s.history, () if so_far is None else so_far[i])))
+                else:
+                    lp = normalize(raw)
+                if greedy:  # one argmax for the batch
+                    toks = mx.argmax(lp, axis=-1)
+                else:  # each drafting row's own rule; the others' tokens are never verified
+                    props = each_row(states, lambda i, s: s.acceptor.propose(lp[i]) if j < widths[i]
+                                     else (mx.argmax(lp[i], axis=-1), None))
+                    toks = mx.stack([t for t, _ in props])
+                    for i, (_, q) in enumerate(props):
+                        if j < widths[i] and q is not None:
+                            qs[i].append(q)
+                toks = toks.astype(mx.uint32)
+                chain.append(toks)
+                if j + 1 < J:
+                    logits, h = rows.depth(h, toks[:, None], j + 1)
         except BaseException:
             self.rollback()
             raise
-        tokens = mx.stack(chains)  # [B, J]
+        tokens = mx.stack(chain, axis=1)  # [B, J]
         mx.async_eval(tokens)
-        return Draft(tokens, list(widths), qs)
-
-    def _chain(self, s, w: int, greedy: bool):
-        """Row `s`'s w drafts (lazy, uint32 [w]) and the distributions they were drawn from."""
-        row = self.rows[s.row_id]
-        self._saved[s.row_id] = (row.held, row.tail, [c.offset for c in row.cache])
-        lag = row.lag
-        toks = mx.array(s.history[row.held + 1 : row.held + lag + 1], dtype=mx.uint32)[None]
-        logits, h = self.head(row.tail[None], toks, row.cache)
-        row.held, row.tail = row.held + lag, None
-        self._keep[s.row_id] = row.held
-        logits, h = logits[:, -1:], h[:, -1:]
-        chain, q = [], []
-        for j in range(w):
-            raw = logits[0, 0]
-            if s.processors is None:
-                lp = normalize(raw)
-            else:
-                lp = s.processors.process_next(raw, s.history, mx.stack(chain) if chain else ())[0]
-            if greedy:
-                tok = mx.argmax(lp, axis=-1)
-            else:
-                tok, dist = s.acceptor.propose(lp)
-                if dist is not None:
-                    q.append(dist)
-            tok = tok.astype(mx.uint32)
-            chain.append(tok)
-            if j + 1 < w:
-                logits, h = self.head(h, tok.reshape(1, 1), row.cache, depth=j + 1)
-        return mx.stack(chain), (mx.stack(q) if q else None)
+        return Draft(tokens, list(widths), [mx.stack(q) if q else None for q in qs])
 
     def fill(self, proposals):
         self._hidden = self.tap.take()  # the verify forward's, [B, 1 + J, H]
 
     def close(self, states, keep):
-        if self._hidden is not None:
+        ids_now = [s.row_id for s in states]
+        if self._ids is not None:  # a round: the verify's hidden states, rows that left since dropped
             hidden, ids = self._hidden, self._ids
         else:  # a plain step: the forward that just ran fed every row its pending token
-            hidden, ids = self.tap.take(), [s.row_id for s in states]
-        for s, k in zip(states, keep):
-            row = self.rows[s.row_id]
-            if s.row_id in self._keep:
-                _trim(row.cache, self._keep[s.row_id])
-            row.tail = _append(row.tail, hidden[ids.index(s.row_id), :k])
-            if row.lag > TAIL:
-                self._feed(row, s.history)
+            hidden, ids = self.tap.take(), ids_now
+        self.rows.order(ids_now)
+        if ids != ids_now:
+            hidden = hidden[mx.array([ids.index(r) for r in ids_now], dtype=mx.int32)]
+        self.rows.close(hidden, list(keep))
         self._end()
+        self.rows.feed_tails([s.history for s in states], TAIL)
 
     def rollback(self):
-        for rid, (held, tail, offsets) in self._saved.items():
-            row = self.rows.get(rid)
-            if row is not None:
-                for c, offset in zip(row.cache, offsets):
-                    c.trim(c.offset - offset)
-                row.held, row.tail = held, tail
+        self.rows.rollback()
         self._end()
 
     def _end(self) -> None:
-        self._ids, self._saved, self._keep, self._hidden = None, {}, {}, None
+        self._ids, self._hidden = None, None
 
     def extend(self, row_id, tokens: Sequence[int]):
         pass  # the row's history (the decoder's) has them; its hidden states come at close
 
     def check(self, states, settled: bool = True) -> None:
-        """Between rounds: each row's head holds `held` pairs and held + tail = the target's tokens."""
-        for s in states if settled else ():
-            row = self.rows.get(s.row_id)
-            if row is None:
-                raise InvariantError(f"MTP: no head state for row {s.row_id!r}")
-            if any(c.offset != row.held for c in row.cache):
-                raise InvariantError(f"MTP row {s.row_id!r}: head caches at {[c.offset for c in row.cache]}, "
-                                     f"not its {row.held} pairs")
-            if row.held + row.lag != len(s.history) - 1:
-                raise InvariantError(f"MTP row {s.row_id!r}: {row.held} pairs + {row.lag} hidden states "
-                                     f"for {len(s.history) - 1} tokens")
+        """Between rounds (`settled`; with a round open there is nothing to check): the head's
+        invariants, its rows the decoder's, held + tail = the target's tokens."""
+        if not settled:
+            return
+        ids = [s.row_id for s in states]
+        if sorted(map(repr, ids)) != sorted(map(repr, self.rows.ids)):
+            raise InvariantError(f"MTP head rows {self.rows.ids}, decoder rows {ids}")
+        by_id = {s.row_id: len(s.history) - 1 for s in states}
+        self.rows.check([by_id[r] for r in self.rows.ids])
