@@ -29,7 +29,7 @@ from .layers.recurrent import STRATEGIES, RecurrentLayer
 from .layers.state import default_state_strategy
 from .prompt_layers import load_layers
 from .ranks import agreement
-from .session import prefill as store_prefill
+from . import prefill as store_prefill
 from .store import PrefixCache, Resume
 from .tokens import TokenLedger, token_array, token_ids
 
@@ -431,7 +431,7 @@ class Runtime(KVSwitch):
         self._branches.pop()
         branch.open = False
 
-    # -- prefix store (the prefill itself: segcache/session/prefill.py) -----------------
+    # -- prefix store (the prefill itself: segcache/prefill.py) -----------------
 
     def prefill(
         self, tokens: Sequence[int] | mx.array, *, step_size: int = 2048, checkpoints: Iterable[int] = ()

@@ -36,7 +36,7 @@ import mlx.core as mx
 
 from ..errors import InvariantError
 from ..runtime import Runtime
-from . import prefill as store_prefill
+from .. import prefill as store_prefill
 from .hidden import Hidden, collecting
 
 

@@ -22,9 +22,9 @@ from typing import Generator, Iterable
 
 import mlx.core as mx
 
-from ..errors import BranchError, InvariantError, StoreError
-from ..store import Resume
-from ..tokens import token_ids
+from .errors import BranchError, InvariantError, StoreError
+from .store import Resume
+from .tokens import token_ids
 
 
 class Prefill:
