@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -439,7 +440,7 @@ def main() -> int:
                     help="8 clients, cold prompts at once: batched against one at a time and mlx_lm.server")
     ap.add_argument("--cold-chars", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--vllm-mlx", default="/work/peers/vllm-mlx/bin/vllm-mlx",
+    ap.add_argument("--vllm-mlx", default=os.environ.get("VLLM_MLX") or shutil.which("vllm-mlx") or "",
                     help="the vllm-mlx command for --cold (skipped where it is not installed)")
     ap.add_argument("--lone", action="store_true",
                     help="one request alone: the default --decode-concurrency against 1 (TTFT, decode tok/s)")
