@@ -311,7 +311,6 @@ class BatchKVLayer(RowLengths):
     # (per-row lengths), so merging, filtering and extending never shift a row,
     # and a row extracted is bit for bit the tokens it was merged with or fed.
 
-    _finalized: list[int] | None = None  # row lengths once a padded forward is done (prepare -> finalize)
 
     @classmethod
     def merge(cls, caches) -> "BatchKVLayer":
@@ -393,19 +392,7 @@ class BatchKVLayer(RowLengths):
         Pads land past a row's end, so only the lengths change: `finalize` sets them.
         """
         self._settled("prepare")
-        if left_padding is not None and any(ints(left_padding)):
-            raise UnsupportedOperationError(
-                "prepare(left_padding=...): this layer keeps per-row lengths and never left-pads; "
-                "right-pad the rows (prepare(lengths=..., right_padding=...))"
-            )
-        if lengths is not None:
-            self._finalized = [L + n for L, n in zip(self.lengths, ints(lengths))]
-
-    def finalize(self) -> None:
-        """After the padded forward(s): each row holds its real tokens only."""
-        ends = self._finalized
-        if ends is not None:
-            self.lengths, self._finalized = ends, None
+        self._right_padded(left_padding, lengths)
 
     @property
     def state(self):

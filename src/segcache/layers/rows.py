@@ -33,6 +33,24 @@ class RowLengths:
 
     lengths: list[int]
     marks: list[int] | None
+    _finalized: list[int] | None = None  # row lengths once a padded forward is done (prepare -> finalize)
+
+    def _right_padded(self, left_padding, lengths) -> None:
+        """What `prepare` does for every attention kind: right padding only (a row keeps its
+        own length, never shifted), and each row's real end kept for `finalize`."""
+        if left_padding is not None and any(ints(left_padding)):
+            raise UnsupportedOperationError(
+                f"prepare(left_padding=...): {type(self).__name__} keeps per-row lengths and never "
+                "left-pads; right-pad the rows (prepare(lengths=..., right_padding=...))"
+            )
+        if lengths is not None:
+            self._finalized = [L + n for L, n in zip(self.lengths, ints(lengths))]
+
+    def finalize(self) -> None:
+        """After the padded forward(s): each row holds its real tokens only."""
+        ends = self._finalized
+        if ends is not None:
+            self.lengths, self._finalized = ends, None
 
     @property
     def offset(self) -> mx.array:

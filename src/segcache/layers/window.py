@@ -300,7 +300,6 @@ class BatchWindowLayer(RowLengths):
     # A right-padded forward outside a branch (`prepare` / `finalize`) keeps each row exact:
     # pads land past the row's end, so only its length moves.
     pads_rows = True
-    _finalized: list[int] | None = None  # row lengths once a padded forward is done (prepare -> finalize)
 
     def __init__(self, max_size: int, rows: int = 0, *, keep: int = 0):
         if keep:
@@ -503,17 +502,7 @@ class BatchWindowLayer(RowLengths):
         """
         if self.marks is not None:
             raise BranchError("prepare() with an open branch: commit or roll it back first")
-        if left_padding is not None and any(ints(left_padding)):
-            raise UnsupportedOperationError("prepare(left_padding=...): a window layer keeps per-row lengths; "
-                                            "right-pad the rows (prepare(lengths=...))")
-        if lengths is not None:
-            self._finalized = [L + n for L, n in zip(self.lengths, ints(lengths))]
-
-    def finalize(self) -> None:
-        """After the padded forward: each row holds its real tokens only."""
-        ends = self._finalized
-        if ends is not None:
-            self.lengths, self._finalized = ends, None
+        self._right_padded(left_padding, lengths)
 
     @property
     def nbytes(self) -> int:

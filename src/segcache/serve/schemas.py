@@ -304,8 +304,9 @@ class FunctionCallItem(_Strict):
     status: Optional[str] = None
 
 
-class FunctionCallOutputItem(_Strict):
-    type: Literal["function_call_output"]
+class _ToolOutput(_Strict):
+    """What a client's tool returned, for a call of either kind (function or custom)."""
+
     call_id: str
     output: Union[str, List[InputText]]
     id: Optional[str] = None
@@ -313,6 +314,10 @@ class FunctionCallOutputItem(_Strict):
 
     def text(self) -> str:
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+
+
+class FunctionCallOutputItem(_ToolOutput):
+    type: Literal["function_call_output"]
 
 
 class CustomToolCallItem(_Strict):
@@ -324,15 +329,8 @@ class CustomToolCallItem(_Strict):
     status: Optional[str] = None
 
 
-class CustomToolCallOutputItem(_Strict):
+class CustomToolCallOutputItem(_ToolOutput):
     type: Literal["custom_tool_call_output"]
-    call_id: str
-    output: Union[str, List[InputText]]
-    id: Optional[str] = None
-    status: Optional[str] = None
-
-    def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
 class ReasoningText(_Strict):
