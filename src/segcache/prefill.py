@@ -16,6 +16,7 @@ kind (kv_bits goes through the layers' own hooks). This module imports neither
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import time
 from typing import Generator, Iterable
@@ -46,6 +47,9 @@ class Prefill:
             prompt, or computed by the forward reaching the end), else None.
         want_logits: compute the last position's logits (a store's checkpoint
             keeps them; a caller may need them); without, no output head runs.
+        share_at: stops another prompt waits for (serve/fanout.py): the prefix up to each
+            is published as soon as it is reached, not only at the end.
+        shared: the stops of `share_at` passed (published, or the publish failed: warned).
     """
 
     def __init__(self, ids: list, resume: Resume, cache, stops: list, logits, want_logits: bool):
@@ -58,6 +62,8 @@ class Prefill:
         self.seconds = 0.0
         self.logits = logits
         self.want_logits = want_logits or cache is not None
+        self.share_at: set[int] = set()
+        self.shared: set[int] = set()  # Invariant: shared <= share_at, each <= pos
 
     @property
     def left(self) -> int:
@@ -100,10 +106,35 @@ class Prefill:
         self.logits = logits
         self._stop(rt, logits)
 
+    def share(self, position: int) -> bool:
+        """Publish the prefix up to `position` as soon as the prefill reaches it (another prompt
+        waits for it): a stop is added there. The caller makes a `PrefillBatch` row feeding this
+        plan stop there too. False (nothing changed) without a store, or past or outside the prompt."""
+        if self.cache is None or not self.pos < position <= len(self.ids):
+            return False
+        if position not in self.stops:
+            bisect.insort(self.stops, position)
+        self.share_at.add(position)
+        return True
+
     def _stop(self, rt, logits) -> None:
-        self.stops.pop(0)
-        if self.cache is not None:
-            self.snaps.append(self.cache.snapshot(rt, logits))
+        position = self.stops.pop(0)
+        if self.cache is None:
+            return
+        snap = self.cache.snapshot(rt, logits)
+        self.snaps.append(snap)
+        if position in self.share_at:  # `rt` holds exactly the prefix: its pages and checkpoint, now
+            try:
+                self._cache_of(rt).publish(rt, self.ids[:position], [snap])
+            except Exception as exc:  # the waiting prompt computes it itself
+                self.cache.failed("publishing a shared prefix", exc)
+            self.shared.add(position)
+
+    def _cache_of(self, rt):
+        """The prefix cache of the layout `rt` holds now (kv_bits may have quantized its KV layers)."""
+        if self.cache.layouts != [layer.layout() for layer in rt.cache]:
+            return rt.prefix_cache()
+        return self.cache
 
     def finish(self, rt) -> int:
         """The whole prompt is in `rt`: count the prefill and publish it (pages, checkpoints).
@@ -114,10 +145,7 @@ class Prefill:
             raise InvariantError(f"finish() of a prefill {self.left} tokens short of its prompt")
         if self.cache is None:
             return 0
-        cache = self.cache  # kv_bits may have quantized the KV layers on the way: another layout
-        if cache.layouts != [layer.layout() for layer in rt.cache]:
-            cache = rt.prefix_cache()
-        return cache.prefilled(rt, self.ids, self.resume, self.snaps, self.seconds)
+        return self._cache_of(rt).prefilled(rt, self.ids, self.resume, self.snaps, self.seconds)
 
     def check(self) -> None:
         """Verify the invariants of the fields (see `__init__`)."""
@@ -131,6 +159,8 @@ class Prefill:
         lengths = [s.length for s in self.snaps]
         if lengths != sorted(lengths) or any(n > self.pos for n in lengths):
             raise InvariantError(f"prefill snapshots at {lengths}, at position {self.pos}")
+        if not self.shared <= self.share_at or any(p > self.pos for p in self.shared):
+            raise InvariantError(f"prefill shared {sorted(self.shared)} of {sorted(self.share_at)} at {self.pos}")
 
 
 def held_prefix(rt, ids: list[int]) -> int:
@@ -209,6 +239,17 @@ def _steps(rt, ids, held, step_size, checkpoints, agree):
     last = yield from plan.feed(rt, step_size)
     plan.finish(rt)
     return last
+
+
+def lookahead(rt, ids: list[int]) -> tuple[int, float]:
+    """(tokens of `ids` the store of `rt`, a fresh runtime, would restore now; the store's
+    seconds per computed prompt token). A lookup only: nothing changes; a failure is 0."""
+    cache = rt.prefix_cache()
+    try:
+        tokens = cache.lookup(rt, ids, 0)[0].resume
+    except Exception:  # a miss: the prefill's own lookup warns and counts it
+        tokens = 0
+    return tokens, cache.layout.spt
 
 
 def publish(rt) -> int:

@@ -33,6 +33,7 @@ dominated by per-operation overhead, which one forward over B rows pays once
 
 from __future__ import annotations
 
+import bisect
 import logging
 from dataclasses import dataclass, field
 from typing import Hashable
@@ -98,6 +99,16 @@ class PrefillBatch:
         stops = sorted({p for p in stops if len(held) < p < len(ids)} | {len(ids)})
         self.batch.join(row_id, runtime)
         self.prompts[row_id] = _Prompt(list(ids), len(held), stops)
+
+    def stop_at(self, row_id, position: int) -> bool:
+        """Row `row_id` also stops at `position` (its caller wants the state there); False
+        (nothing changed) if the row is not in the batch or is at or past it."""
+        p = self.prompts.get(row_id)
+        if p is None or not p.pos < position <= len(p.ids):
+            return False
+        if position not in p.stops:
+            bisect.insort(p.stops, position)
+        return True
 
     def remove(self, row_id) -> None:
         """The row leaves (e.g. its request was cancelled)."""

@@ -52,6 +52,7 @@ from ..runtime import Runtime
 from ..session.hidden import collecting
 from ..session.session import Session
 from .choice import Choice
+from .fanout import Fanout
 from .events import Chunk, Failure, Finish, GenRequest, Progress, StepFailed, TokenLogprob, Usage
 
 __all__ = ["Chunk", "Engine", "Failure", "Finish", "GenRequest", "Progress", "StepFailed", "TokenLogprob", "Usage"]
@@ -79,19 +80,17 @@ class Engine:
             compiles a request's schema first, so a bad one is a 400); built here when None.
         mtp: the target's `MTPHead` to draft with (exclusive with draft_model and
             prompt_lookup), or None. Prefills keep the hidden states they compute for it.
-        kv: mlx-lm's KV quantization (`segcache.kvquant.KVQuantization`) for every
-            request's runtimes (target and draft), or None. Batched rows hold
-            unquantized KV only, so it needs `decode_concurrency` 1 (mlx_lm.server
-            too serves kv_bits one request at a time).
-        group: a `segcache.distributed.Channel` when this engine is one rank's of a sharded
-            model (`segcache serve` under mlx.launch): every Runtime it builds agrees its
-            prefix resumes with the other ranks, and batches draft without the cost gate
-            (it times each rank's own steps, so the ranks' widths would differ).
+        kv: mlx-lm's KV quantization (`segcache.kvquant.KVQuantization`) for every request's
+            runtimes (target and draft), or None. Batched rows hold unquantized KV only, so it
+            needs `decode_concurrency` 1 (mlx_lm.server too serves kv_bits one at a time).
+        group: a `segcache.distributed.Channel` when this engine is one rank's of a sharded model
+            (`segcache serve` under mlx.launch): every Runtime it builds agrees its prefix resumes
+            with the other ranks, and batches draft without the cost gate (it times each rank's own
+            steps, so the ranks' widths would differ); no prompt waits for another's (fanout.py).
 
     Attributes:
-        prefill_chunk: with several rows, prompt tokens a joining request feeds per
-            scheduler step at most (also bounded by `prefill_step`); the running rows
-            decode between two chunks.
+        prefill_chunk: with several rows, prompt tokens a joining request feeds per scheduler
+            step at most (also bounded by `prefill_step`); the running rows decode between two.
     """
 
     # On the shipped target (2 idle cores, native GDN) prefill ran ~2,950 tok/s
@@ -110,8 +109,7 @@ class Engine:
         if kv is not None and decode_concurrency != 1:
             raise ValueError(f"kv quantization ({kv.describe()}) with decode_concurrency={decode_concurrency}: "
                              "batched rows hold unquantized KV only; decode one row at a time (decode_concurrency 1)")
-        self.kv = kv
-        self.vocab_size = vocab_size or len(tokenizer.vocab)
+        self.kv, self.vocab_size = kv, vocab_size or len(tokenizer.vocab)
         self.grammars, self.decode_concurrency, self.group = grammars, decode_concurrency, group
         self.prompt_concurrency, self.mtp = prompt_concurrency, mtp
         drafting = prompt_lookup or draft_model is not None or mtp is not None
@@ -131,8 +129,8 @@ class Engine:
         self.agree = agreement(group)  # how this rank's prefills agree their resumes (None: alone)
         self._stepped = self._prefilled = False  # the decoder's / prefill batch's step of this scheduler step ran
         self._dirty = False  # published records may still be only in RAM
-        self.decode_steps = 0  # decoder steps run (counters for tests and logs)
-        self.prefill_chunks = 0  # prompt chunks forwarded
+        self.decode_steps = self.prefill_chunks = 0  # decoder steps run, prompt chunks forwarded (tests, logs)
+        self.fanout = Fanout(self)  # prompts waiting for a prefix another one computes (fanout.py)
 
     # -- the model thread's housekeeping -----------------------------------------------
 
@@ -251,9 +249,10 @@ class Engine:
         With several rows, the rest goes through the engine's `PrefillBatch`: every prompt being
         prefilled advances in one forward per scheduler step. A prompt the store mostly restored
         is fed alone instead (copying its prefix into the batch would cost more than its rest),
-        one chunk per scheduler step, as is a lone row's (in `prefill_step` chunks).
-        At most `prompt_concurrency` prompts are being prefilled at once; the others wait.
+        one chunk per scheduler step, as is a lone row's (in `prefill_step` chunks). At most
+        `prompt_concurrency` at once; the others wait (first for a shared prefix: fanout.py).
         """
+        yield from self.fanout.wait(req)
         while self._prefilling >= self.prompt_concurrency:
             yield None  # wait for a prefill slot
         self._prefilling += 1
@@ -263,6 +262,7 @@ class Engine:
             session = Session(self.decoder, rt, req.ids, draft=self._draft_runtime(req),
                               checkpoints=self._checkpoints(req), prefill_step=self.prefill_step, agree=self.agree)
             plan = session.begin()  # where the prompt resumed from: this request's own answer
+            self.fanout.lead(req, session)
             # the first event: what the store restored (the surfaces' usage split before the first token)
             restored = Progress(plan.resume.tokens, len(req.ids))
             one = self.decoder.one_row
@@ -290,6 +290,7 @@ class Engine:
             return session
         finally:
             self._prefilling -= 1
+            self.fanout.end(req.id)
             if self._joining.pop(req.id, None) is not None and req.id in self.prefill_batch.prompts:
                 self.prefill_batch.remove(req.id)  # cancelled mid-prefill: its row leaves, nothing published
 
