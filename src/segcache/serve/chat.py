@@ -17,9 +17,15 @@ Boundaries are positions in the prompt's ids the prefill checkpoints, so a
 later prompt that shares the conversation up to one resumes there even on a
 hybrid model (which can resume only where a state was kept):
 
-    [system + tools][user ... assistant ... tool ...][last user ... tool][generation prompt]
-                   ^ 1                              ^ 2                  ^ 3
+    [tools][system][user ... assistant ... tool ...][last user ... tool][generation prompt]
+           ^ 0     ^ 1                              ^ 2                  ^ 3
 
+0. the end of the tool schemas, where a template renders them before the
+   system text (the part of the prompt no system message changes): a new
+   conversation with the same tools and another system prompt (a subagent,
+   a session whose system text holds a date or a nonce) resumes there, from
+   the first turn on; a template that renders the system text first has no
+   such boundary (nothing but a role header precedes the system text);
 1. the end of the leading system messages (and the tool schemas a template
    puts there): a new conversation with the same system prompt and tools;
 2. the start of the last user message: an edit of the last question;
@@ -53,6 +59,10 @@ PLAIN_ROLES = {
     "tool": "",
 }
 _SYSTEM = ("system", "developer")
+# The shortest tools block worth a checkpoint of its own. A template that renders the system text
+# first shares only its role header (a few tokens) with a rendering without it; a tools block
+# rendered first is the schemas, hundreds of tokens and more.
+MIN_TOOLS_CUT = 64
 
 # apply_chat_template's own arguments: a request may not set them as template variables.
 RESERVED_KWARGS = frozenset({
@@ -226,6 +236,9 @@ class Prompter:
         if n_sys < len(messages) and (n_sys or tools):
             before = messages[:n_sys] + ([{"role": "user", "content": ""}] if self.templated else [])
             cuts.append(self._boundary(render, before, ids))
+        if tools and n_sys and self.templated:  # a template rendering the tools before the system text
+            tools_end = self._boundary(render, [{"role": "user", "content": ""}], ids)
+            cuts.append(tools_end if tools_end >= MIN_TOOLS_CUT else 0)
         last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=0)
         if last_user > n_sys:
             cuts.append(self._boundary(render, messages[:last_user], ids))
