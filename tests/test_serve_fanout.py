@@ -1,7 +1,7 @@
 """Prefixes computed once (issue 32 item 5), through the official `anthropic` and `openai` clients
 against a real server on loopback, on the shipped hybrid target served with a tools template:
 a fan-out of requests sharing a long prefix computes it once (store counters, usage) and answers
-as each request does alone; a waiter whose leader is slow or fails computes itself; and the first
+as each request does alone; a waiter whose leader stalls or fails computes itself; and the first
 turn checkpoints where the tool schemas end, on every chat surface."""
 
 import segcache  # noqa: F401, I001  (binds the system BLAS before mlx loads)
@@ -166,45 +166,62 @@ def test_a_fan_out_computes_the_shared_prefix_once_and_answers_as_alone(models, 
         delta = {k: after[k] - before[k] for k in ("hits", "misses", "hit_tokens")}
         assert delta == {"hits": 3, "misses": 1, "hit_tokens": sum(cached)}, delta
         assert (srv.engine.fanout.waited, srv.engine.fanout.gave_up) == (3, 0)
+        srv.engine.fanout.check()
+        assert not srv.engine.fanout.leads  # every prefill ended
         # each computed alone (a domain of its own: nothing resumed, nobody in flight) answers the same
         for k, task in enumerate(TASKS):
             text, u = ask_messages(client, task, cache_salt=f"alone-{k}")
             assert u.cache_read_input_tokens == 0 and text == got[k][0], k
 
 
-class Slow:
-    """The server's prefill batch, each forward `delay` seconds late (and failing the `fail`-th)."""
+class Failing:
+    """The server's prefill batch, its `fail`-th forward raising."""
 
-    def __init__(self, batch, delay=0.0, fail=None):
-        self.batch, self.delay, self.fail, self.calls = batch, delay, fail, 0
+    def __init__(self, batch, fail):
+        self.batch, self.fail, self.calls = batch, fail, 0
         self.step = batch.step
         batch.step = self
 
     def __call__(self, budget):
         self.calls += 1
-        time.sleep(self.delay)
         if self.calls == self.fail:
             raise RuntimeError("this prefill forward fails")
         return self.step(budget)
+
+
+class Stalled:
+    """The engine's prefill-batch step: run `runs` times, then skipped (every prompt in the batch
+    stalls) until `until()` holds."""
+
+    def __init__(self, engine, runs, until):
+        self.runs, self.until = runs, until
+        self.step = engine._prefill_step
+        engine._prefill_step = self
+
+    def __call__(self):
+        if self.runs > 0 or self.until():
+            self.runs -= 1
+            return self.step()
+        time.sleep(0.01)  # a scheduler step in which the batch did not move
 
 
 def _alone(client, task):
     return ask_chat(client, task, cache_salt=f"alone-{task}")[0]
 
 
-def test_a_waiter_gives_up_once_its_leader_is_slower_than_computing_itself(models, tmp_path, monkeypatch):
-    """The leader's forwards take longer than the waiter's own cost at the store's rate: the
-    waiter stops waiting and computes its prompt itself (nothing resumed), answering as alone."""
+def test_a_waiter_whose_leader_stalls_computes_itself(models, tmp_path, monkeypatch):
+    """The leader stops moving after its first forward: the waiter waits no longer than its own
+    cost at the store's rate, then computes its prompt itself (nothing resumed), answering as alone."""
     with LocalServer(models["system-first"], store_dir=tmp_path / "s", engine=dict(decode_concurrency=8)) as srv:
-        rate(monkeypatch, 1e-5)  # ~20 ms for the shared prefix, and each forward sleeps 0.2 s
+        rate(monkeypatch, 1e-4)  # the shared ~2,000 tokens: ~0.2 s
         client = srv.openai()
-        slow = Slow(srv.engine.prefill_batch, delay=0.2)
+        fanout = srv.engine.fanout
+        Stalled(srv.engine, runs=1, until=lambda: fanout.gave_up > 0)  # the first forward runs before the waiter arrives
         with held(srv, 2):
             got = together([lambda t=t: ask_chat(client, t) for t in TASKS[:2]])
-        slow.delay = 0.0
         assert not any(isinstance(g, Exception) for g in got), got
         assert [u.prompt_tokens_details.cached_tokens for _, u in got] == [0, 0]
-        assert (srv.engine.fanout.waited, srv.engine.fanout.gave_up) == (0, 1)
+        assert (fanout.waited, fanout.gave_up) == (0, 1)
         assert [text for text, _ in got] == [_alone(client, t) for t in TASKS[:2]]
 
 
@@ -214,7 +231,7 @@ def test_a_waiter_whose_leader_fails_computes_itself(models, tmp_path, monkeypat
     with LocalServer(models["system-first"], store_dir=tmp_path / "s", engine=dict(decode_concurrency=8)) as srv:
         rate(monkeypatch, 1.0)
         client = srv.openai()
-        Slow(srv.engine.prefill_batch, fail=2)  # the first forward runs before the waiter arrives
+        Failing(srv.engine.prefill_batch, fail=2)  # the first forward runs before the waiter arrives
         with held(srv, 2):
             got = together([lambda t=t: ask_chat(client, t) for t in TASKS[:2]])
         failed = [g for g in got if isinstance(g, Exception)]

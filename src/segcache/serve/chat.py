@@ -41,6 +41,7 @@ boundary only moves it earlier.
 
 from __future__ import annotations
 
+import collections
 import importlib
 import json
 from dataclasses import dataclass, field
@@ -63,6 +64,10 @@ _SYSTEM = ("system", "developer")
 # first shares only its role header (a few tokens) with a rendering without it; a tools block
 # rendered first is the schemas, hundreds of tokens and more.
 MIN_TOOLS_CUT = 64
+# Boundary texts whose ids are kept (least recently used out): the system-and-tools text recurs in
+# every turn of a session and in each of its subagents' requests, the conversation before the last
+# question in every turn of an agent loop; each costs an encode of the whole prefix otherwise.
+BOUNDARY_TEXTS = 32
 
 # apply_chat_template's own arguments: a request may not set them as template variables.
 RESERVED_KWARGS = frozenset({
@@ -115,6 +120,7 @@ class Prompter:
         self.templated = chat_template is not None or bool(getattr(tokenizer, "has_chat_template", False))
         self.markup = markup_for(tokenizer, chat_template)
         self._sources: dict = {}
+        self._rendered: collections.OrderedDict[str, list[int]] = collections.OrderedDict()  # boundary text -> ids
 
     # -- what the model can do -----------------------------------------------------------
 
@@ -256,7 +262,14 @@ class Prompter:
             text = render(before, False)
         except Exception:  # a template may refuse a partial conversation: no checkpoint then
             return 0
-        return _common(self._ids(text), ids)
+        known = self._rendered.get(text)
+        if known is None:
+            known = self._rendered[text] = self._ids(text)
+            if len(self._rendered) > BOUNDARY_TEXTS:
+                self._rendered.popitem(last=False)
+        else:
+            self._rendered.move_to_end(text)
+        return _common(known, ids)
 
     def _template(self, dicts: list[dict], generation_prompt: bool, tools, args: dict,
                   param: str = "messages") -> str:

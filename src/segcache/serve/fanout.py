@@ -5,19 +5,22 @@ computing them itself would take.
     leader   begin ─ chunk ─ chunk ─ ... ─ stop at S: snapshot, published at once ─ chunk ─ ... end
     waiter          arrives: shares S tokens with the leader, the store restores R < S of them
                     asks the leader to stop at S ─ waits (None per step) ─ begin: resumes S, computes the rest
-                    gives up when the leader is gone, or once waiting would exceed (S - R) x the rate
+                    gives up when the leader is gone, or once it waited (S - R) x the pace of prefill
 
 S is the longest common prefix of the two prompts. The leader adds a stop there (its plan and
 its `PrefillBatch` row, `Prefill.share`, `PrefillBatch.stop_at`) and publishes the prefix when
 its forward reaches it, rather than at its end; the waiter then resumes from the store as any
 request does, so what it gets is what a later request would get (greedy answers equal).
 
-The bound: the waiter's own cost is (S - R) tokens at the store's learned rate (seconds per
-computed prompt token, `Layout.learn`). It waits only for a leader with at most that many
-tokens left before S, and gives up as soon as the leader's progress since it began waiting
-projects past that cost (a leader slowed down by a batch), at that cost at the latest (a
-leader that stalls), or when the leader leaves (finished: the store has S; failed or
-cancelled: the waiter computes). A waiter holds no prefill slot while it waits.
+The bound: the waiter's own cost is its S - R tokens at the pace prompts are computed now:
+the store's learned rate (seconds per computed prompt token, `Layout.learn`), or the pace the
+leader moved at while the waiter watched when that is slower (a loaded machine, a large
+prefill batch: a prompt computed here would go no faster, and would slow the leader down by
+sharing its forwards). It waits only for a leader with at most S - R tokens left before S, so
+a leader that keeps its pace always arrives within that cost; it gives up once it has waited
+that long (a leader that stalls: the time since it last moved counts against it), or when the
+leader leaves (finished: the store has S; failed or cancelled: the waiter computes). A waiter
+holds no prefill slot while it waits.
 
 On under `segcache serve` with a store and several rows. Off under mlx.launch: the decision
 reads the clock, and every rank must take the same one. Everything here runs on the model thread.
@@ -107,18 +110,23 @@ class Fanout:
         start = lead.position
         if own < MIN_SHARED or shared - start > own or not self._ask(lead, shared):
             return
-        budget, tic = own * spt, time.perf_counter()
-        outcome = "cancelled"  # closed while it waits: its client left
+        tic = time.perf_counter()
+        seen, seen_at = start, tic  # the leader's position when last seen to move, and when
+        budget, outcome = own * spt, "cancelled"  # closed while it waits: its client left
         try:
             while True:
                 yield None
-                elapsed = time.perf_counter() - tic
+                now = time.perf_counter()
                 if shared in lead.session.plan.shared or self.leads.get(lead.request_id) is not lead:
                     outcome = "published" if shared in lead.session.plan.shared else "leader gone"
                     break
-                moved, left = lead.position - start, shared - lead.position
-                if elapsed >= budget or (moved > 0 and elapsed + left * elapsed / moved > budget):
-                    outcome = "gave up"  # it would take longer than computing them here
+                if lead.position != seen:
+                    seen, seen_at = lead.position, now
+                # its own cost at the pace prompts are computed now: the learned rate, or the leader's
+                # pace while it moved when slower (the machine's load slows a prompt computed here alike)
+                budget = own * max(spt, (seen_at - tic) / (seen - start) if seen > start else 0.0)
+                if now - tic > budget:  # the leader stalled: computing them here is as fast by now
+                    outcome = "gave up"
                     break
         finally:
             published = outcome == "published"
