@@ -8,17 +8,22 @@ import segcache  # noqa: F401, I001  (binds the system BLAS before mlx loads)
 
 import contextlib
 import json
+import random
 import shutil
 import threading
 import time
 
+import mlx.core as mx
 import mlx_lm
 import openai
 import pytest
 
 from chat_util import LocalServer
+from conftest import tiny
 from serve_util import TARGET
+from segcache import Runtime, open_store
 from segcache import prefill as store_prefill
+from segcache.testing import models as tiny_models
 from segcache.testing.chat import template
 
 TEXT = (TARGET.parent / "heldout_other.txt").read_text()
@@ -140,6 +145,42 @@ def ask_chat(client, task, **extra):
                                        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": task}],
                                        extra_body=extra or None)
     return r.choices[0].message.content, r.usage
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma3_text"])  # dense, hybrid, sliding window
+def test_a_shared_prefix_is_published_as_soon_as_the_prefill_reaches_it(tmp_path, family):
+    """`Prefill.share`: half way through a prefill the store holds the prefix already; a prompt
+    through it resumes there and gets the logits of computing it cold; the end publishes the rest."""
+    model, rnd = tiny(family), random.Random(7)
+    a = [rnd.randrange(tiny_models.VOCAB) for _ in range(40)]
+    b = a[:29] + [(t + 1) % tiny_models.VOCAB for t in a[29:35]]
+    with open_store(tmp_path, page_tokens=16) as store:
+        rt = Runtime(model, store=store)
+        plan = store_prefill.begin(rt, a, 0)
+        assert plan.share(29) and not plan.share(41)
+        feed = plan.feed(rt, 8)
+        for pos in feed:
+            if pos >= 29:
+                break
+        assert plan.shared == {29} and plan.left == 11
+        plan.check()
+        got = Runtime(model, store=store).prefill_steps(b)
+        assert next(got).restored == 29  # while the first prompt is still being prefilled
+        logits = _drain(got)
+        cold = Runtime(model).prefill(b)
+        assert mx.allclose(logits, cold, atol=1e-4, rtol=1e-4).item(), mx.abs(logits - cold).max().item()
+        for _ in feed:
+            pass
+        assert not plan.share(35) and plan.finish(rt) > 0
+        assert next(Runtime(model, store=store).prefill_steps(a + [1])).restored == 40
+
+
+def _drain(steps):
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def test_a_fan_out_computes_the_shared_prefix_once_and_answers_as_alone(models, tokenizer, tmp_path, monkeypatch):
