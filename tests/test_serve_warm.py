@@ -240,6 +240,12 @@ def test_the_stores_ram_pages_share_the_hot_runtimes_buffers(loaded, tmp_path):
         name = next(iter(rec.arrays))
         bad = {name: rec.arrays[name] + 1}
         assert store.share([(key, bad)]) == 0 and store._ram.peek(key) is rec
+        # written to disk from the views, and read back from there, the records give the same state
+        store.flush()
+        store.evict_ram(0)
+        assert store.stats()["ram_entries"] == 0
+        from_disk = Runtime(model, store=store)
+        assert mx.allclose(from_disk.prefill(ids + tok.encode(" more text")), resume, atol=1e-4).item()
 
 
 def _chat(client, messages, **kw):
