@@ -12,13 +12,12 @@ import anthropic
 import mlx.core as mx
 import mlx_lm
 import numpy as np
-import openai
 import pytest
 
 from segcache import Runtime, open_store
 from segcache.controls import Controls
 from segcache.sampling import Sampler
-from segcache.serve.engine import Chunk, Engine, Failure, Finish, GenRequest
+from segcache.serve.engine import Chunk, Engine, Failure, GenRequest
 from segcache.serve.hot import HotRuntimes, runtime_nbytes
 from segcache.serve.worker import Job, Scheduler
 from segcache.store.prompt_index import PromptKeys
