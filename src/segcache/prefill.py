@@ -89,7 +89,8 @@ class Prefill:
             else:
                 mx.eval(state)
             del out, state
-            mx.clear_cache()  # a long prompt's chunks would otherwise keep their buffers cached
+            if end - self.pos >= step_size:  # a long prompt's chunks would otherwise keep their buffers cached;
+                mx.clear_cache()  # after a short one (a warm turn's rest) mlx-lm keeps them too: the next reuses them
             self.pos = end
             if end == stop:
                 self._stop(rt, self.logits)

@@ -57,8 +57,8 @@ class Row:
     id: Hashable
     tokens: list = field(default_factory=list)  # ids at positions 0..length-1 (real tokens only; None: not read yet)
     base: int | None = None  # len(tokens) when the branch began
-    # (store, cache_salt) of the Runtime it joined from: the Runtime it leaves as carries them
-    home: tuple = (None, None)
+    # (store, cache_salt, gdn_prefill) of the Runtime it joined from: the Runtime it leaves as carries them
+    home: tuple = (None, None, "native")
 
     @property
     def branch_length(self) -> int:
@@ -161,7 +161,7 @@ class BatchRuntime:
             raise ValueError(f"join({row_id!r}): a row with that id is already in the batch")
         tokens: list = []
         states = [None] * len(self.cache)
-        home = (None, None) if runtime is None else (runtime.store, runtime.cache_salt)
+        home = (None, None, "native") if runtime is None else (runtime.store, runtime.cache_salt, runtime.gdn_prefill)
         if runtime is not None:
             if runtime.model is not self.model:
                 raise ValueError("join(): the runtime is of another model")
@@ -226,8 +226,8 @@ class BatchRuntime:
         if self.branch_open:
             raise BranchError("to_runtime() with a branch open: commit or roll it back first")
         i = self.index(row_id)
-        store, salt = self.rows[i].home
-        rt = Runtime(self.model, store=store, cache_salt=salt, recurrent_strategy=self.recurrent_strategy)
+        store, salt, gdn = self.rows[i].home  # a hot runtime's clones prefill as the runtime it joined from
+        rt = Runtime(self.model, store=store, cache_salt=salt, recurrent_strategy=self.recurrent_strategy, gdn_prefill=gdn)
         tokens = self.rows[i].tokens
         if tokens:
             rt.restore(tokens, [layer.row_load(i, len(tokens)) for layer in self.cache])

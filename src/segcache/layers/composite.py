@@ -119,8 +119,9 @@ class CompositeLayer(CacheList):
     def layout(self) -> list:
         return ["list", [c.layout() for c in self.caches]]
 
-    def export_rows(self, start: int, end: int) -> dict:
-        return {f"{i}.{k}": a for i, c in enumerate(self.caches) for k, a in c.export_rows(start, end).items()}
+    def export_rows(self, start: int, end: int, *, share: bool = False) -> dict:
+        return {f"{i}.{k}": a for i, c in enumerate(self.caches)
+                for k, a in c.export_rows(start, end, share=share).items()}
 
     def export_state(self) -> tuple[dict, dict]:
         arrays, meta = {}, {}

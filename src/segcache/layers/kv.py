@@ -112,18 +112,22 @@ class KVLayer(MlxCompat, OffsetBranches, KVCache):
     def layout(self) -> list:
         return ["kv"]
 
-    def export_rows(self, start: int, end: int) -> dict[str, mx.array]:
+    def export_rows(self, start: int, end: int, *, share: bool = False) -> dict[str, mx.array]:
         """Copies of the committed keys and values of positions [start, end).
 
         The copies own their data, so a store that keeps them neither pins
-        the live buffer nor makes the next in-place write copy it.
+        the live buffer nor makes the next in-place write copy it. With `share`,
+        views of the buffer instead (no copy): for a layer nobody writes into
+        again (a hot runtime, which only clones of it extend), whose buffer is
+        held anyway, so copies would hold the same rows twice.
 
         Raises:
             ValueError: the range is empty or reaches past the committed tokens.
         """
         if not 0 <= start < end <= self.committed_offset:
             raise ValueError(f"export_rows({start}, {end}): need 0 <= start < end <= {self.committed_offset}")
-        return {"k": _copy(self.keys[..., start:end, :]), "v": _copy(self.values[..., start:end, :])}
+        k, v = self.keys[..., start:end, :], self.values[..., start:end, :]
+        return {"k": k, "v": v} if share else {"k": _copy(k), "v": _copy(v)}
 
     def spec(self, probe, tokens: int) -> dict:
         return {name: (dtype, (*shape[:2], tokens, *shape[3:])) for name, (dtype, shape) in probe.items()}

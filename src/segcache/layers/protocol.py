@@ -53,8 +53,9 @@ class Persistent(Protocol):
         """Replace the layer's committed state (no branch may be open)."""
 
     # PAGES kinds
-    def export_rows(self, start: int, end: int) -> dict[str, mx.array]:
-        """Own copies of the committed rows [start, end), token axis 2."""
+    def export_rows(self, start: int, end: int, *, share: bool = False) -> dict[str, mx.array]:
+        """Own copies of the committed rows [start, end), token axis 2 (`share`: views of the
+        layer's buffer instead, for a store that shares a hot runtime's buffer: store/sharing.py)."""
 
     # CHECKPOINT kinds
     def export_state(self) -> tuple[dict[str, mx.array], dict]:

@@ -109,8 +109,9 @@ class QuantizedKVLayer(MlxCompat, OffsetBranches, QuantizedKVCache):
     def layout(self) -> list:
         return ["kv_quantized", self.group_size, self.bits]
 
-    def export_rows(self, start: int, end: int) -> dict[str, mx.array]:
-        """Copies of the committed quantized rows of positions [start, end), token axis 2.
+    def export_rows(self, start: int, end: int, *, share: bool = False) -> dict[str, mx.array]:
+        """Copies of the committed quantized rows of positions [start, end), token axis 2
+        (with `share`, views of the buffers: see `KVLayer.export_rows`).
 
         Raises:
             ValueError: the range is empty or reaches past the committed tokens.
@@ -118,6 +119,8 @@ class QuantizedKVLayer(MlxCompat, OffsetBranches, QuantizedKVCache):
         if not 0 <= start < end <= self.committed_offset:
             raise ValueError(f"export_rows({start}, {end}): need 0 <= start < end <= {self.committed_offset}")
         parts = (*self.keys, *self.values)
+        if share:
+            return {name: a[..., start:end, :] for name, a in zip(PARTS, parts)}
         return {name: a[..., start:end, :] * 1 for name, a in zip(PARTS, parts)}  # own buffers: pin nothing
 
     def spec(self, probe, tokens: int) -> dict:

@@ -132,6 +132,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="checkpoint a long prompt every N tokens, so another prompt sharing only its start "
                         "resumes within N tokens of where they part (default 256; 0: only at chat message "
                         "boundaries, prompt ends and branch points)")
+    p.add_argument("--hot-conversations", type=int, default=8, metavar="N",
+                   help="keep the runtimes of the N most recent conversations live: a turn that extends one "
+                        "continues from it copy-on-write instead of resuming its pages from the store, and the "
+                        "store's RAM pages share its buffers (default 8; 0: off; off with --mtp, --kv-bits and "
+                        "under mlx.launch)")
+    p.add_argument("--hot-bytes", type=parse_size, default=256 << 20, metavar="SIZE",
+                   help="bytes the hot conversations' runtimes hold at most, beside --ram-bytes (their K/V "
+                        "buffers are the store's RAM pages too); least recently used dropped first (default 256M)")
     p.add_argument("--pipeline", action="store_true",
                    help="under mlx.launch: split the model's layers over the ranks (pipeline parallel) instead of "
                         "its heads (tensor parallel, the default), as mlx_lm.server; ignored in one process")
@@ -343,6 +351,7 @@ def run(args: argparse.Namespace) -> int:
     install_repeats()
     from .chat import Prompter
     from .engine import Engine
+    from .hot import HotRuntimes
     from .worker import Scheduler, Worker, release_streams
 
     template = args.chat_template
@@ -402,6 +411,11 @@ def run(args: argparse.Namespace) -> int:
                    checkpoint_interval=args.checkpoint_interval, vocab_size=vocab)
     if kv is not None:
         options["kv"] = kv  # one row at a time: batched rows hold unquantized KV (_apply_mlx_lm_flags)
+    if args.hot_conversations < 0:
+        print("segcache serve: --hot-conversations must be >= 0", file=sys.stderr)
+        return 2
+    if group is None and head is None and kv is None:  # each rank, the MTP head's hidden states, quantized KV: not yet
+        options["hot"] = HotRuntimes(args.hot_conversations, args.hot_bytes)
     running = args.decode_concurrency
     channel = group.channel if group is not None else None
     try:

@@ -4,14 +4,13 @@
          ^                                       (one forward, speculative or plain)
          └──── tokens of this row ─────────────── per-row buffers
 
-Each request is a generator the scheduler advances once per scheduler step
-(worker.py). Its `Session` (segcache/session/) resumes the prompt from the
-prefix store on a private Runtime and feeds the rest one chunk per scheduler
-step (a `Progress` event after each), so the running rows decode between two
-chunks; the prompt is published when its prefill ends. Then each choice joins
-the decoder as a row and yields one `Chunk` per scheduler step with every token
-its row emitted. The first job of a scheduler step whose buffer is empty runs
-the decoder's step for all.
+Each request is a generator the scheduler advances once per scheduler step (worker.py). Its
+`Session` (segcache/session/) resumes the prompt on a private Runtime (a clone of its conversation's
+hot runtime, serve/hot.py, or from the prefix store) and feeds the rest one chunk per scheduler step
+(a `Progress` event after each), so the running rows decode between two chunks; the prompt is
+published when its prefill ends. Then each choice joins the decoder as a row and yields one `Chunk`
+per scheduler step with every token its row emitted. The first job of a scheduler step whose buffer
+is empty runs the decoder's step for all.
 
     scheduler step:  [resume B] [decode A]  |  [chunk 1 of B] [decode A]  |  ...
                      | [last chunk of B, publish, join] [decode A, B]
@@ -22,12 +21,12 @@ steps exactly mlx-lm's code path) and prompts are fed in `prefill_step` chunks;
 above 1 the rows share a `BatchRuntime`, prompts joining together share a
 `PrefillBatch`'s forwards, and a cost gate sizes speculative steps.
 
-What a request delivered is what it keeps: a choice whose client takes fewer
-tokens than a step emitted (a stop string, EOS inside a speculative round)
-settles its row at what it took, and a finished or cancelled row publishes
-exactly prompt + delivered tokens, its EOS included, all fed (the session's one
-end-of-sequence rule). Closed mid-prefill, a request frees its prefill slot and
-its Runtime and publishes nothing more. Everything here runs on the model thread.
+What a request delivered is what it keeps: a choice whose client takes fewer tokens than a step
+emitted (a stop string, EOS inside a speculative round) settles its row at what it took, and a
+finished or cancelled row publishes exactly prompt + delivered tokens, its EOS included, all fed
+(the session's one end-of-sequence rule); one that ended well is kept hot. Closed mid-prefill, a
+request frees its prefill slot and its Runtime and publishes nothing more. Everything here runs on
+the model thread.
 """
 
 from __future__ import annotations
@@ -54,6 +53,7 @@ from ..session.session import Session
 from .choice import Choice
 from .fanout import Fanout
 from .events import Chunk, Failure, Finish, GenRequest, Progress, StepFailed, TokenLogprob, Usage
+from .hot import HotRuntimes
 
 __all__ = ["Chunk", "Engine", "Failure", "Finish", "GenRequest", "Progress", "StepFailed", "TokenLogprob", "Usage"]
 
@@ -78,8 +78,7 @@ class Engine:
         vocab_size: the model's vocabulary (its logits' width; default: the tokenizer's).
         grammars: the model's structured-output compiler, shared with the HTTP side (which
             compiles a request's schema first, so a bad one is a 400); built here when None.
-        mtp: the target's `MTPHead` to draft with (exclusive with draft_model and
-            prompt_lookup), or None. Prefills keep the hidden states they compute for it.
+        mtp: the target's `MTPHead` to draft with (exclusive with draft_model, prompt_lookup) or None.
         kv: mlx-lm's KV quantization (`segcache.kvquant.KVQuantization`) for every request's
             runtimes (target and draft), or None. Batched rows hold unquantized KV only, so it
             needs `decode_concurrency` 1 (mlx_lm.server too serves kv_bits one at a time).
@@ -87,6 +86,7 @@ class Engine:
             (`segcache serve` under mlx.launch): every Runtime it builds agrees its prefix resumes
             with the other ranks, and batches draft without the cost gate (it times each rank's own
             steps, so the ranks' widths would differ); no prompt waits for another's (fanout.py).
+        hot: the recent conversations' runtimes a next turn continues from (serve/hot.py); None: none.
 
     Attributes:
         prefill_chunk: with several rows, prompt tokens a joining request feeds per scheduler
@@ -102,7 +102,7 @@ class Engine:
     def __init__(self, model, tokenizer, *, store=None, draft_model=None, prompt_lookup: bool = False,
                  num_draft_tokens: int = 4, prefill_step: int = 2048, checkpoint_interval: int = 256,
                  decode_concurrency: int = 1, prompt_concurrency: int = 8, vocab_size: Optional[int] = None,
-                 grammars: Optional[Grammars] = None, kv=None, group=None, mtp=None):
+                 grammars: Optional[Grammars] = None, kv=None, group=None, mtp=None, hot=None):
         self.model, self.tokenizer, self.store, self.draft_model = model, tokenizer, store, draft_model
         self.prompt_lookup, self.num_draft_tokens = prompt_lookup, num_draft_tokens
         self.prefill_step, self.checkpoint_interval = prefill_step, checkpoint_interval
@@ -111,7 +111,7 @@ class Engine:
                              "batched rows hold unquantized KV only; decode one row at a time (decode_concurrency 1)")
         self.kv, self.vocab_size = kv, vocab_size or len(tokenizer.vocab)
         self.grammars, self.decode_concurrency, self.group = grammars, decode_concurrency, group
-        self.prompt_concurrency, self.mtp = prompt_concurrency, mtp
+        self.prompt_concurrency, self.mtp, self.hot = prompt_concurrency, mtp, hot or HotRuntimes(0)
         drafting = prompt_lookup or draft_model is not None or mtp is not None
         one = decode_concurrency == 1
         # One row: the speculative width adapts per round, as stream_generate's (the cost gate
@@ -181,16 +181,15 @@ class Engine:
     # -- one request --------------------------------------------------------------------
 
     def generate(self, req: GenRequest) -> Iterator[object]:
-        """Yield None until admitted to the decoder (a `Progress` after each prefill chunk), then
-        per scheduler step the events of its choices: a `Chunk` each (what its row emitted) and a
-        `Finish` for one that ended (the request's last one marked `last`).
+        """Yield None until admitted to the decoder (a `Progress` after each prefill chunk), then per
+        scheduler step the events of its choices: a `Chunk` each (what its row emitted) and a `Finish`
+        for one that ended (the request's last one marked `last`).
 
-        The prompt is resumed and prefilled once; each of the `n` choices is a row of its own on
-        a copy-on-write clone of it (with several rows all at once, else one after another), with
-        its own random stream (`Keys.spawn`) and processors. A choice leaves before its last chunk
-        goes out. Closing the generator cancels the request: its rows leave and each publishes
-        prompt + what its client received.
-        """
+        The prompt is resumed and prefilled once; each of the `n` choices is a row of its own on a
+        copy-on-write clone of it (with several rows all at once, else one after another), with its own
+        random stream (`Keys.spawn`) and processors. A choice leaves before its last chunk goes out.
+        Closing the generator cancels the request: its rows leave and each publishes prompt + what its
+        client received."""
         session = yield from self._prefill(req)
         controls = req.settings()
         sampler = controls.sampler(self.tokenizer)
@@ -230,8 +229,7 @@ class Engine:
                 self._leave(choice)
 
     def _draft_runtime(self, req: GenRequest) -> Runtime | None:
-        """The draft's runtime for a request (its session resumes it from its own records): None
-        without a draft model, or without a store and KV quantization (the decoder feeds a fresh one)."""
+        """The draft's runtime; None without a draft model, or with neither store nor kv (the decoder feeds one)."""
         if self.draft_model is None or (self.store is None and self.kv is None):
             return None
         return Runtime(self.draft_model, store=self.store, cache_salt=req.cache_salt, gdn_prefill="auto",
@@ -247,9 +245,9 @@ class Engine:
         forwards so the running rows decode meanwhile (None, or the `Progress` of a chunk).
 
         With several rows, the rest goes through the engine's `PrefillBatch`: every prompt being
-        prefilled advances in one forward per scheduler step. A prompt the store mostly restored
-        is fed alone instead (copying its prefix into the batch would cost more than its rest),
-        one chunk per scheduler step, as is a lone row's (in `prefill_step` chunks). At most
+        prefilled advances in one forward per scheduler step. A prompt mostly restored (or hot) is
+        fed alone instead (copying its prefix into the batch would cost more than its rest), one
+        chunk per scheduler step, as is a lone row's (in `prefill_step` chunks). At most
         `prompt_concurrency` at once; the others wait (first for a shared prefix: fanout.py).
         """
         yield from self.fanout.wait(req)
@@ -257,9 +255,10 @@ class Engine:
             yield None  # wait for a prefill slot
         self._prefilling += 1
         try:
-            rt = Runtime(self.model, store=self.store, cache_salt=req.cache_salt, gdn_prefill="auto",
-                         group=self.group, **self._kv_options())
-            session = Session(self.decoder, rt, req.ids, draft=self._draft_runtime(req),
+            rt = self.hot.take(req.ids[:-1], req.cache_salt) or Runtime(  # a clone of its conversation's, or new
+                self.model, store=self.store, cache_salt=req.cache_salt, gdn_prefill="auto", group=self.group,
+                **self._kv_options())
+            session = Session(self.decoder, rt, req.ids, draft=self._draft_runtime(req), keep=self.hot.enabled,
                               checkpoints=self._checkpoints(req), prefill_step=self.prefill_step, agree=self.agree)
             plan = session.begin()  # where the prompt resumed from: this request's own answer
             self.fanout.lead(req, session)
@@ -327,8 +326,9 @@ class Engine:
         if self._buffers.pop(choice.row, None) is None:
             return
         try:
-            if choice.session.leave(choice.row, failed=choice.outcome == "failed") is not None:
+            if (rt := choice.session.leave(choice.row, failed=choice.outcome == "failed")) is not None:
                 self._dirty |= self.store is not None
+                self.hot.ended(rt, choice.req.cache_salt, choice.outcome)  # kept hot if it ended well
         finally:
             choice.log()
 

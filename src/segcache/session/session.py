@@ -95,6 +95,7 @@ class Session:
         self._check_start()
         self.in_batch = False  # a PrefillBatch row feeds it (then that row holds plan.pos, not `runtime`)
         self.fed = 0  # prompt tokens fed so far (a PrefillBatch row's count, between its stops too)
+        self.held = 0  # prompt tokens `runtime` held when it began (a clone of a hot runtime, serve/hot.py)
 
     def _check_start(self) -> None:
         history, drt = self.history, self.draft
@@ -119,13 +120,15 @@ class Session:
 
     @property
     def restored(self) -> int:
-        """Prompt tokens restored from the prefix store."""
-        return self.plan.resume.restored if self.plan is not None else 0
+        """Prompt tokens restored from the prefix store, else those the runtime held when it began."""
+        return 0 if self.plan is None else self.plan.resume.restored or self.held
 
     @property
     def tier(self) -> str:
-        """Where they came from ("ram", "disk", "ram+disk", "remote"; "-": nothing)."""
-        return self.plan.resume.tier if self.plan is not None else "-"
+        """Where they came from ("ram", "disk", "ram+disk", "remote"; "hot": the runtime held them; "-": none)."""
+        if self.plan is None:
+            return "-"
+        return "hot" if self.held and not self.plan.resume.restored else self.plan.resume.tier
 
     @property
     def prefilled(self) -> bool:
@@ -135,7 +138,7 @@ class Session:
     def begin(self) -> store_prefill.Prefill:
         """Resume the target's prompt (all but its last token) from the store; nothing is fed yet."""
         ids = self.history[:-1]
-        held = len(self.runtime.tokens)
+        held = self.held = len(self.runtime.tokens)
         if held < len(ids):
             self.plan = store_prefill.begin(self.runtime, ids, store_prefill.held_prefix(self.runtime, ids),
                                             self.checkpoints, self.agree, want_logits=False)

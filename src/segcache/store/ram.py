@@ -15,8 +15,11 @@ are dirty.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Callable, Sequence
+
+import mlx.core as mx
 
 from ..errors import InvariantError, StoreWarning
 from .codec import Expect, fits
@@ -128,6 +131,34 @@ class RamTier:
             del self._last[key]
             self._dirty.discard(key)
         return rec
+
+    def share(self, items: Sequence[tuple[bytes, dict]]) -> int:
+        """Hold the given arrays in place of the same-named arrays of the records at their keys,
+        where every one has the same dtype, shape and bytes: a live runtime's views over its
+        own buffer (store/sharing.py), so its rows are in memory once, not also as the copies
+        a publish made. Footprints, uses and dirtiness stay; a record absent, or an array
+        that differs in any way, is left as it is.
+
+        Returns:
+            The records that now share their arrays.
+        """
+        found = []
+        for key, arrays in items:
+            rec = self._items.get(key)
+            olds = [rec.arrays.get(n) for n in arrays] if rec is not None else []
+            if not arrays or any(o is None or o.dtype != a.dtype or o.shape != a.shape
+                                 for o, a in zip(olds, arrays.values())):
+                continue
+            found.append((key, rec, arrays, mx.stack([mx.array_equal(o, a) for o, a in zip(olds, arrays.values())])))
+        if not found:
+            return 0
+        mx.eval([f[3] for f in found])
+        shared = 0
+        for key, rec, arrays, same in found:
+            if bool(mx.all(same).item()) and self._items.get(key) is rec:
+                self._items[key] = dataclasses.replace(rec, arrays={**rec.arrays, **arrays})
+                shared += 1
+        return shared
 
     def units(self, keep=frozenset()) -> Units:
         """The records' units as RAM holds them (a parent on disk only ends a chain, `units.py`)."""

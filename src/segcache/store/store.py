@@ -449,6 +449,12 @@ class PrefixStore:
         """
         return True if self._remote is None else self._remote.drain(timeout)
 
+    def share(self, items: Sequence[tuple[bytes, dict]]) -> int:
+        """Let RAM records hold a live runtime's views of the same bytes (`RamTier.share`);
+        records on disk only are bytes already. Returns the records that now share."""
+        with self._lock:
+            return 0 if self._closed else self._ram.share(items)
+
     def evict_ram(self, target_bytes: int = 0) -> None:
         """Shrink the RAM tier to target_bytes, suspending what leaves (for memory pressure)."""
         with self._lock:
