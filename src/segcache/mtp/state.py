@@ -75,7 +75,7 @@ class HeadSegment:
     @property
     def identity(self) -> bytes:
         """What names the head in the store: its weights and layers (another head is a miss)."""
-        return _identity(self.head)
+        return head_identity(self.head)
 
     # -- fed by the runtime ------------------------------------------------------
 
@@ -238,7 +238,7 @@ class HeadSegment:
 _IDENTITIES: "weakref.WeakKeyDictionary[MTPHead, bytes]" = weakref.WeakKeyDictionary()  # once per head object
 
 
-def _identity(head: MTPHead) -> bytes:
+def head_identity(head: MTPHead) -> bytes:
     found = _IDENTITIES.get(head)
     if found is None:
         h = hashlib.blake2b(digest_size=32, person=b"segcache.mtp.1")
