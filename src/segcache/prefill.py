@@ -23,7 +23,7 @@ from typing import Generator, Iterable
 import mlx.core as mx
 
 from .errors import BranchError, InvariantError, StoreError
-from .store import Resume
+from .store import Resume, drafter_records
 from .tokens import token_ids
 
 
@@ -76,7 +76,7 @@ class Prefill:
             tic = time.perf_counter()
             end = min(self.pos + step_size, stop)
             out = rt.forward(self.ids[self.pos : end])
-            state = [layer.state for layer in rt.cache]
+            state = [layer.state for layer in rt.cache] + rt.drafters.state
             if end == stop and self.want_logits:  # logits only where a checkpoint or the caller needs them
                 self.logits = out[:, -1, :] * 1  # own buffer: do not pin the [S, vocab] logits
                 mx.eval(self.logits, state)
@@ -170,7 +170,8 @@ def begin(rt, ids: list[int], held: int, checkpoints: Iterable[int] = (), agree=
     restored = True
     if resume.states is not None:
         try:
-            rt.restore(ids[: resume.tokens], list(resume.states))
+            rt.restore(ids[: resume.tokens], list(resume.states))  # drafter segments stale, until:
+            drafter_records.load(rt, resume.drafters)
         except Exception as exc:  # states that do not load are a miss, never a failed prefill
             cache.failed("restoring the resumed prefix", exc)
             resume, restored = Resume(held), False
@@ -183,7 +184,7 @@ def begin(rt, ids: list[int], held: int, checkpoints: Iterable[int] = (), agree=
     del point
     # The layers hold the states now. No other reference may stay: the next forward writes
     # into a KV buffer in place only if nothing else references it (else it copies it whole).
-    logits, resume = resume.logits, dataclasses.replace(resume, states=None, logits=None)
+    logits, resume = resume.logits, dataclasses.replace(resume, states=None, logits=None, drafters=())
     stops = [L]
     if cache is not None:
         start = resume.tokens

@@ -25,17 +25,17 @@ state (store/drafter_records.py), under an identity naming the head's weights.
 from __future__ import annotations
 
 import hashlib
-import os
 import weakref
 
 import mlx.core as mx
 
-from ..errors import BranchError, InvariantError, ModelError
+from ..errors import BranchError, InvariantError
 from ..layers.kv import KVLayer
 from ..store.identity import weights_fingerprint
-from .module import MTPHead
+from ..spec import spec_of
+from .module import MTPHead, _text_parts
 from .tap import install
-from .weights import load_head
+from .weights import head_named
 
 
 class _Level:
@@ -212,8 +212,38 @@ class HeadSegment:
         self.kv, self.held, self.tail, self.stale = kv, held, tail, False
 
     def export_rows(self, start: int, end: int) -> dict:
-        """Own copies of pairs [start, end) (`KVLayer.export_rows`)."""
+        """Own copies of pairs [start, end) (`KVLayer.export_rows`: "k", "v")."""
         return self.kv.export_rows(start, end)
+
+    def boundary(self) -> mx.array:
+        """An own copy of the hidden state at the last position (what a checkpoint there keeps)."""
+        if self.stale or self.tail is None:
+            raise InvariantError("boundary() of an MTP head segment holding no token")
+        return self.tail * 1
+
+    def spec(self, pairs: int, boundary: bool = True) -> dict:
+        """What a stored record of `pairs` pairs (and with `boundary` a boundary state) may hold
+        ("k", "v": the head's K/V rows, "hidden": [1, 1, H]), from one probe of the target and the head."""
+        probe = _PROBES.get(self.head)
+        if probe is None:
+            probe = _PROBES[self.head] = _probe(self.head)
+        kv, hidden = probe
+        out = {"hidden": hidden} if boundary else {}
+        if pairs:
+            out.update({n: (d, (*shape[:2], pairs, *shape[3:])) for n, (d, shape) in kv.items()})
+        return out
+
+    def rows_from(self, chunks: dict, pairs: int) -> tuple:
+        """Stored row chunks {"k": [...], "v": [...]} of `pairs` pairs -> (keys, values) of a buffer
+        with free slots past them (`KVLayer.state_from`), or (None, None) for no pair.
+
+        Raises:
+            ValueError: the chunks do not line up or hold another count.
+        """
+        if not pairs:
+            return None, None
+        keys, values, _ = self.kv.state_from(chunks, {}, pairs)
+        return keys, values
 
     # -- invariants -------------------------------------------------------------------
 
@@ -235,6 +265,20 @@ class HeadSegment:
                                  f"at {bases} tokens")
 
 
+_PROBES: "weakref.WeakKeyDictionary[MTPHead, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _probe(head: MTPHead) -> tuple:
+    """The specs of one pair's K/V and of one hidden state: the target's final norm of one token's
+    embedding (the dtype and width its backbone hands the output head; not through the tap, which
+    may be collecting a prefill's states), fed to the head with a token."""
+    _, text_model, _, _ = _text_parts(head.model)
+    hidden = install(head.model).norm(text_model.embed_tokens(mx.array([[0]], dtype=mx.uint32)))
+    kv = KVLayer()
+    head(hidden, mx.array([[0]], dtype=mx.uint32), [kv] * head.num_layers)
+    return spec_of(kv.export_rows(0, 1)), spec_of({"hidden": hidden})["hidden"]
+
+
 _IDENTITIES: "weakref.WeakKeyDictionary[MTPHead, bytes]" = weakref.WeakKeyDictionary()  # once per head object
 
 
@@ -249,16 +293,10 @@ def head_identity(head: MTPHead) -> bytes:
 
 
 def segment(model, value) -> HeadSegment:
-    """`Runtime(model, mtp=value)`: a head, a `HeadSegment` (its own runtime's is not shared), or a path."""
+    """`Runtime(model, mtp=value)`: a `HeadSegment`, or a head as `head_named` reads `value` (an
+    MTPHead, True, or a path)."""
     if isinstance(value, HeadSegment):
+        if value.head.model is not model:
+            raise ValueError("mtp=: the segment's head is another model's")
         return value
-    if isinstance(value, MTPHead):
-        if value.model is not model:
-            raise ValueError("mtp=: the head is another model's (load_head(model, ...) binds it to its target)")
-        return HeadSegment(value)
-    if isinstance(value, (str, os.PathLike)):
-        head = load_head(model, None, mtp_weights=value)
-        if head is None:
-            raise ModelError(f"mtp={value!r:.80}: no MTP head there (segcache mtp extract writes one)")
-        return HeadSegment(head)
-    raise ValueError(f"mtp={value!r:.60}: pass the head (segcache.mtp.load_head), or a path to its weights")
+    return HeadSegment(head_named(model, value))
