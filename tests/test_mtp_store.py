@@ -15,6 +15,9 @@ from segcache.generation import stream_generate
 from segcache.mtp import MTPHead
 from segcache.mtp.drafter import MTP
 from segcache.mtp.module import _text_parts
+from segcache.serve.engine import Engine, Finish, GenRequest
+from segcache.serve.worker import Job, Scheduler
+from segcache.session.session import Session
 from segcache.store import drafter_records
 from segcache.store.record import Record
 from segcache.testing import models
@@ -159,3 +162,38 @@ def test_a_drafter_record_that_does_not_fit_is_dropped_never_served(target, tmp_
         assert resume.restored == L and again.drafters.get("mtp").stale
         assert not st.contains(key)
         again.check()
+
+
+def test_a_prompt_the_engine_prefilled_in_a_padded_batch_stores_the_heads_state(target, tmp_path, monkeypatch):
+    model, head = target
+    joined = []
+    join_batch = Session.join_batch
+    monkeypatch.setattr(Session, "join_batch", lambda self, *a: (joined.append(1), join_batch(self, *a)))
+    tk = test_tokenizer.tokenizer(eos=False)
+    plain = [r.token for r in stream_generate(model, tk, PROMPT, max_tokens=6)]
+    with open_store(tmp_path / "s", page_tokens=P) as st:
+        engine = Engine(model, tk, store=st, decode_concurrency=3, checkpoint_interval=0, vocab_size=models.VOCAB,
+                        mtp=head, num_draft_tokens=2)
+        sched = Scheduler(engine, max_queue=2, max_running=3, begin_step=engine.begin_step)
+        events = []
+        sched.submit(Job(GenRequest("x", list(PROMPT), 6), events.append))
+        for _ in range(200):
+            if not sched.step():
+                break
+        assert isinstance(events[-1], Finish)
+        assert joined == [1]  # it was prefilled as a row of the padded batch
+        ends = sorted(e.tokens for e in st.entries() if e.kind == "dckpt")
+        assert ends == [len(PROMPT) - 1]
+    calls = Calls(model)
+    before_draft = []
+    draft = MTP.draft
+
+    def first_draft(self, states, widths):
+        if not before_draft:
+            before_draft.append(calls.n)
+        return draft(self, states, widths)
+
+    monkeypatch.setattr(MTP, "draft", first_draft)
+    with open_store(tmp_path / "s", page_tokens=P, ram_bytes=0) as st, calls:
+        assert _generate(model, head, st, PROMPT) == plain
+    assert before_draft == [0]

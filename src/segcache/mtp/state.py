@@ -81,12 +81,18 @@ class HeadSegment:
 
     def forwarded(self, tokens) -> None:
         """The runtime forwarded `tokens` (a list or an [S] array): feed the pairs they complete."""
+        if not self.stale:
+            self.extend(self.tap.last, tokens)  # the tap holds this forward's [1, S, H]
+
+    def extend(self, h: mx.array | None, tokens) -> None:
+        """The target went on by `tokens` (a list or an [S] array) whose hidden states are `h`
+        [1, S, H] (a forward elsewhere, e.g. a padded batch's row): feed the pairs they complete.
+        Without `h` (a forward the tap did not see) the segment goes stale."""
         if self.stale:
             return
-        h = self.tap.last  # this forward's [1, S, H]
         toks = tokens if isinstance(tokens, mx.array) else mx.array(tokens, dtype=mx.uint32)
         if h is None or h.shape[:2] != (1, toks.shape[0]):
-            self.invalidate()  # a forward the tap did not see: nothing to feed from
+            self.invalidate()  # nothing to feed from
             return
         if self.tail is None:
             hidden, fed = h[:, :-1], toks[1:]

@@ -37,7 +37,7 @@ import mlx.core as mx
 from ..errors import InvariantError
 from ..runtime import Runtime
 from .. import prefill as store_prefill
-from .hidden import Hidden, collecting
+from .hidden import Hidden, carry_head, collecting
 
 
 @dataclass
@@ -175,6 +175,8 @@ class Session:
         plan = self.plan
         self.fed, plan.seconds = fed, plan.seconds + seconds
         if stop is not None:
+            if stop.position == len(plan.ids):  # the head's segment goes on with it (and its checkpoint)
+                carry_head(self.runtime, stop.runtime, self.hidden, plan.ids)
             plan.reached(stop.runtime, stop.position, stop.logits)
             if not plan.left:
                 self.runtime, self.in_batch = stop.runtime, False
