@@ -187,6 +187,16 @@ def _load_args(layer):
     return layer.state_from(arrays, meta, layer.offset)
 
 
+def test_calls_around_the_runtime_make_it_stale(target):
+    """mlx-lm called on rt.cache directly: the segment never saw those tokens."""
+    model, head = target
+    rt = Runtime(model, mtp=head)
+    rt.forward(IDS[:5])
+    model(mx.array([IDS[5:7]]), cache=rt.cache)
+    rt.check()
+    assert rt.tokens[5:] == [None, None] and rt.drafters.get("mtp").stale
+
+
 def test_without_a_head_nothing_is_attached():
     model = models.build("qwen3_next")
     rt = Runtime(model)

@@ -22,6 +22,9 @@ from segcache.store import drafter_records
 from segcache.store.record import Record
 from segcache.testing import models
 from segcache.testing import tokenizer as test_tokenizer
+from segcache.testing.mtp_machine import mtp_machine_for
+from segcache.testing.statemachine import run_machine
+from test_mtp_decode import fitted
 from test_mtp_state import held, reference, same
 
 P = 16  # tokens a page: prompts span pages and a checkpoint tail
@@ -197,3 +200,13 @@ def test_a_prompt_the_engine_prefilled_in_a_padded_batch_stores_the_heads_state(
     with open_store(tmp_path / "s", page_tokens=P, ram_bytes=0) as st, calls:
         assert _generate(model, head, st, PROMPT) == plain
     assert before_draft == [0]
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_mtp_state_machine(family):
+    """Random joins (resumed from the store), steps, settles, failed rounds and leaves of MTP rows."""
+    machine = mtp_machine_for(*fitted(family))
+    run_machine(machine, examples=6, steps=14)
+    done = machine.stats
+    assert done.get("head resumed") and done.get("accepted a draft") and done.get("settled"), done
+    assert done.get("failed draft"), done

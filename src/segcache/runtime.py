@@ -679,7 +679,8 @@ class Runtime(KVSwitch):
                 raise InvariantError(f"layer {i} has branches at {bases}, the runtime at {expected}")
         if any(not b.open for b in self._branches):
             raise InvariantError("a closed branch is still on the stack")
-        self.drafters.check(self.offset, [b.base_offset for b in self._branches])
+        if self._ledger.recorded == self.offset and all(layer.peek_trim() is None for layer in self.cache):
+            self.drafters.check(self.offset, [b.base_offset for b in self._branches])  # else _sync drops them
         lows = [low for layer in self.cache if (low := layer.peek_trim()) is not None]
         if lows:  # check what the next read will see, changing nothing
             ledger = self._ledger.copy(min(lows))
@@ -695,6 +696,8 @@ class Runtime(KVSwitch):
         lows = [low for layer in self.cache if (low := layer.take_trim()) is not None]
         if lows:
             self._ledger.truncate(min(lows))
+        if self.drafters and (lows or self._ledger.recorded != self.offset):
+            self.drafters.invalidate()  # fed or trimmed around the runtime: they never saw it
         self._ledger.sync(self.offset)
 
     def _own_layers(self, verb: str) -> None:
