@@ -152,13 +152,17 @@ class HeadSegment:
         return other
 
     def mark(self):
-        return (self.kv.savepoint(), self.held, self.tail, self.stale, len(self._levels),
-                len(self._levels[-1].hidden) if self._levels else 0)
+        """The state before one forward: objects and counts, no buffer reference (the head's next
+        write stays in place)."""
+        levels = list(self._levels)
+        return (self.kv, self.kv.savepoint(), self.held, self.tail, self.stale, levels,
+                len(levels[-1].hidden) if levels else 0)
 
     def back(self, mark) -> None:
-        kv, self.held, self.tail, self.stale, depth, chunks = mark
-        self.kv.restore(kv)
-        if len(self._levels) == depth and depth:
+        """Undo the forward since `mark` (it failed), a stale turn included."""
+        self.kv, kv_point, self.held, self.tail, self.stale, self._levels, chunks = mark
+        self.kv.restore(kv_point)
+        if self._levels:
             del self._levels[-1].hidden[chunks:]
 
     def savepoint(self):
