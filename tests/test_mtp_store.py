@@ -11,6 +11,7 @@ import mlx.core as mx
 import pytest
 
 from segcache import Runtime, open_store
+from segcache import prefill as store_prefill
 from segcache.generation import stream_generate
 from segcache.mtp import MTPHead
 from segcache.mtp.drafter import MTP
@@ -210,3 +211,32 @@ def test_mtp_state_machine(family):
     done = machine.stats
     assert done.get("head resumed") and done.get("accepted a draft") and done.get("settled"), done
     assert done.get("failed draft"), done
+
+
+class _Ranks:
+    """The other ranks as `ranks.Agreement` reports them: they found the same resume; the second
+    `restored` call (the drafters') answers `drafters` for them."""
+
+    def __init__(self, drafters: bool):
+        self.drafters, self.calls = drafters, []
+
+    def resume(self, held, tokens, stops):
+        return tokens, tuple(stops)
+
+    def restored(self, ok):
+        self.calls.append(ok)
+        return ok if len(self.calls) == 1 else ok and self.drafters
+
+
+def test_across_ranks_the_head_resumes_on_every_rank_or_on_none(target, tmp_path):
+    model, head = target
+    L = len(PROMPT) - 1
+    with open_store(tmp_path / "s", page_tokens=P) as st:
+        Runtime(model, store=st, mtp=head).prefill(PROMPT[:L], step_size=STEP)
+        for others, live in ((True, True), (False, False)):
+            rt = Runtime(model, store=st, mtp=head)
+            ranks = _Ranks(others)
+            plan = store_prefill.begin(rt, PROMPT[:L], 0, agree=ranks)
+            assert plan.resume.restored == L and ranks.calls == [True, True]
+            assert rt.drafters.get("mtp").stale is not live
+            rt.check()

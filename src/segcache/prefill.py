@@ -4,6 +4,7 @@ prefix-cache protocol (`resume`, `snapshot`, `prefilled`, `publish`) outside `st
     begin    held ── store.resume (a prompt that ends quantized: the quantized layout first)
                   ── the ranks agree it (ranks.Agreement) ── restore, all or nothing
                   ── the ranks agree the restore, else every rank undoes it and computes
+                  ── drafter segments (the MTP head's) loaded from their records, agreed too
     feed     resume.tokens ──chunk──chunk── stop ──chunk── ... ── L      a Snapshot at each stop
              (on the runtime itself: `Prefill.feed`; a PrefillBatch row: `Prefill.reached`)
     finish   prefilled(ids, resume, snapshots, seconds): counted, pages and checkpoints published
@@ -177,11 +178,16 @@ def begin(rt, ids: list[int], held: int, checkpoints: Iterable[int] = (), agree=
             resume, restored = Resume(held), False
             if unquantized is not None:  # computed from scratch: at full precision until the start
                 rt.put_back(unquantized)
-    if point is not None and not agree.restored(restored):
+    agreed = point is not None and agree.restored(restored)
+    if point is not None and not agreed:
         if restored:  # another rank could not: every rank computes
             rt.undo(point)
         resume = Resume(held)
     del point
+    if agreed and rt.drafters:  # the drafters resume on every rank or on none: a drafter that
+        # recomputes runs the target's forwards, collectives included (every rank decides alike here)
+        if not agree.restored(all(not seg.stale for seg in rt.drafters.segments)):
+            rt.drafters.invalidate()
     # The layers hold the states now. No other reference may stay: the next forward writes
     # into a KV buffer in place only if nothing else references it (else it copies it whole).
     logits, resume = resume.logits, dataclasses.replace(resume, states=None, logits=None, drafters=())
