@@ -69,6 +69,8 @@ __all__ = [
 
 def __getattr__(name):
     if name in _LAZY:
+        if name == "Runtime":
+            importlib.import_module(".mtp", __name__)  # registers `Runtime(model, mtp=...)` (cheap: lazy names)
         value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
         globals()[name] = value
         return value

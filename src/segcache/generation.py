@@ -100,29 +100,10 @@ def _tokens(session: Session, *, prefill_step: int, **row) -> Iterator[tuple]:
 
 
 def _mtp_head(model, mtp):
-    """The MTP head `mtp` names for `model`: an MTPHead, True (the head `load_head` attached to
-    the model), or a path (a model directory holding mtp.safetensors or a head / checkpoint file)."""
-    from .mtp import MTPHead, load_head
-    from .mtp.weights import attached
+    """The MTP head `mtp` names for `model` (segcache.mtp.weights.head_named)."""
+    from .mtp.weights import head_named
 
-    if isinstance(mtp, MTPHead):
-        if mtp.model is not model:
-            raise ValueError("the MTP head is bound to another model; load it for this one")
-        return mtp
-    if mtp is True:
-        head = attached(model)
-        if head is None:
-            raise ValueError("mtp=True: this model has no MTP head loaded; pass mtp=PATH (the model "
-                             "directory, or the head's file) or load one with segcache.mtp.load_head")
-        return head
-    from pathlib import Path
-
-    path = Path(mtp)
-    head = load_head(model, path) if path.is_dir() else load_head(model, mtp_weights=path)
-    if head is None:
-        raise ValueError(f"no MTP head at {path} (no mtp.safetensors, no mtp.* tensors); "
-                         "write one with `segcache mtp extract`")
-    return head
+    return head_named(model, mtp)
 
 
 def _prompt_ids(tokenizer: TokenizerWrapper, prompt) -> list[int]:

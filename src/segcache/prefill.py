@@ -4,6 +4,7 @@ prefix-cache protocol (`resume`, `snapshot`, `prefilled`, `publish`) outside `st
     begin    held ── store.resume (a prompt that ends quantized: the quantized layout first)
                   ── the ranks agree it (ranks.Agreement) ── restore, all or nothing
                   ── the ranks agree the restore, else every rank undoes it and computes
+                  ── drafter segments (the MTP head's) loaded from their records, agreed too
     feed     resume.tokens ──chunk──chunk── stop ──chunk── ... ── L      a Snapshot at each stop
              (on the runtime itself: `Prefill.feed`; a PrefillBatch row: `Prefill.reached`)
     finish   prefilled(ids, resume, snapshots, seconds): counted, pages and checkpoints published
@@ -24,7 +25,7 @@ from typing import Generator, Iterable
 import mlx.core as mx
 
 from .errors import BranchError, InvariantError, StoreError
-from .store import Resume
+from .store import Resume, drafter_records
 from .tokens import token_ids
 
 
@@ -82,7 +83,7 @@ class Prefill:
             tic = time.perf_counter()
             end = min(self.pos + step_size, stop)
             out = rt.forward(self.ids[self.pos : end])
-            state = [layer.state for layer in rt.cache]
+            state = [layer.state for layer in rt.cache] + rt.drafters.state
             if end == stop and self.want_logits:  # logits only where a checkpoint or the caller needs them
                 self.logits = out[:, -1, :] * 1  # own buffer: do not pin the [S, vocab] logits
                 mx.eval(self.logits, state)
@@ -201,20 +202,26 @@ def begin(rt, ids: list[int], held: int, checkpoints: Iterable[int] = (), agree=
     restored = True
     if resume.states is not None:
         try:
-            rt.restore(ids[: resume.tokens], list(resume.states))
+            rt.restore(ids[: resume.tokens], list(resume.states))  # drafter segments stale, until:
+            drafter_records.load(rt, resume.drafters)
         except Exception as exc:  # states that do not load are a miss, never a failed prefill
             cache.failed("restoring the resumed prefix", exc)
             resume, restored = Resume(held), False
             if unquantized is not None:  # computed from scratch: at full precision until the start
                 rt.put_back(unquantized)
-    if point is not None and not agree.restored(restored):
+    agreed = point is not None and agree.restored(restored)
+    if point is not None and not agreed:
         if restored:  # another rank could not: every rank computes
             rt.undo(point)
         resume = Resume(held)
     del point
+    if agreed and rt.drafters:  # the drafters resume on every rank or on none: a drafter that
+        # recomputes runs the target's forwards, collectives included (every rank decides alike here)
+        if not agree.restored(all(not seg.stale for seg in rt.drafters.segments)):
+            rt.drafters.invalidate()
     # The layers hold the states now. No other reference may stay: the next forward writes
     # into a KV buffer in place only if nothing else references it (else it copies it whole).
-    logits, resume = resume.logits, dataclasses.replace(resume, states=None, logits=None)
+    logits, resume = resume.logits, dataclasses.replace(resume, states=None, logits=None, drafters=())
     stops = [L]
     if cache is not None:
         start = resume.tokens

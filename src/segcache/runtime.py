@@ -14,7 +14,7 @@ from typing import Generator, Iterable, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import CacheList
 
-from . import registry
+from . import drafter_segments, registry
 from .adapters.chunked import chunked_threshold
 from .errors import (
     BranchError,
@@ -101,12 +101,14 @@ class Branch:
 class Savepoint:
     """What `Runtime.undo` returns to (opaque; see `Runtime.savepoint`)."""
 
-    __slots__ = ("runtime", "offset", "branches", "layers", "buffers", "own")
+    __slots__ = ("runtime", "offset", "branches", "layers", "buffers", "own", "drafters")
 
-    def __init__(self, runtime: "Runtime", offset: int, branches: tuple, layers: list, buffers: list, own: tuple):
+    def __init__(self, runtime: "Runtime", offset: int, branches: tuple, layers: list, buffers: list, own: tuple,
+                 drafters: tuple = ()):
         self.runtime, self.offset, self.branches = runtime, offset, branches
         self.layers, self.buffers = layers, buffers  # each layer's own savepoint; (cache, keys, values) views
         self.own = own  # the layer objects then (kv_bits may swap some for quantized ones since)
+        self.drafters = drafters  # each drafter segment's savepoint
 
 
 def _appended_in_place(layers) -> list:
@@ -187,6 +189,11 @@ class Runtime(KVSwitch):
         group: a `segcache.distributed.Channel` when this runtime is one rank's of
             a sharded model: its prefills then resume only a prefix every rank
             resumes (docs/distributed.md); clones share it.
+        mtp: the target's MTP head (`segcache.mtp.load_head`), the path of its
+            weights, or its `HeadSegment`: the head's attention cache then is a
+            drafter segment of this runtime (segcache/drafter_segments.py), fed by
+            every forward, forked, committed, cloned and stored with the layers
+            (docs/mtp.md). None (the default): no drafter segment.
 
     Attributes:
         model: the model.
@@ -213,6 +220,7 @@ class Runtime(KVSwitch):
         quantized_kv_start: int = DEFAULT_START,
         max_kv_size: int | None = None,
         group=None,
+        mtp=None,
     ):
         if recurrent_strategy not in RECURRENT_STRATEGIES:
             raise ValueError(f"recurrent_strategy must be one of {RECURRENT_STRATEGIES}")
@@ -247,6 +255,10 @@ class Runtime(KVSwitch):
         self.cache_salt = cache_salt
         self._prefix: PrefixCache | None = None  # for `store`, made on first use; shared with clones
         self.group = group
+        # Drafter segments: each accounts for `offset` tokens, or is stale (drafter_segments.py).
+        self.drafters = drafter_segments.Drafters()
+        if mtp is not None:
+            self.attach(drafter_segments.make("mtp", model, mtp))
         self.kv_quantization = None
         if quantization is not None:
             self.quantize_kv(quantization)
@@ -303,14 +315,18 @@ class Runtime(KVSwitch):
         self._own_layers("forward")
         self._sync()
         saved = [layer.savepoint() for layer in self.cache]
+        marks = self.drafters.mark() if self.drafters else ()
         x = chunk[None] if isinstance(chunk, mx.array) else mx.array(chunk, dtype=mx.uint32)[None]
         try:
             logits = self.model(x, cache=self.cache)
+            if self.drafters:
+                self.drafters.forwarded(chunk)
             if self.kv_quantization is not None and not self._branches:
                 self._quantize_due()  # where mlx-lm's generate_step quantizes: after the model call
         except BaseException:
             for layer, point in zip(self.cache, saved):
                 layer.restore(point)
+            self.drafters.back(marks)
             raise
         self._ledger.append(chunk)
         return logits
@@ -337,7 +353,7 @@ class Runtime(KVSwitch):
         # K/V buffers are kept as views (quantized: a tuple of them; None before any token)
         buffers = [(c, _view(c.keys), _view(c.values)) for c in self._in_place[1]]
         return Savepoint(self, self.offset, tuple(self._branches), [c.savepoint() for c in self.cache], buffers,
-                         self._layers)
+                         self._layers, self.drafters.savepoint())
 
     def undo(self, point: "Savepoint") -> None:
         """Return to `point`: the forwards (and a `restore`) since are dropped, evaluated or not.
@@ -359,6 +375,7 @@ class Runtime(KVSwitch):
             layer.restore(own)
         for cache, keys, values in point.buffers:
             cache.keys, cache.values = keys, values
+        self.drafters.restore(point.drafters)
         self._ledger.truncate(point.offset)
 
     # -- branches ---------------------------------------------------------------
@@ -370,6 +387,7 @@ class Runtime(KVSwitch):
         branch = Branch(self, self.offset)
         for layer in self.cache:
             layer.fork()
+        self.drafters.fork()
         self._branches.append(branch)
         return branch
 
@@ -413,6 +431,7 @@ class Runtime(KVSwitch):
             raise BranchError(f"commit(n={n!r}): n must be an int in 0..{length}, the tokens this branch holds")
         for layer in self.cache:
             layer.commit(n)
+        self.drafters.commit(n)
         self._ledger.truncate(inner.base_offset + n)
         self._close(inner)
         if self.kv_quantization is not None and not self._branches:
@@ -424,6 +443,7 @@ class Runtime(KVSwitch):
         self._sync()
         for layer in self.cache:
             layer.rollback()
+        self.drafters.rollback()
         self._ledger.truncate(inner.base_offset)
         self._close(inner)
 
@@ -543,6 +563,7 @@ class Runtime(KVSwitch):
             raise
         for layer in self.cache:
             layer.take_trim()  # the ledger starts over
+        self.drafters.invalidate()  # until the store loads theirs (prefill.py), they hold nothing
         self._ledger.reset(ids)
 
     @classmethod
@@ -617,8 +638,21 @@ class Runtime(KVSwitch):
         other._branches = []
         other.store, other._prefix, other.cache_salt = self.store, self._prefix, self.cache_salt
         other.group = self.group
+        other.drafters = self.drafters.clone()
         other.kv_quantization = self.kv_quantization
         return other
+
+    def attach(self, segment) -> None:
+        """Carry a drafter segment (drafter_segments.py) beside the layers, replacing one of its name.
+
+        Raises:
+            BranchError: a branch is open; nothing changed.
+        """
+        if self._branches:
+            raise BranchError(f"attach() with {self.depth} open branch(es): commit or roll them back first")
+        if self.offset and segment.offset != self.offset:
+            segment.invalidate()  # it has not seen what this runtime holds
+        self.drafters = self.drafters.attach(segment)
 
     # -- invariants -------------------------------------------------------------
 
@@ -645,6 +679,8 @@ class Runtime(KVSwitch):
                 raise InvariantError(f"layer {i} has branches at {bases}, the runtime at {expected}")
         if any(not b.open for b in self._branches):
             raise InvariantError("a closed branch is still on the stack")
+        if self._ledger.recorded == self.offset and all(layer.peek_trim() is None for layer in self.cache):
+            self.drafters.check(self.offset, [b.base_offset for b in self._branches])  # else _sync drops them
         lows = [low for layer in self.cache if (low := layer.peek_trim()) is not None]
         if lows:  # check what the next read will see, changing nothing
             ledger = self._ledger.copy(min(lows))
@@ -660,6 +696,8 @@ class Runtime(KVSwitch):
         lows = [low for layer in self.cache if (low := layer.take_trim()) is not None]
         if lows:
             self._ledger.truncate(min(lows))
+        if self.drafters and (lows or self._ledger.recorded != self.offset):
+            self.drafters.invalidate()  # fed or trimmed around the runtime: they never saw it
         self._ledger.sync(self.offset)
 
     def _own_layers(self, verb: str) -> None:

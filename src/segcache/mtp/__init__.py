@@ -10,6 +10,8 @@ the token after next from the target's last hidden state and the next token.
 * :class:`MTP` - the drafter (the decoder's protocol) drafting with a head;
   :class:`HiddenStates` - a prefill's hidden states handed to it with a row.
 * :func:`head_for` - the head ``--mtp`` uses (the model directory or ``--mtp-weights``).
+* :class:`HeadSegment` - the head's attention cache as a drafter segment of a
+  Runtime (``Runtime(model, mtp=head_or_path)``, registered here by name).
 * :func:`extract` - ``segcache mtp extract``: an original checkpoint's head
   written next to an mlx-lm conversion, quantized like it.
 
@@ -18,6 +20,8 @@ Names load on first use, so registering the ``segcache mtp`` command stays cheap
 """
 
 import importlib
+
+from .. import drafter_segments
 
 _LAZY = {
     "forward_with_hidden": "hidden",
@@ -31,7 +35,16 @@ _LAZY = {
     "MTP": "drafter",
     "HiddenStates": "drafter",
     "save_head": "weights",
+    "HeadSegment": "state",
 }
+
+
+def _segment(model, value):
+    """`Runtime(model, mtp=value)`'s segment (mtp/state.py, loaded on first use)."""
+    return importlib.import_module(".state", __name__).segment(model, value)
+
+
+drafter_segments.register("mtp", _segment)
 
 __all__ = sorted(_LAZY)
 

@@ -41,6 +41,7 @@ from ..errors import InvariantError
 from ..processors import normalize
 from .module import MTPHead, _text_parts
 from .segment import HeadRows
+from .state import HeadSegment, head_identity
 from .tap import install
 
 # A row that does not draft for this many steps (the gate chose plain steps) feeds
@@ -80,6 +81,7 @@ class MTP:
         self.tap = install(head.model)
         self.prefill_step = prefill_step
         self.rows = HeadRows(head)  # every row's head state, in the decoder's row order
+        self._identity: bytes | None = None  # the head's, as its drafter segments name it
         # The open round: row ids in the verify's order (None: no round), and the
         # verify's hidden states, taken by fill.
         self._ids: list | None = None
@@ -99,6 +101,9 @@ class MTP:
         if None in history[:n]:
             raise ValueError(f"add({row_id!r}): the runtime holds tokens fed without Runtime.forward "
                              "(ids unknown), which the MTP head needs; use a fresh runtime")
+        if self._takes_segment(runtime, n):  # the runtime's head state: no head call, no forward
+            self.rows.join_state(row_id, *runtime.drafters.get(HeadSegment.name).lend())
+            return
         given = None if draft_runtime is None else draft_runtime.hidden
         if given is not None:
             given = given.reshape(-1, given.shape[-1])
@@ -110,6 +115,24 @@ class MTP:
             parts.append(given)
         hidden = mx.concatenate(parts, axis=0) if len(parts) > 1 else parts[0] if parts else None
         self.rows.join(row_id, hidden, history, self.prefill_step)
+
+    def attach(self, runtime) -> None:
+        """Give `runtime` this head's drafter segment (`Runtime(model, mtp=head)`), unless it
+        carries a live one of this head: its forwards from here on feed it, the store saves
+        and resumes it, and `add` takes it (a runtime holding tokens already gets a stale one)."""
+        seg = runtime.drafters.get(HeadSegment.name)
+        if seg is None or seg.stale or seg.identity != self.segment_identity:
+            runtime.attach(HeadSegment(self.head))
+
+    @property
+    def segment_identity(self) -> bytes:
+        if self._identity is None:
+            self._identity = head_identity(self.head)
+        return self._identity
+
+    def _takes_segment(self, runtime, n: int) -> bool:
+        seg = runtime.drafters.get(HeadSegment.name)
+        return seg is not None and seg.offset == n and runtime.depth == 0 and seg.identity == self.segment_identity
 
     def remove(self, row_id):
         if row_id in self.rows.ids:

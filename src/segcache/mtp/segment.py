@@ -198,13 +198,25 @@ class HeadRows:
             self.head(hidden[None, i:j], toks, cache)
             mx.eval(cache[0].keys_and_values())  # the K/V only: the layer's output is never read
         held = max(n - 1, 0)
-        for layer, c in zip(self.layers, cache):
-            if c is cache[0] and held:
-                k, v = c.keys_and_values()
-                layer.add_row(k, v)
+        keys, values = cache[0].keys_and_values() if held else (None, None)
+        self._add(row_id, keys, values, None if n == 0 else hidden[None, held:])
+
+    def join_state(self, row_id, keys: mx.array | None, values: mx.array | None, tail: mx.array | None) -> None:
+        """A row whose head state its runtime's drafter segment kept (`HeadSegment.lend`): the K/V of
+        its pairs [1, h, held, D] (None: none) and the hidden state of its last token [1, 1, H]
+        (None: it holds no token). No head call: the pairs were computed as the row's tokens were."""
+        if self.forked:
+            raise BranchError(f"join_state({row_id!r}) with a round open: close or roll it back first")
+        self._add(row_id, keys, values, tail)
+
+    def _add(self, row_id, keys, values, row) -> None:
+        """Append a row of `keys`/`values` pairs in layer 0 (None: none) and the tail `row` [1, 1, H]."""
+        held = 0 if keys is None else keys.shape[2]
+        for layer in self.layers:
+            if layer is self.layers[0] and held:
+                layer.add_row(keys, values)
             else:
                 layer.add_row(None, None)
-        row = None if n == 0 else hidden[None, held:]  # [1, 1, H]
         if self.tail is None:
             if row is not None:
                 self.tail = mx.concatenate([mx.zeros((len(self.ids), 1, row.shape[2]), row.dtype), row]) \
@@ -217,7 +229,7 @@ class HeadRows:
             self.tail = mx.concatenate([self.tail, new])
         self.ids.append(row_id)
         self.held.append(held)
-        self.lags.append(min(n, 1))
+        self.lags.append(0 if row is None else 1)
 
     def leave(self, row_id) -> None:
         """The row goes (with its part of an open round)."""

@@ -188,6 +188,32 @@ def attached(model: nn.Module) -> Optional[MTPHead]:
     return getattr(model, _ATTACHED, None)
 
 
+def head_named(model: nn.Module, mtp) -> MTPHead:
+    """The head `mtp=` names for `model` (`Runtime`, `stream_generate`): an MTPHead, True (the head
+    `load_head` attached to the model), or a path (a model directory holding mtp.safetensors, or a
+    head / checkpoint file).
+
+    Raises:
+        ValueError: no such head, or it is bound to another model.
+    """
+    if isinstance(mtp, MTPHead):
+        if mtp.model is not model:
+            raise ValueError("the MTP head is bound to another model; load it for this one")
+        return mtp
+    if mtp is True:
+        head = attached(model)
+        if head is None:
+            raise ValueError("mtp=True: this model has no MTP head loaded; pass mtp=PATH (the model "
+                             "directory, or the head's file) or load one with segcache.mtp.load_head")
+        return head
+    path = Path(mtp)
+    head = load_head(model, path) if path.is_dir() else load_head(model, mtp_weights=path)
+    if head is None:
+        raise ValueError(f"no MTP head at {path} (no mtp.safetensors, no mtp.* tensors); "
+                         "write one with `segcache mtp extract`")
+    return head
+
+
 def load_head(model: nn.Module, model_path=None, mtp_weights=None) -> Optional[MTPHead]:
     """The MTP head of ``model`` (see `_load_head`), also recorded on the model for ``mtp=True``."""
     head = _load_head(model, model_path, mtp_weights)

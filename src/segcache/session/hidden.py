@@ -1,10 +1,13 @@
 """An MTP drafter's hidden states of the forwards a prompt's prefill ran.
 
 With an MTP drafter, the target's tap (mtp/tap.py) keeps the final hidden
-state of every forward while collecting. A prefill hands its row's share of
-them to the decoder with the row (`HiddenStates`), so the head needs no second
-forward of the prompt. A prefix restored from the store has none: then the
-drafter computes them itself.
+state of every forward while collecting. A prompt fed on its runtime feeds the
+runtime's head segment as it goes (mtp/state.py); one fed as a row of a padded
+`PrefillBatch` ends on another runtime, so its share of the batch's states is
+fed to a copy of the segment it resumed with (`carry_head`), which the new
+runtime carries and publishes. Without a live segment the row's states go to
+the decoder with the row (`HiddenStates`), and what they do not cover (a prefix
+restored without the head's records) the drafter computes itself.
 
     forward 1 [B, c1, H]   forward 2 [B, c2, H] ...     row i of each, in order
               └─ row i ─┐            └─ row i ─┐
@@ -19,6 +22,7 @@ from typing import Callable, Optional, Sequence
 import mlx.core as mx
 
 from ..mtp.drafter import HiddenStates
+from ..mtp.state import HeadSegment
 
 
 class Hidden:
@@ -39,6 +43,22 @@ class Hidden:
             return None
         hidden = mx.concatenate(self.parts, axis=0)
         return HiddenStates(hidden) if hidden.shape[0] <= held else None
+
+
+def carry_head(before, after, hidden: Hidden, ids: list) -> None:
+    """A prompt fed as a batch row ends on `after`: give it the head segment `before` resumed with,
+    fed the row's collected states of the positions the batch computed (nothing if `before` has no
+    live segment or they do not cover the rest: `after` then carries none, as before segments)."""
+    seg = before.drafters.get(HeadSegment.name)
+    if seg is None or seg.stale or not hidden.parts or after.offset != len(ids):
+        return
+    states = hidden.states(len(ids))
+    start = seg.offset
+    if states is None or start + states.hidden.shape[0] != len(ids):
+        return
+    carried = seg.clone()
+    carried.extend(states.hidden[None], ids[start:])
+    after.attach(carried)
 
 
 @contextmanager

@@ -37,7 +37,7 @@ import mlx.core as mx
 from ..errors import InvariantError
 from ..runtime import Runtime
 from .. import prefill as store_prefill
-from .hidden import Hidden, collecting
+from .hidden import Hidden, carry_head, collecting
 
 
 @dataclass
@@ -139,6 +139,8 @@ class Session:
         """Resume the target's prompt (all but its last token) from the store; nothing is fed yet."""
         ids = self.history[:-1]
         held = self.held = len(self.runtime.tokens)
+        if self.decoder.mode == "mtp":  # the head's cache rides with the runtime: fed, stored, resumed
+            self.decoder.drafter.attach(self.runtime)
         if held < len(ids):
             self.plan = store_prefill.begin(self.runtime, ids, store_prefill.held_prefix(self.runtime, ids),
                                             self.checkpoints, self.agree, want_logits=False)
@@ -176,6 +178,8 @@ class Session:
         plan = self.plan
         self.fed, plan.seconds = fed, plan.seconds + seconds
         if stop is not None:
+            if stop.position == len(plan.ids):  # the head's segment goes on with it (and its checkpoint)
+                carry_head(self.runtime, stop.runtime, self.hidden, plan.ids)
             plan.reached(stop.runtime, stop.position, stop.logits)
             if not plan.left:
                 self.runtime, self.in_batch = stop.runtime, False

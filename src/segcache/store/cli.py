@@ -15,7 +15,8 @@ import time
 from ..errors import StoreError
 from .store import open_store
 
-KINDS = {"page": "KV pages", "ckpt": "checkpoints", "node": "index nodes"}  # written by store.prefix_cache
+KINDS = {"page": "KV pages", "ckpt": "checkpoints", "node": "index nodes",  # written by store.prefix_cache
+         "dpage": "drafter pages", "dckpt": "drafter checkpoints"}  # store.drafter_records
 
 _HUGE = 1 << 50  # CLI handles never evict on their own: only `gc` removes records
 

@@ -61,6 +61,7 @@ import mlx.core as mx
 from ..errors import StoreError, StoreWarning
 from ..layers.protocol import CHECKPOINT, PAGES
 from ..spec import conforms
+from . import drafter_records
 from .keys import chain_key
 from .layout import layout_of
 from .prompt_index import CKPT, PAGE, Node, PromptKeys, common_prefix
@@ -88,6 +89,9 @@ class Resume:
         logits: the last position's logits [1, vocab] when the whole prompt was
             restored (nothing left to compute); else None, and None in what
             `prefill_steps` yields.
+        drafters: (name, `load` arguments) of the drafter segments whose state
+            the store holds at `tokens` (store/drafter_records.py); () in what
+            `prefill_steps` yields.
     """
 
     tokens: int
@@ -96,6 +100,7 @@ class Resume:
     stops: tuple[int, ...] = ()
     states: tuple | None = field(default=None, compare=False, repr=False)
     logits: mx.array | None = field(default=None, compare=False, repr=False)
+    drafters: tuple = field(default=(), compare=False, repr=False)
 
 
 class _Miss(Exception):
@@ -346,7 +351,8 @@ class PrefixCache:
     def snapshot(self, rt, logits: mx.array | None) -> "Snapshot":
         """The committed state of every "checkpoint" layer right now (taken while computing)."""
         lay = self.layout
-        return Snapshot(rt.committed_offset, {i: rt.cache[i].export_state() for i in lay.layers(CHECKPOINT)}, logits)
+        return Snapshot(rt.committed_offset, {i: rt.cache[i].export_state() for i in lay.layers(CHECKPOINT)}, logits,
+                        drafter_records.boundaries(rt))
 
     def publish(self, rt, ids: list[int], snaps: list["Snapshot"]) -> int:
         """Store pages, the checkpoints in `snaps` and the node updates for committed tokens `ids`.
@@ -387,6 +393,8 @@ class PrefixCache:
             saved = (r if lay.stateful else max(n, 1)) * spt  # dense: the tail, or at least the last forward
             meta = {"length": r, "tail": n, "layers": metas}
             puts.append((key, Record("ckpt", r, arrays, meta, saved, parent=ix.parent(j))))
+        if rt.drafters:
+            puts += drafter_records.puts(ix, rt, snaps, lay.spt)
         store.put_many(puts)
         written = len(puts)
         for j in range(0, N // P + 1):
@@ -438,7 +446,10 @@ class PrefixCache:
             if plan.resume <= held:
                 return Resume(held, stops=stops)
             logits = plan.ckpt.arrays["logits"][...] if plan.resume == L else None  # own array object
-            return Resume(plan.resume, plan.resume, tier, stops, tuple(self.states(rt, plan)), logits)
+            states = tuple(self.states(rt, plan))
+            drafters = drafter_records.resume(self._prompt(rt, ids), rt, plan.resume) \
+                if rt.drafters and plan.ckpt is not None else ()
+            return Resume(plan.resume, plan.resume, tier, stops, states, logits, drafters)
         except Exception as exc:
             if not isinstance(exc, _Miss):
                 _warn(store, "lookup", exc)
@@ -499,3 +510,4 @@ class Snapshot:
     length: int
     layers: dict[int, tuple[dict, dict]]
     logits: mx.array | None
+    drafters: dict = field(default_factory=dict)  # segment name -> its boundary state (drafter_records)

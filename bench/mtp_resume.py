@@ -1,0 +1,131 @@
+"""Time to first token of a stored prompt after a restart, with MTP and without.
+
+    python bench/mtp_resume.py [--tokens 3000] [--repeats 5] [--model DIR]
+
+A ~3,000-token prompt (held-out stdlib code) is prefilled once with the MTP head on,
+into an on-disk store (the target's records and the head's: store/drafter_records.py).
+Each sample is a fresh process (a restart: empty RAM tier, the model loaded anew)
+that opens the store and times `stream_generate` from the call to its first token:
+
+    plain        without MTP
+    mtp          with MTP, the head's state resumed from the store
+    mtp-recompute with MTP on a copy of the store without the head's records (what a
+                 resume cost before them: one forward of the whole restored prefix)
+
+Configurations are interleaved per repeat; every run's first 8 tokens must equal plain's.
+Prints the medians and the median of each repeat's ratio to plain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import segcache  # noqa: I001  (binds OpenBLAS before mlx loads)
+
+import mlx_lm
+
+from segcache import Runtime, open_store
+from segcache.generation import stream_generate
+from segcache.models import MODELS_DIR
+from segcache.mtp import load_head
+
+CONFIGS = ("plain", "mtp", "mtp-recompute")
+
+
+def _prompt(tokenizer, n: int) -> list[int]:
+    """The first n tokens of the held-out stdlib code (never seen by the shipped head's training)."""
+    ids = tokenizer.encode((MODELS_DIR / "heldout_stdlib.txt").read_text())
+    if len(ids) < n:
+        raise SystemExit(f"the held-out text has {len(ids)} tokens, fewer than --tokens {n}")
+    return ids[:n]
+
+
+def _child(args) -> None:
+    """One sample: load, open the store, time the first token; print JSON."""
+    model, tokenizer = mlx_lm.load(args.model)
+    head = load_head(model, args.model) if args.config != "plain" else None
+    ids = json.loads(Path(args.prompt).read_text())
+    with open_store(args.store, page_tokens=256) as store:
+        rt = Runtime(model, store=store, gdn_prefill="auto")
+        tic = time.perf_counter()
+        gen = stream_generate(model, tokenizer, ids, max_tokens=8, runtime=rt, mtp=head, num_draft_tokens=2)
+        first = next(gen)
+        ttft = time.perf_counter() - tic
+        tokens = [first.token] + [r.token for r in gen]
+    print(json.dumps({"ttft": ttft, "tokens": tokens}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(MODELS_DIR / "target"))
+    p.add_argument("--tokens", type=int, default=3000)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--child", choices=CONFIGS)
+    p.add_argument("--store")
+    p.add_argument("--prompt")
+    args = p.parse_args()
+    if args.child:
+        args.config = args.child
+        _child(args)
+        return
+    model, tokenizer = mlx_lm.load(args.model)
+    ids = _prompt(tokenizer, args.tokens)
+    work = Path(tempfile.mkdtemp(prefix="mtp_resume_"))
+    try:
+        prompt = work / "prompt.json"
+        prompt.write_text(json.dumps(ids))
+        with_head, without = work / "with_head", work / "without_head"
+        with open_store(with_head, page_tokens=256) as store:  # the prompt stored with the head on
+            head = load_head(model, args.model)
+            rt = Runtime(model, store=store, gdn_prefill="auto")
+            for _ in stream_generate(model, tokenizer, ids, max_tokens=1, runtime=rt, mtp=head):
+                pass
+            store.flush()
+        with open_store(with_head, page_tokens=256) as store:
+            kinds = sorted({e.kind for e in store.entries()})
+        shutil.copytree(with_head, without)
+        with open_store(without, page_tokens=256) as store:
+            for e in store.entries():
+                if e.kind in ("dpage", "dckpt"):
+                    store.delete(e.key)
+        print(f"segcache.BLAS: {segcache.BLAS}; prompt {len(ids)} tokens; records {kinds}; "
+              f"{args.repeats} repeats, a fresh process per sample, configurations interleaved")
+        stores = {"plain": with_head, "mtp": with_head, "mtp-recompute": without}
+        times = {c: [] for c in CONFIGS}
+        ratios = {c: [] for c in CONFIGS}
+        want = None
+        for r in range(args.repeats):
+            order = CONFIGS[r % 3:] + CONFIGS[: r % 3]
+            got = {}
+            for c in order:
+                out = subprocess.run([sys.executable, __file__, "--child", c, "--store", str(stores[c]),
+                                      "--prompt", str(prompt), "--model", args.model],
+                                     check=True, capture_output=True, text=True).stdout
+                res = json.loads(out.strip().splitlines()[-1])
+                got[c] = res["ttft"]
+                want = want or res["tokens"]
+                if res["tokens"] != want:
+                    raise SystemExit(f"{c}: tokens {res['tokens']} differ from {want}")
+            for c in CONFIGS:
+                times[c].append(got[c])
+                ratios[c].append(got[c] / got["plain"])
+            print(f"  repeat {r + 1}: " + ", ".join(f"{c} {got[c] * 1e3:.0f} ms" for c in CONFIGS), flush=True)
+        print("time to first token after a restart (median, min-max; ratio: median of each repeat's to plain)")
+        for c in CONFIGS:
+            t = times[c]
+            print(f"  {c:<14} {statistics.median(t) * 1e3:8.1f} ms ({min(t) * 1e3:.1f}-{max(t) * 1e3:.1f})"
+                  f"   {statistics.median(ratios[c]):.2f}x plain")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
