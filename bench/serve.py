@@ -36,7 +36,7 @@ characters of Python and a --sweep-tokens answer, against fresh servers:
 segcache at --decode-concurrency 8 (prompts prefilled together), segcache
 one at a time (--decode-concurrency 1), mlx_lm.server at
 --decode-concurrency 8 (its own batched prefill) and, where it is installed
-(--vllm-mlx, default /work/peers/vllm-mlx/bin/vllm-mlx), vllm-mlx serving
+(--vllm-mlx, or found by VLLM_MLX= or on PATH), vllm-mlx serving
 with --continuous-batching --max-num-seqs 8 on the same OpenBLAS,
 interleaved in each of --rounds rounds; per-round ratios, the load average
 of each round, and medians. `--base SRC` adds segcache N=8 served from
