@@ -5,18 +5,20 @@ mlx-lm's models end their forward with the output head over every position:
     out = self.model(inputs, cache)                       the body: embeddings, layers, final norm
     out = embed_tokens.as_linear(out) | lm_head(out)      the head: [B, S, H] -> [B, S, V]
 
-A prefill reads one position per row (the last real one: its first sampled
-token) or none (a chunk before a stop that is not the prompt's end), so the
-head over the other S - 1 positions is wasted: on the shipped target about a
-tenth of a prefill forward's products. mlx-lm's BatchGenerator skips it by
+A prefill reads one position per row at most (the last real one: at the
+prompt's end, its first sampled token), so the head over the other S - 1
+positions is wasted: on the shipped target about a tenth of a prefill
+forward's products. mlx-lm's BatchGenerator skips it by
 never evaluating a prefill's logits; a segcache prefill needs the last
 position's, so `rows_logits` runs the body and then the head on the positions
 asked for only.
 
-The head is the same module on the same rows of the same hidden states, so
-each row's logits are what the full call gives at that position (bit for bit
-where the matrix product rounds a row alike whatever the number of rows, as
-on the CPU: tests/test_head.py). A family is split only where its `Model.__call__`
+The body runs untouched, so every layer's state is bit for bit what the full
+call leaves; the head is the same module on the same rows of the same hidden
+states, so each row's logits are the full call's at that position up to the
+rounding of a product over fewer rows (bit for bit for the shipped target's
+tied head on this CPU, within 1e-4 with the same greedy tokens on the tiny
+test models: tests/test_head.py). A family is split only where its `Model.__call__`
 is exactly the two lines above (`FAMILIES`); any other model, or one whose
 head is sharded and gathered (qwen3_5's `sharding_group`), runs its own full
 call and the positions are gathered from it.
