@@ -3,8 +3,8 @@
     python bench/serve.py [--model DIR] [--tokens 24] [--mlx-blas same|wheel]
     python bench/serve.py --sweep [--sweep-tokens 64] [--streams 1,2,4,8]
     python bench/serve.py --join [--join-chars 7000] [--sweep-tokens 64]
-    python bench/serve.py --cold [--rounds 5] [--cold-chars 1000] [--sweep-tokens 64] [--vllm-mlx PATH]
-    python bench/serve.py --lone [--rounds 5] [--cold-chars 1000] [--sweep-tokens 64]
+    python bench/serve.py --cold [--rounds 5] [--cold-chars 1000] [--sweep-tokens 64] [--vllm-mlx PATH] [--base SRC]
+    python bench/serve.py --lone [--rounds 5] [--cold-chars 1000] [--sweep-tokens 64] [--base SRC]
 
 Both servers run the same model (the shipped hybrid target by default) as
 subprocesses on 127.0.0.1, driven by the official `openai` client with
@@ -36,16 +36,19 @@ characters of Python and a --sweep-tokens answer, against fresh servers:
 segcache at --decode-concurrency 8 (prompts prefilled together), segcache
 one at a time (--decode-concurrency 1), mlx_lm.server at
 --decode-concurrency 8 (its own batched prefill) and, where it is installed
-(--vllm-mlx, default /work/peers/vllm-mlx/bin/vllm-mlx), vllm-mlx serving
+(--vllm-mlx, or found by VLLM_MLX= or on PATH), vllm-mlx serving
 with --continuous-batching --max-num-seqs 8 on the same OpenBLAS,
 interleaved in each of --rounds rounds; per-round ratios, the load average
-of each round, and medians.
+of each round, and medians. `--base SRC` adds segcache N=8 served from
+another tree's sources (e.g. a `git worktree` of the commit before a
+change), so before and after are measured in the same rounds.
 
 `--lone`: one client, one cold prompt of --cold-chars characters and a
 --sweep-tokens answer, against fresh servers at segcache's default
 --decode-concurrency and at --decode-concurrency 1, interleaved for
 --rounds rounds: medians of TTFT and of the decode rate after the first
-token (a lone request must be as fast at the default as one at a time).
+token (a lone request must be as fast at the default as one at a time);
+with `--base SRC`, the same two for another tree's sources.
 
 `--join`: 4 streams decode (--sweep-tokens each); once each has its first
 token a long prompt (--join-chars) arrives. Reports the longest gap between
@@ -356,6 +359,8 @@ def cold(args, env, mlx_env, work: Path) -> int:
         "mlx_lm.server": ([sys.executable, "-m", "mlx_lm.server", "--model", args.model, "--log-level", "WARNING",
                            "--decode-concurrency", str(n), "--prompt-concurrency", str(n)], mlx_env),
     }
+    if args.base:  # another tree's sources, e.g. the commit before a change: before and after in one run
+        configs["segcache base"] = (configs["segcache N=8"][0], base_env(env, args.base))
     if args.vllm_mlx and Path(args.vllm_mlx).exists():
         # its own venv (its own mlx), the same OpenBLAS preloaded as for mlx_lm.server
         configs["vllm-mlx"] = ([args.vllm_mlx, "serve", args.model, "--offline", "--continuous-batching",
@@ -383,10 +388,11 @@ def cold(args, env, mlx_env, work: Path) -> int:
     med = {name: statistics.median(v) for name, v in got.items()}
     print(f"\nload average (1 min) at each round's start: {', '.join(f'{x:.1f}' for x in loads)}")
     print("medians: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in med.items()))
-    for peer, goal in (("mlx_lm.server", 1.0), ("vllm-mlx", 1.0), ("segcache one", 2.0)):
+    for peer, goal in (("mlx_lm.server", 1.0), ("vllm-mlx", 1.0), ("segcache one", 2.0), ("segcache base", None)):
         if peer in got:
             ratios = [a / b for a, b in zip(got["segcache N=8"], got[peer])]
-            print(f"segcache N=8 / {peer}: median of rounds {statistics.median(ratios):.2f}x (goal >= {goal}x); "
+            aim = f" (goal >= {goal}x)" if goal else ""
+            print(f"segcache N=8 / {peer}: median of rounds {statistics.median(ratios):.2f}x{aim}; "
                   "per round " + ", ".join(f"{x:.2f}x" for x in ratios))
     return 0
 
@@ -395,7 +401,10 @@ def lone(args, env, work: Path) -> int:
     """One request alone: segcache at its default --decode-concurrency against --decode-concurrency 1."""
     prompt = (MODELS / "heldout_other.txt").read_text()[: args.cold_chars]
     ours = [sys.executable, "-m", "segcache.cli", "serve", "--model", args.model, "--log-level", "WARNING"]
-    configs = {"segcache default": ours, "segcache one": ours + ["--decode-concurrency", "1"]}
+    configs = {"segcache default": (ours, env), "segcache one": (ours + ["--decode-concurrency", "1"], env)}
+    if args.base:
+        configs["base default"] = (ours, base_env(env, args.base))
+        configs["base one"] = (ours + ["--decode-concurrency", "1"], base_env(env, args.base))
     got = {name: [] for name in configs}
     loads = []
     print(f"one client, a cold prompt of {len(prompt)} characters, {args.sweep_tokens} tokens")
@@ -403,9 +412,10 @@ def lone(args, env, work: Path) -> int:
         loads.append(os.getloadavg()[0])
         for name in (list(configs) if r % 2 == 0 else list(configs)[::-1]):
             port = _port()
-            tag = name.split()[1]
-            full = configs[name] + ["--port", str(port), "--prompt-cache-dir", str(work / f"store-lone-{r}-{tag}")]
-            server = Proc(name, full, env, port, work / f"lone-{tag}.log")
+            tag = name.replace(" ", "-")
+            cmd, e = configs[name]
+            full = cmd + ["--port", str(port), "--prompt-cache-dir", str(work / f"store-lone-{r}-{tag}")]
+            server = Proc(name, full, e, port, work / f"lone-{tag}.log")
             server.start()
             try:
                 timed(server.client(), "def warm_up():\n", 4)
@@ -418,10 +428,19 @@ def lone(args, env, work: Path) -> int:
     for name, v in got.items():
         print(f"{name:<17} median TTFT {statistics.median(t for t, _ in v) * 1000:6.0f} ms, "
               f"decode {statistics.median(x for _, x in v):6.1f} tok/s")
-    a, b = got["segcache default"], got["segcache one"]
-    print("default / one, per round: TTFT " + ", ".join(f"{x[0] / y[0]:.2f}x" for x, y in zip(a, b))
-          + "; decode " + ", ".join(f"{x[1] / y[1]:.2f}x" for x, y in zip(a, b)))
+    for tree in ("segcache", "base") if args.base else ("segcache",):
+        a, b = got[f"{tree} default"], got[f"{tree} one"]
+        ttft, rate = [x[0] / y[0] for x, y in zip(a, b)], [x[1] / y[1] for x, y in zip(a, b)]
+        print(f"{tree} default / one: TTFT median {statistics.median(ttft):.2f}x, per round "
+              + ", ".join(f"{x:.2f}x" for x in ttft) + f"; decode median {statistics.median(rate):.2f}x, per round "
+              + ", ".join(f"{x:.2f}x" for x in rate))
     return 0
+
+
+def base_env(env: dict, src: str) -> dict:
+    """`env` with another tree's sources first on PYTHONPATH (`--base`)."""
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(ROOT / "src")]
+    return dict(env, PYTHONPATH=os.pathsep.join([str(Path(src).resolve())] + rest))
 
 
 def main() -> int:
@@ -444,6 +463,9 @@ def main() -> int:
                     help="the vllm-mlx command for --cold (skipped where it is not installed)")
     ap.add_argument("--lone", action="store_true",
                     help="one request alone: the default --decode-concurrency against 1 (TTFT, decode tok/s)")
+    ap.add_argument("--base", default="",
+                    help="--cold / --lone: also serve another tree's src/ (e.g. a checkout of the commit "
+                         "before a change), interleaved with this one")
     args = ap.parse_args()
     context = (MODELS / "heldout_other.txt").read_text()[: args.context_chars]
     work = Path(tempfile.mkdtemp(prefix="segcache-bench-serve-"))

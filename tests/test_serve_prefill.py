@@ -235,9 +235,10 @@ def test_cold_prompts_arriving_together_are_prefilled_in_shared_forwards(loaded,
             (e.key, e.kind, e.tokens) for e in served.entries()}
 
 
-def test_a_prefill_forward_never_stalls_decoding_rows_longer_than_one_chunk(loaded, prompts):
-    """While rows decode, a forward of the prefill batch feeds at most `prefill_chunk` tokens in
-    all, however many prompts are joining (the running rows' stall stays that of one chunk)."""
+def test_a_prefill_forward_stalls_decoding_rows_one_chunk_per_joining_prompt_at_most(loaded, prompts):
+    """While rows decode, a forward of the prefill batch feeds at most `prefill_chunk` tokens per
+    prompt joining (each advances as if fed alone, one chunk per scheduler step; the running rows'
+    stall is those chunks in one forward), and prompts joining together share it."""
     h = Harness(loaded, prompt_concurrency=3)
     h.submit("a", prompts["a"], 60)
     h.until(lambda: h.events["a"])
@@ -245,9 +246,10 @@ def test_a_prefill_forward_never_stalls_decoding_rows_longer_than_one_chunk(load
     step = h.engine.prefill_batch.step
 
     def counting(budget):
+        joining = len(h.engine.prefill_batch)
         before = sum(h.engine.prefill_batch.batch.lengths)
         out = step(budget)
-        fed.append((len(h.engine.decoder), sum(h.engine.prefill_batch.batch.lengths) + sum(
+        fed.append((len(h.engine.decoder), joining, sum(h.engine.prefill_batch.batch.lengths) + sum(
             r.position for r in out if r.done) - before))
         return out
 
@@ -255,6 +257,7 @@ def test_a_prefill_forward_never_stalls_decoding_rows_longer_than_one_chunk(load
     for rid, p in (("long", prompts["long"]), ("c", prompts["c"]), ("d", prompts["a"][:150])):
         h.submit(rid, p, 6)
     h.run()
-    assert fed and all(n <= CHUNK for rows, n in fed if rows)
+    assert fed and all(n <= CHUNK * joining for rows, joining, n in fed if rows)
+    assert any(n > CHUNK for rows, joining, n in fed if rows)  # several joining: more than one chunk
     for rid, p in (("long", prompts["long"]), ("c", prompts["c"]), ("d", prompts["a"][:150])):
         assert h.text(rid) == _alone(loaded, p, 6), rid

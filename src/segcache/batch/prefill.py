@@ -129,9 +129,8 @@ class PrefillBatch:
         counts = [min(c, p.stops[0] - p.pos) for p in prompts]
         if not self.batch.pads_rows:
             counts = [min(counts)] * len(counts)
-        logits = self.batch.forward_padded([p.ids[p.pos : p.pos + n] for p, n in zip(prompts, counts)])
-        # each row's last real position, in a buffer of its own (do not pin the [B, S, vocab] logits)
-        last = logits[mx.arange(len(ids)), mx.array(counts) - 1]
+        # each row's logits at its last real position only (the head runs on those alone)
+        last = self.batch.forward_padded([p.ids[p.pos : p.pos + n] for p, n in zip(prompts, counts)], last_only=True)
         mx.eval(last)
         self.fed = dict(zip(ids, counts))
         log.debug("prefill forward: budget %d, %d rows fed %s", budget, len(ids), counts)

@@ -38,6 +38,7 @@ import mlx.core as mx
 from .. import registry
 from ..errors import BranchError, InvariantError, UnsupportedModelError, UnsupportedOperationError
 from ..adapters.chunked import chunked_threshold
+from ..adapters.head import Head
 from ..layers.quantized import QuantizedKVLayer
 from ..layers.recurrent import RecurrentLayer
 from ..layers.state import default_state_strategy
@@ -116,6 +117,7 @@ class BatchRuntime:
         if recurrent_strategy == "auto":
             recurrent_strategy = default_recurrent_strategy()
         self.model = model
+        self.head = Head(model)  # a prefill's logits at each row's last position only
         self.recurrent_strategy = recurrent_strategy
         self.cache = _build(model, recurrent_strategy, state_strategy)
         for layer in self.cache:
@@ -209,7 +211,7 @@ class BatchRuntime:
         """
         i = self.index(row_id)
         other = BatchRuntime.__new__(BatchRuntime)
-        other.model, other.recurrent_strategy = self.model, self.recurrent_strategy
+        other.model, other.head, other.recurrent_strategy = self.model, self.head, self.recurrent_strategy
         other.branch_open, other.sealed = self.branch_open, self.sealed
         other.cache = []
         for layer in self.cache:
@@ -272,7 +274,7 @@ class BatchRuntime:
         """Whether `forward_padded` takes rows of different lengths (every layer's kind masks pads)."""
         return all(getattr(layer, "pads_rows", False) for layer in self.cache)
 
-    def forward_padded(self, tokens: Sequence[Sequence[int]], *, pad: int = 0) -> mx.array:
+    def forward_padded(self, tokens: Sequence[Sequence[int]], *, pad: int = 0, last_only: bool = False) -> mx.array:
         """One model call over every row outside a branch, rows of different lengths right-padded.
 
         Every layer is told each row's real count (`prepare(lengths=...)`), so row i
@@ -280,7 +282,9 @@ class BatchRuntime:
         count, recurrent rows keep their state and conv tail through the pads. Rows
         of one length are `forward`. `pad` is the id the pads carry: any id gives every
         row the same bits. Returns logits [B, S_max, V]; row i's are valid at
-        [:len(tokens[i])].
+        [:len(tokens[i])]. `last_only`: the logits [B, V] of each row's last real
+        token instead, the output head run at those positions only (adapters/head.py:
+        what the full call gives there, a tenth of a small model's prefill saved).
 
         Raises:
             ValueError: wrong number of rows or an empty row; nothing changed.
@@ -295,7 +299,13 @@ class BatchRuntime:
         counts = [len(t) for t in tokens]
         S = max(counts)
         if min(counts) == S:
-            return self.forward(tokens)
+            if not last_only:
+                return self.forward(tokens)
+            x = mx.array([list(t) for t in tokens], dtype=mx.uint32)
+            logits = self.head.rows_logits(x, self.cache, [n - 1 for n in counts])
+            for row, t in zip(self.rows, tokens):
+                row.tokens.extend(int(v) for v in t)
+            return logits
         if not self.pads_rows:
             kinds = sorted({type(layer).__name__ for layer in self.cache if not getattr(layer, "pads_rows", False)})
             raise UnsupportedOperationError(f"forward_padded(): {', '.join(kinds)} cannot mask padded rows; "
@@ -305,7 +315,10 @@ class BatchRuntime:
         for layer in self.cache:
             layer.prepare(lengths=counts, right_padding=padding)
         try:
-            logits = self.model(x, cache=self.cache)
+            if last_only:
+                logits = self.head.rows_logits(x, self.cache, [n - 1 for n in counts])
+            else:
+                logits = self.model(x, cache=self.cache)
         finally:  # a failed call leaves the batch to be dropped (as forward's), never masks behind
             for layer in self.cache:
                 layer.finalize()

@@ -294,16 +294,16 @@ class Engine:
                 self.prefill_batch.remove(req.id)  # cancelled mid-prefill: its row leaves, nothing published
 
     def _prefill_step(self) -> None:
-        """One forward of the prefill batch per scheduler step: at most `prefill_chunk` tokens
-        while rows decode (their stall stays one chunk), else up to `prefill_step`; each joining
-        session is told where its row got (a stop: a snapshot; the end: published)."""
+        """One forward of the prefill batch per scheduler step: while rows decode, at most one
+        `prefill_chunk` per joining prompt (each advances as fed alone), else up to `prefill_step`;
+        each joining session is told where its row got (a stop: a snapshot; the end: published)."""
         batch = self.prefill_batch
         if self._prefilled or not len(batch):
             return
         self._prefilled = True
         ids = batch.batch.ids
         sessions = [self._joining[rid] for rid in ids]
-        budget = self.prefill_chunk if len(self.decoder) else self.prefill_step
+        budget = min(self.prefill_step, self.prefill_chunk * len(ids)) if len(self.decoder) else self.prefill_step
         tic = time.perf_counter()
         try:
             # with MTP, each prompt's row of the forward, its real positions only (a shorter row's pads are not its)
