@@ -16,6 +16,7 @@ from mlx_lm.models.cache import CacheList
 
 from . import registry
 from .adapters.chunked import chunked_threshold
+from .adapters.tree import rope_modules, verify_tree
 from .errors import (
     BranchError,
     InvariantError,
@@ -27,6 +28,7 @@ from .layers.offset_branches import OffsetBranches
 from .layers.protocol import UNSTORED
 from .layers.recurrent import STRATEGIES, RecurrentLayer
 from .layers.state import default_state_strategy
+from .layers.tree import Tree
 from .prompt_layers import load_layers
 from .ranks import agreement
 from . import prefill as store_prefill
@@ -63,6 +65,7 @@ class Branch:
         self._runtime = runtime
         self.base_offset = base_offset
         self.open = True
+        self.tree: Tree | None = None  # the tree its one forward verified (forward_tree), until committed
 
     @property
     def length(self) -> int:
@@ -74,8 +77,8 @@ class Branch:
         """The token ids this branch appended."""
         return self._runtime.tokens[self.base_offset :] if self.open else []
 
-    def commit(self, n: int | None = None) -> None:
-        """Keep the first `n` tokens of this branch (all if None) and close it."""
+    def commit(self, n: int | Sequence[int] | None = None) -> None:
+        """Keep the first `n` tokens of this branch (all if None; a tree's: the path `n`) and close it."""
         self._runtime._commit(self, n)
 
     def rollback(self) -> None:
@@ -199,6 +202,8 @@ class Runtime(KVSwitch):
         ValueError: `cache_salt` is empty or not a str or bytes.
     """
 
+    _ropes = None  # the model's rope modules (adapters/tree.py), found when first asked (takes_trees)
+
     def __init__(
         self,
         model,
@@ -302,6 +307,8 @@ class Runtime(KVSwitch):
             chunk = token_ids(tokens)
         self._own_layers("forward")
         self._sync()
+        if self._branches and self._branches[-1].tree is not None:
+            raise BranchError("forward() after forward_tree() in the same branch: commit a path or roll back first")
         saved = [layer.savepoint() for layer in self.cache]
         x = chunk[None] if isinstance(chunk, mx.array) else mx.array(chunk, dtype=mx.uint32)[None]
         try:
@@ -314,6 +321,51 @@ class Runtime(KVSwitch):
             raise
         self._ledger.append(chunk)
         return logits
+
+    @property
+    def takes_trees(self) -> bool:
+        """Whether `forward_tree` runs here: every layer's kind verifies trees (docs/tree.md)."""
+        self._ropes = rope_modules(self.model) if self._ropes is None else self._ropes
+        return all(layer.takes_trees for layer in self.cache) and bool(self._ropes)
+
+    def forward_tree(self, tokens: Sequence[int], parents: Sequence[int]) -> mx.array:
+        """Verify a tree of drafts in one forward in a branch just opened; logits [1, N, vocab].
+
+        Node i (`tokens[i]`, parent `parents[i]`, the root 0: -1) sees the committed tokens and
+        its ancestors at position offset + depth (docs/tree.md); then `commit(path)`. Raises,
+        changing nothing, ValueError (not a tree of one token per node), BranchError (the
+        innermost branch holds tokens) or UnsupportedOperationError (not `takes_trees`).
+        """
+        self._own_layers("forward_tree")
+        self._sync()
+        tree, ids = Tree(parents), token_ids(tokens)
+        if len(ids) != tree.size:
+            raise ValueError(f"forward_tree(): {len(ids)} tokens for {tree.size} nodes")
+        if not self._branches or self.offset != self._branches[-1].base_offset:
+            raise BranchError("forward_tree() needs a branch just opened (rt.fork()) that holds nothing yet")
+        if not self.takes_trees:
+            raise UnsupportedOperationError("forward_tree(): a layer of this model verifies no trees; verify chains")
+        logits = verify_tree(self.model, self._ropes, self.cache, tree, self.offset, ids)
+        self._ledger.append(ids)
+        self._branches[-1].tree = tree
+        return logits
+
+    def keep_path(self, path: Sequence[int] | int) -> int:
+        """The innermost branch, holding a tree (`forward_tree`), becomes the chain of the root
+        `path` (node indices; an int n: nodes 0..n-1) and stays open; returns its length.
+        Raises BranchError (changing nothing): no tree pending, or not a root path of it.
+        """
+        inner = self._innermost(None, "keep_path")
+        if inner.tree is None:
+            raise BranchError("keep_path() with no tree pending: it follows forward_tree()")
+        path = inner.tree.check_path(path)
+        ids = self._ledger.ids(self.offset)
+        for layer in self.cache:
+            layer.take_path(path)
+        self._ledger.truncate(inner.base_offset)
+        self._ledger.append([ids[inner.base_offset + i] for i in path])
+        inner.tree = None
+        return len(path)
 
     def savepoint(self) -> "Savepoint":
         """A point to undo the forwards that follow, as long as they are not evaluated (`undo`).
@@ -409,6 +461,8 @@ class Runtime(KVSwitch):
         length = self.offset - inner.base_offset
         if n is None:
             n = length
+        if inner.tree is not None:  # a path of the tree (an int n: the chain of nodes 0..n-1)
+            n = self.keep_path(n)
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= length:
             raise BranchError(f"commit(n={n!r}): n must be an int in 0..{length}, the tokens this branch holds")
         for layer in self.cache:
