@@ -47,13 +47,21 @@ def feed(rt: Runtime, tokens: Sequence[int], step: int) -> None:
 
 
 class Lookup:
-    """Prompt lookup: each row's drafts copied from the last earlier match of its history's suffix."""
+    """Prompt lookup: each row's drafts copied from the last earlier match of its history's suffix.
+
+    With `tree` > 0 a lone row also gets a tree of up to `tree` draft nodes, the
+    continuations of several earlier matches (`PromptLookup.draft_tree`), as deep as its
+    width; its chain is the tree's first branch (docs/tree.md).
+    """
 
     mode = "lookup"
     min_prob = 0.0
     draft_runtimes = False
 
-    def __init__(self):
+    def __init__(self, tree: int = 0):
+        if not isinstance(tree, int) or isinstance(tree, bool) or tree < 0:
+            raise ValueError(f"draft_tree must be an int >= 0 (draft nodes per round), got {tree!r}")
+        self.tree = tree
         self.index: dict = {}  # row id -> PromptLookup of its history
         self._offered: list = []
 
@@ -73,7 +81,10 @@ class Lookup:
         return [len(d) for d in self._offered]
 
     def draft(self, states, widths):
-        return Draft([d[:w] for d, w in zip(self._offered, widths)], list(widths), [None] * len(states))
+        trees = None
+        if self.tree and len(states) == 1 and widths[0]:
+            trees = [self.index[states[0].row_id].draft_tree(widths[0], self.tree)]
+        return Draft([d[:w] for d, w in zip(self._offered, widths)], list(widths), [None] * len(states), trees)
 
     def fill(self, proposals):
         pass
@@ -260,7 +271,8 @@ class DraftModel:
 
 
 def make_drafter(model, *, draft_model=None, mtp=None, prompt_lookup: bool = False, draft_min_prob: float = 0.0,
-                 prefill_step: int = 2048, one_row: bool = False, recurrent_strategy: str = "auto") -> Drafter | None:
+                 prefill_step: int = 2048, one_row: bool = False, recurrent_strategy: str = "auto",
+                 draft_tree: int = 0) -> Drafter | None:
     """The drafter for what the caller asked: a draft model, the target's MTP head, prompt lookup, or none.
 
     Args:
@@ -274,13 +286,20 @@ def make_drafter(model, *, draft_model=None, mtp=None, prompt_lookup: bool = Fal
             model gives less than this (that draft is still verified).
         prefill_step: tokens per forward when a joining row's draft state is brought up to
             the target's tokens.
+        draft_tree: with prompt lookup, draft nodes per round of a lone row's tree
+            (docs/tree.md); 0: chains only.
 
     Raises:
-        ValueError: two drafters asked for, a `draft_min_prob` outside [0, 1], or a head of
-            another model.
+        ValueError: two drafters asked for, a `draft_min_prob` outside [0, 1], a head of
+            another model, or `draft_tree` with a drafter that proposes chains only.
     """
     if draft_model is not None and mtp is not None:
         raise ValueError("choose one drafter: a draft model or the MTP head, not both")
+    if draft_tree and not (prompt_lookup or draft_model is not None or mtp is not None):
+        raise ValueError(f"draft_tree={draft_tree} without a drafter: a tree is of prompt lookup's drafts")
+    if draft_tree and (draft_model is not None or mtp is not None):
+        raise ValueError(f"draft_tree={draft_tree}: a draft model or MTP head proposes chains only so far "
+                         "(docs/tree.md); use prompt lookup, or draft_tree=0")
     if not 0.0 <= draft_min_prob <= 1.0:
         raise ValueError(f"draft_min_prob must be a probability in [0, 1], got {draft_min_prob}")
     if draft_model is not None:
@@ -290,15 +309,16 @@ def make_drafter(model, *, draft_model=None, mtp=None, prompt_lookup: bool = Fal
         if mtp.model is not model:
             raise ValueError("the MTP head is bound to another model than this decoder's target")
         return MTP(mtp, prefill_step=prefill_step)
-    return Lookup() if prompt_lookup else None
+    return Lookup(tree=draft_tree) if prompt_lookup else None
 
 
 def make_decoder(model, *, num_draft_tokens: int = 0, draft_model=None, mtp=None, draft_min_prob: float = 0.0,
                  prefill_step: int = 2048, recurrent_strategy: str = "auto", one_row: bool = False,
-                 **options) -> BatchDecoder:
+                 draft_tree: int = 0, **options) -> BatchDecoder:
     """A `BatchDecoder` with the drafter `make_drafter` makes: `num_draft_tokens` drafts per row per
-    round by `draft_model`, else by `mtp`, else by prompt lookup (0: plain decoding). `options`:
-    the decoder's own (`gate`, `pipeline`, `adaptive`).
+    round by `draft_model`, else by `mtp`, else by prompt lookup (0: plain decoding); `draft_tree`:
+    prompt lookup's tree budget (docs/tree.md). `options`: the decoder's own (`gate`, `pipeline`,
+    `adaptive`).
 
     Raises:
         ValueError: a draft model or head with `num_draft_tokens` < 1, or as `make_drafter`.
@@ -307,6 +327,6 @@ def make_decoder(model, *, num_draft_tokens: int = 0, draft_model=None, mtp=None
         raise ValueError(f"a draft model or MTP head needs num_draft_tokens >= 1, got {num_draft_tokens}")
     drafter = make_drafter(model, draft_model=draft_model, mtp=mtp, prompt_lookup=num_draft_tokens > 0,
                            draft_min_prob=draft_min_prob, prefill_step=prefill_step, one_row=one_row,
-                           recurrent_strategy=recurrent_strategy)
+                           recurrent_strategy=recurrent_strategy, draft_tree=draft_tree)
     return BatchDecoder(model, drafter=drafter, num_draft_tokens=num_draft_tokens,
                         recurrent_strategy=recurrent_strategy, one_row=one_row, **options)

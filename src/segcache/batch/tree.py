@@ -1,0 +1,79 @@
+"""A tree round of the decoder: verify a row's tree of drafts in one forward, walk it, keep a path.
+
+    fork ─ forward_tree([y] + tree nodes, parents) ─ greedy walk from the root:
+           a child whose token is the target's choice at its parent, while one is ─
+           keep_path(root .. last node) ─ the round goes on as a chain round of that path
+
+After `keep_path` the row's branch holds exactly the chain [y, d1..dn] of
+the accepted path (Runtime.keep_path), so everything after it (emitting
+d1..dn and the target's token after them, settling fewer, the drafter's
+bookkeeping, the gate) is the chain round's, unchanged. The walk is greedy
+decoding's own rule: dn is accepted iff it equals the argmax after d1..dn-1,
+so the output is plain greedy's token for token.
+
+Where a tree cannot be verified the round verifies the tree's first branch
+as a chain (the drafter's chain): rows of a batch, a row with logits
+processors or a sampling acceptor, a model whose layers verify no trees
+(said once per model, as a warning).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import mlx.core as mx
+
+from ..acceptors import GreedyMatch
+from ..layers.tree import Tree
+from ..processors import normalize
+from .drafting import Draft
+from .rows import OneRow
+
+_warned: set = set()  # ids of the models a fallback to chains was said for
+
+
+def takes_tree(batch, states: list, draft: Draft) -> bool:
+    """Whether this step's tree can be verified as one (else its chain is)."""
+    if draft.trees is None or not isinstance(batch, OneRow) or len(states) != 1:
+        return False
+    s = states[0]
+    tokens, parents = draft.trees[0]
+    if not tokens or Tree([-1] + list(parents)).is_chain():
+        return False  # a tree of one branch: the chain round is the same round
+    if s.processors is not None or not isinstance(s.acceptor, GreedyMatch):
+        return False
+    if not batch.runtime.takes_trees:
+        if id(batch.model) not in _warned:
+            _warned.add(id(batch.model))
+            kinds = sorted({type(layer).__name__ for layer in batch.runtime.cache if not layer.takes_trees})
+            warnings.warn(f"draft_tree: this model's layers {kinds or '(no rope module found)'} verify no "
+                          "trees; its rounds verify chains (docs/tree.md)", stacklevel=3)
+        return False
+    return True
+
+
+def verify_tree(batch: OneRow, states: list, pending: list[int], draft: Draft) -> tuple:
+    """One row's tree round, the branch forked: (rows, proposals, drafts, accepted) as the
+    decoder's chain verify gives them, for the accepted path as if it had been the chain.
+
+    `drafts` is the path's tokens followed by the chain's past it, so a row's figures count
+    the chain's width drafted and the path's length accepted.
+    """
+    tokens, parents = draft.trees[0]
+    tree = Tree([-1] + list(parents))
+    nodes = [pending[0]] + list(tokens)
+    logprobs = normalize(batch.runtime.forward_tree(nodes, tree.parents))[0]  # [N, V]
+    targets = mx.argmax(logprobs, axis=-1)
+    mx.eval(logprobs, targets)
+    chosen = targets.tolist()
+    child = {(p, t): i for i, (p, t) in enumerate(zip(tree.parents, nodes)) if i}
+    node = 0
+    while (node, chosen[node]) in child:
+        node = child[(node, chosen[node])]
+    path = tree.path(node)
+    batch.runtime.keep_path(path)
+    accepted = [nodes[i] for i in path[1:]]
+    n = len(accepted)
+    chain = list(draft.tokens[0])
+    drafts = accepted + chain[n:] if chain[:n] != accepted else chain
+    return [logprobs[mx.array(path)]], [drafts], [drafts], [(n, chosen[node])]
