@@ -32,7 +32,7 @@ from typing import Optional, Protocol, Sequence
 
 import mlx.core as mx
 
-from .sampling import Keys, Sampler, match_accept, speculative_accept
+from .sampling import Keys, Sampler, match_accept, speculative_accept, tree_speculative_accept
 
 
 class GlobalKeys:
@@ -77,6 +77,16 @@ class GreedyMatch:
         n = match_accept(drafts, targets)
         return n, targets[n]
 
+    def accept_tree(self, logprobs, parents, tokens):
+        """(accepted root path, the token after it) for a tree's verify logprobs [N, V]: from
+        the root, the child holding the target's argmax, while there is one (batch/tree.py)."""
+        targets = mx.argmax(logprobs, axis=-1).tolist()
+        child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i}
+        path = [0]
+        while (path[-1], targets[path[-1]]) in child:
+            path.append(child[(path[-1], targets[path[-1]])])
+        return path, targets[path[-1]]
+
 
 class SamplerMatch:
     """An opaque mlx-lm sampler: sample the target at every position, accept
@@ -119,6 +129,11 @@ class ExactSpeculative:
 
     def accept(self, logprobs, drafts, q, choices):
         return speculative_accept(self.sampler.probs(logprobs), q, drafts, key=self.keys.next())
+
+    def accept_tree(self, logprobs, parents, tokens):
+        """A tree of point-mass drafts, exactly: recursive rejection over siblings
+        (`sampling.tree_speculative_accept`)."""
+        return tree_speculative_accept(self.sampler.probs(logprobs), parents, tokens, key=self.keys.next())
 
 
 class KeyedMatch:

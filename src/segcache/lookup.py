@@ -85,11 +85,15 @@ class PromptLookup:
         starts = self._starts.get(tuple(self.history[size - n :]), ())
         return (s for s in reversed(starts) if s != size - n)
 
-    def draft_tree(self, depth: int, budget: int, matches: int = 8) -> tuple[list[int], list[int]]:
+    def draft_tree(self, depth: int, budget: int, matches: int = 16) -> tuple[list[int], list[int]]:
         """Up to `budget` draft nodes, each at most `depth` below the pending token, as a tree.
 
-        The first branch is `draft(depth)`; then the continuations of up to `matches`
-        more earlier occurrences per n-gram length, longest first, most recent first.
+        The first branch is `draft(depth)`, the chain; the other nodes are chosen best
+        first from the continuations of up to `matches` earlier occurrences per n-gram
+        length: a node's weight is the sum over the continuations through it of 4^n
+        (n its n-gram's length), an estimate of how often it follows, and the heaviest
+        nodes are kept (a parent weighs at least its children, so the kept nodes form a
+        tree).
 
         Returns:
             (tokens, parents) of the draft nodes 1..len(tokens): node j's parent is
@@ -97,19 +101,27 @@ class PromptLookup:
             nothing matched.
         """
         size = len(self.history)
-        continuations = [self.draft(depth)]
+        trie: dict[tuple, float] = {}  # a path of tokens below the pending one -> its weight
         for n in range(min(self.max_ngram, size - 1), self.min_ngram - 1, -1):
             for start, _ in zip(self._matches(n), range(matches)):
-                continuations.append(self.history[start + n : start + n + depth])
-        tokens, parents, child = [], [], {}  # child[(node, token)]: the node of token under node
-        for continuation in continuations:
-            node = 0
-            for tok in continuation:
-                if (node, tok) not in child:
-                    if len(tokens) == budget:
-                        break
-                    tokens.append(tok)
-                    parents.append(node)
-                    child[(node, tok)] = len(tokens)
-                node = child[(node, tok)]
+                continuation = self.history[start + n : start + n + depth]
+                for j in range(1, len(continuation) + 1):
+                    key = tuple(continuation[:j])
+                    trie[key] = trie.get(key, 0.0) + 4.0**n
+        chain = self.draft(depth)
+        forced = [tuple(chain[:j]) for j in range(1, min(len(chain), budget) + 1)]
+        rest = sorted((key for key in trie if key not in set(forced)), key=lambda key: (-trie[key], len(key)))
+        kept = set(forced)
+        for key in rest:
+            if len(kept) == budget:
+                break
+            if len(key) == 1 or key[:-1] in kept:
+                kept.add(key)
+        order = sorted(kept, key=lambda key: (len(key), forced.index(key) if key in forced else len(forced)))
+        node = {(): 0}
+        tokens, parents = [], []
+        for key in order:
+            tokens.append(key[-1])
+            parents.append(node[key[:-1]])
+            node[key] = len(tokens)
         return tokens, parents

@@ -298,3 +298,53 @@ def speculative_accept(p: mx.array, q: mx.array | None, drafts: Sequence[int],
             dist = p[n]
     token = mx.random.categorical(mx.log(dist)[None], key=k_token).item()  # a [1, V] row, as `Sampler.sample`
     return n, token
+
+
+def tree_speculative_accept(p: mx.array, parents: Sequence[int], tokens: Sequence[int],
+                            key: Optional[mx.array] = None) -> tuple[list[int], int]:
+    """Exact speculative sampling of one tree round of point-mass drafts (prompt lookup's).
+
+    From the root, the children of the current node are tried in order, each once:
+    child c (token t) is accepted with probability r(t), r the residual of the node's
+    target distribution after the siblings tried before it were rejected (r starts as
+    p[node]; rejecting t sets r(t) = 0 and renormalizes, which is max(r - q, 0) for the
+    point mass q on t). An accepted child becomes the current node; when every child of
+    a node is rejected (or it has none), the token is drawn from its residual. The first
+    emitted token is then distributed as p[0] exactly, and each next one as the target's
+    distribution after the tokens before it (SpecInfer's multi-draft rejection, one draft
+    per sibling).
+
+    Args:
+        p: target distributions, [N, V]; row i follows node i's path.
+        parents: each node's parent (node 0, the root, -1; parents[i] < i); siblings hold
+            distinct tokens.
+        tokens: each node's token (node 0's is the root's own, unused).
+        key: the round's random key; None draws from mlx's global generator.
+
+    Returns:
+        (path, token): the accepted root path (node indices, 0 first), then the token drawn
+        at its last node.
+    """
+    k_accept = k_token = None
+    if key is not None:
+        k_accept, k_token = mx.random.split(key)
+    p = p.astype(mx.float32)
+    u = mx.random.uniform(shape=(len(parents),), key=k_accept).tolist()  # one draw per child, used once
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(parents[1:], start=1):
+        children.setdefault(parent, []).append(i)
+    path = [0]
+    while True:
+        node = path[-1]
+        residual = p[node]
+        for child in children.get(node, ()):
+            r = residual[tokens[child]].item()
+            if u[child] < r:
+                path.append(child)
+                break
+            residual = residual.at[tokens[child]].multiply(0.0)
+            mass = residual.sum()
+            residual = mx.where(mass > 0, residual / mass, p[node])  # all-zero only by rounding
+        else:
+            token = mx.random.categorical(mx.log(residual)[None], key=k_token).item()
+            return path, token

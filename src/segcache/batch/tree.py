@@ -9,12 +9,15 @@ the accepted path (Runtime.keep_path), so everything after it (emitting
 d1..dn and the target's token after them, settling fewer, the drafter's
 bookkeeping, the gate) is the chain round's, unchanged. The walk is greedy
 decoding's own rule: dn is accepted iff it equals the argmax after d1..dn-1,
-so the output is plain greedy's token for token.
+so the output is plain greedy's token for token. A sampling row without
+keys (`ExactSpeculative`) accepts by recursive rejection over siblings
+(`sampling.tree_speculative_accept`): its tokens are distributed as plain
+sampling's.
 
 Where a tree cannot be verified the round verifies the tree's first branch
 as a chain (the drafter's chain): rows of a batch, a row with logits
-processors or a sampling acceptor, a model whose layers verify no trees
-(said once per model, as a warning).
+processors or a seeded / opaque sampler (the keyed and sampler matches), a
+model whose layers verify no trees (said once per model, as a warning).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import warnings
 
 import mlx.core as mx
 
-from ..acceptors import GreedyMatch
+from ..acceptors import ExactSpeculative, GreedyMatch
 from ..layers.tree import Tree
 from ..processors import normalize
 from .drafting import Draft
@@ -40,7 +43,7 @@ def takes_tree(batch, states: list, draft: Draft) -> bool:
     tokens, parents = draft.trees[0]
     if not tokens or Tree([-1] + list(parents)).is_chain():
         return False  # a tree of one branch: the chain round is the same round
-    if s.processors is not None or not isinstance(s.acceptor, GreedyMatch):
+    if s.processors is not None or not isinstance(s.acceptor, (GreedyMatch, ExactSpeculative)):
         return False
     if not batch.runtime.takes_trees:
         if id(batch.model) not in _warned:
@@ -63,17 +66,11 @@ def verify_tree(batch: OneRow, states: list, pending: list[int], draft: Draft) -
     tree = Tree([-1] + list(parents))
     nodes = [pending[0]] + list(tokens)
     logprobs = normalize(batch.runtime.forward_tree(nodes, tree.parents))[0]  # [N, V]
-    targets = mx.argmax(logprobs, axis=-1)
-    mx.eval(logprobs, targets)
-    chosen = targets.tolist()
-    child = {(p, t): i for i, (p, t) in enumerate(zip(tree.parents, nodes)) if i}
-    node = 0
-    while (node, chosen[node]) in child:
-        node = child[(node, chosen[node])]
-    path = tree.path(node)
+    mx.eval(logprobs)
+    path, token = states[0].acceptor.accept_tree(logprobs, tree.parents, nodes)
     batch.runtime.keep_path(path)
     accepted = [nodes[i] for i in path[1:]]
     n = len(accepted)
     chain = list(draft.tokens[0])
     drafts = accepted + chain[n:] if chain[:n] != accepted else chain
-    return [logprobs[mx.array(path)]], [drafts], [drafts], [(n, chosen[node])]
+    return [logprobs[mx.array(path)]], [drafts], [drafts], [(n, token)]
