@@ -32,12 +32,15 @@ from ..processors import normalize
 from .drafting import Draft
 from .rows import OneRow
 
-_warned: set = set()  # ids of the models a fallback to chains was said for
+_warned: set = set()  # (why, id of the model) of each fallback to chains said so far
 
 
 def takes_tree(batch, states: list, draft: Draft) -> bool:
     """Whether this step's tree can be verified as one (else its chain is)."""
-    if draft.trees is None or not isinstance(batch, OneRow) or len(states) != 1:
+    if draft.trees is None:
+        return False
+    if not isinstance(batch, OneRow) or len(states) != 1:
+        _say_once(("batch", id(batch.model)), "draft_tree: batched rows verify chains so far (docs/tree.md)")
         return False
     s = states[0]
     tokens, parents = draft.trees[0]
@@ -46,13 +49,17 @@ def takes_tree(batch, states: list, draft: Draft) -> bool:
     if s.processors is not None or not isinstance(s.acceptor, (GreedyMatch, ExactSpeculative)):
         return False
     if not batch.runtime.takes_trees:
-        if id(batch.model) not in _warned:
-            _warned.add(id(batch.model))
-            kinds = sorted({type(layer).__name__ for layer in batch.runtime.cache if not layer.takes_trees})
-            warnings.warn(f"draft_tree: this model's layers {kinds or '(no rope module found)'} verify no "
-                          "trees; its rounds verify chains (docs/tree.md)", stacklevel=3)
+        kinds = sorted({type(layer).__name__ for layer in batch.runtime.cache if not layer.takes_trees})
+        _say_once(("layers", id(batch.model)), f"draft_tree: this model's layers {kinds or '(no rope module found)'} "
+                  "verify no trees; its rounds verify chains (docs/tree.md)")
         return False
     return True
+
+
+def _say_once(what: tuple, message: str) -> None:
+    if what not in _warned:
+        _warned.add(what)
+        warnings.warn(message, stacklevel=4)
 
 
 def verify_tree(batch: OneRow, states: list, pending: list[int], draft: Draft) -> tuple:
