@@ -1,4 +1,5 @@
-"""Sampled tree speculation is exact (issue 31, docs/tree.md): recursive rejection over siblings.
+"""Sampled tree speculation is exact (issue 31, docs/tree.md): recursive rejection over siblings,
+and seeded rows emit plain seeded decoding's tokens.
 
 Chi-square tests (helpers of tests/test_generate_sampling.py) of the tokens emitted against the
 target's own distribution, with power against the drafts' distribution, end to end through
@@ -13,10 +14,12 @@ from unittest import mock
 import mlx.core as mx
 
 from segcache import Runtime
+from segcache.generation import stream_generate
 from segcache.lookup import PromptLookup
-from segcache.sampling import tree_speculative_accept
-from test_generate import model, prompt_ids
+from segcache.sampling import Sampler, tree_speculative_accept
+from test_generate import model, prompt_ids, tok
 from test_generate_sampling import RUNS, chi2, chi2_critical, dist, first_tokens
+from test_tree_generate import _prompt
 
 
 def test_tree_sampling_matches_target_distribution():
@@ -74,3 +77,23 @@ def test_tree_accept_alone_emits_the_target_distribution_at_each_depth():
     # power: emitting the first child whenever it exists would give a point mass on token 0
     stat_q, df_q = chi2(first, [0.97, 0.01, 0.01, 0.01], runs)
     assert stat_q > 3 * chi2_critical(df_q)
+
+
+def test_seeded_tree_speculation_is_plain_seeded_decoding():
+    target = model("qwen3_next")
+    trees = []
+    forward_tree = Runtime.forward_tree
+
+    def spy(rt, toks, pars):
+        trees.append(len(toks))
+        return forward_tree(rt, toks, pars)
+
+    for seed in (1, 2):
+        prompt = _prompt(seed)
+        plain = [r.token for r in stream_generate(target, tok(), prompt, sampler=Sampler(0.7, top_p=0.9),
+                                                  seed=seed, max_tokens=40)]
+        with mock.patch.object(Runtime, "forward_tree", spy):
+            got = [r.token for r in stream_generate(target, tok(), prompt, sampler=Sampler(0.7, top_p=0.9),
+                                                    seed=seed, max_tokens=40, prompt_lookup=True, draft_tree=8)]
+        assert got == plain
+    assert trees

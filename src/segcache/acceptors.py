@@ -60,6 +60,16 @@ class Acceptor(Protocol):
         """(drafts accepted, the token after them) for one row's verify."""
 
 
+def walk(parents: Sequence[int], tokens: Sequence[int], targets: list[int]) -> tuple[list[int], int]:
+    """A tree's match rule: from the root, the child holding the target's choice at its parent
+    (`targets[node]`), while there is one; (the root path walked, the choice after it)."""
+    child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i}
+    path = [0]
+    while (path[-1], targets[path[-1]]) in child:
+        path.append(child[(path[-1], targets[path[-1]])])
+    return path, targets[path[-1]]
+
+
 class GreedyMatch:
     """Greedy decoding: accept drafts while they equal the target's argmax."""
 
@@ -80,12 +90,7 @@ class GreedyMatch:
     def accept_tree(self, logprobs, parents, tokens):
         """(accepted root path, the token after it) for a tree's verify logprobs [N, V]: from
         the root, the child holding the target's argmax, while there is one (batch/tree.py)."""
-        targets = mx.argmax(logprobs, axis=-1).tolist()
-        child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i}
-        path = [0]
-        while (path[-1], targets[path[-1]]) in child:
-            path.append(child[(path[-1], targets[path[-1]])])
-        return path, targets[path[-1]]
+        return walk(parents, tokens, mx.argmax(logprobs, axis=-1).tolist())
 
 
 class SamplerMatch:
@@ -175,6 +180,18 @@ class KeyedMatch:
         self.keys = self._after[n]  # past the n + 1 positions emitted
         self._after = []
         return n, targets[n]
+
+    def accept_tree(self, logprobs, parents, tokens):
+        """A tree's match rule on the target's own draws, node i drawn with the keys of its depth
+        (`Sampler.sample_tree`): the tokens emitted are plain decoding's for these keys."""
+        self._proposing = None
+        depths = [0] * len(parents)
+        for i, p in enumerate(parents[1:], start=1):
+            depths[i] = depths[p] + 1
+        draws, after = self.sampler.sample_tree(logprobs, depths, self.keys)
+        path, token = walk(parents, tokens, draws.tolist())
+        self.keys = after[len(path) - 1]  # past the positions emitted
+        return path, token
 
 
 def make_acceptor(sampler, keys: Optional[Keys] = None) -> Acceptor:

@@ -205,6 +205,29 @@ class Sampler:
             after.append(stream.copy())
         return mx.stack(tokens), after
 
+    def sample_tree(self, logprobs: mx.array, depths, keys: Keys) -> tuple[mx.array, list]:
+        """`sample_positions` over a tree's verify [N, V]: node i drawn as at position depths[i] (with
+        the stream after depths[i] positions), so the draws along any root path are the draws
+        `sample_positions` makes over that path's chain; tokens [N] (unevaluated), and the stream
+        after each depth. `keys` does not move."""
+        plain = self._filter(logprobs, False)
+        masked = self._filter(logprobs, True) if self.xtc else None
+        streams = [keys.copy()]  # streams[d]: the stream before position d
+        for _ in range(max(depths) + 1):
+            stream = streams[-1].copy()
+            for _ in range(2 if masked is not None else 1):
+                stream.next()
+            streams.append(stream)
+        tokens = []
+        for i, d in enumerate(depths):
+            stream = streams[d].copy()
+            row = plain[i : i + 1]
+            if masked is not None:
+                coin = mx.random.uniform(0, 1, key=stream.next())
+                row = mx.where(coin > self.xtc_probability, row, masked[i : i + 1])
+            tokens.append(mx.random.categorical(row * (1.0 / self.temp), key=stream.next())[0])
+        return mx.stack(tokens), streams[1:]
+
     def draw(self, logprobs: mx.array, key: mx.array) -> tuple[mx.array, mx.array]:
         """A draft's token and the distribution q it was drawn from (for a drafter).
 

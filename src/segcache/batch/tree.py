@@ -9,14 +9,16 @@ the accepted path (Runtime.keep_path), so everything after it (emitting
 d1..dn and the target's token after them, settling fewer, the drafter's
 bookkeeping, the gate) is the chain round's, unchanged. The walk is greedy
 decoding's own rule: dn is accepted iff it equals the argmax after d1..dn-1,
-so the output is plain greedy's token for token. A sampling row without
-keys (`ExactSpeculative`) accepts by recursive rejection over siblings
+so the output is plain greedy's token for token. A seeded row (`KeyedMatch`)
+walks the target's own draws, each node drawn with the keys of its depth:
+plain seeded decoding's tokens. A sampling row without keys
+(`ExactSpeculative`) accepts by recursive rejection over siblings
 (`sampling.tree_speculative_accept`): its tokens are distributed as plain
 sampling's.
 
 Where a tree cannot be verified the round verifies the tree's first branch
 as a chain (the drafter's chain): rows of a batch, a row with logits
-processors or a seeded / opaque sampler (the keyed and sampler matches), a
+processors or an opaque mlx-lm sampler (the sampler match), a
 model whose layers verify no trees (said once per model, as a warning).
 """
 
@@ -26,7 +28,7 @@ import warnings
 
 import mlx.core as mx
 
-from ..acceptors import ExactSpeculative, GreedyMatch
+from ..acceptors import ExactSpeculative, GreedyMatch, KeyedMatch
 from ..layers.tree import Tree
 from ..processors import normalize
 from .drafting import Draft
@@ -46,7 +48,7 @@ def takes_tree(batch, states: list, draft: Draft) -> bool:
     tokens, parents = draft.trees[0]
     if not tokens or Tree([-1] + list(parents)).is_chain():
         return False  # a tree of one branch: the chain round is the same round
-    if s.processors is not None or not isinstance(s.acceptor, (GreedyMatch, ExactSpeculative)):
+    if s.processors is not None or not isinstance(s.acceptor, (GreedyMatch, ExactSpeculative, KeyedMatch)):
         return False
     if not batch.runtime.takes_trees:
         kinds = sorted({type(layer).__name__ for layer in batch.runtime.cache if not layer.takes_trees})
