@@ -18,6 +18,7 @@ from segcache.drafters import make_drafter
 from segcache.generation import generate, stream_generate
 from segcache.layers.tree import Tree
 from segcache.lookup import PromptLookup
+from segcache.processors import make_processors
 from segcache.testing import tokenizer as test_tokenizer
 
 
@@ -105,3 +106,25 @@ def test_lookup_tree_holds_the_continuations_of_earlier_matches(history, depth, 
     followers.add(tuple(chain))
     for p in paths:
         assert any(f[: len(p)] == p for f in followers), p
+
+
+def test_processors_see_each_nodes_own_history():
+    model, tok = tiny("qwen3_5"), test_tokenizer.tokenizer(eos=False)
+    kept = []
+    keep_path = Runtime.keep_path
+
+    def spy(rt, path):
+        kept.append(list(path))
+        return keep_path(rt, path)
+
+    for seed in range(2):
+        prompt = _prompt(seed + 10)
+        options = dict(repetition_penalty=1.3, repetition_context_size=6, logit_bias={prompt[2]: 2.0})
+        plain = [r.token for r in stream_generate(model, tok, prompt, max_tokens=40,
+                                                  processors=make_processors(vocab_size=64, **options))]
+        with mock.patch.object(Runtime, "keep_path", spy):
+            got = [r.token for r in stream_generate(model, tok, prompt, max_tokens=40, prompt_lookup=True,
+                                                    draft_tree=8, processors=make_processors(vocab_size=64,
+                                                                                             **options))]
+        assert got == plain
+    assert kept

@@ -14,12 +14,13 @@ walks the target's own draws, each node drawn with the keys of its depth:
 plain seeded decoding's tokens. A sampling row without keys
 (`ExactSpeculative`) accepts by recursive rejection over siblings
 (`sampling.tree_speculative_accept`): its tokens are distributed as plain
-sampling's.
+sampling's. Logits processors (penalties, a grammar) see each node's own
+history: every leaf's path is processed as a chain verify would process it.
 
 Where a tree cannot be verified the round verifies the tree's first branch
-as a chain (the drafter's chain): rows of a batch, a row with logits
-processors or an opaque mlx-lm sampler (the sampler match), a
-model whose layers verify no trees (said once per model, as a warning).
+as a chain (the drafter's chain): rows of a batch, a row with an opaque
+mlx-lm sampler (the sampler match), a model whose layers verify no trees
+(those two said once per model, as a warning).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def takes_tree(batch, states: list, draft: Draft) -> bool:
     tokens, parents = draft.trees[0]
     if not tokens or Tree([-1] + list(parents)).is_chain():
         return False  # a tree of one branch: the chain round is the same round
-    if s.processors is not None or not isinstance(s.acceptor, (GreedyMatch, ExactSpeculative, KeyedMatch)):
+    if not isinstance(s.acceptor, (GreedyMatch, ExactSpeculative, KeyedMatch)):
         return False
     if not batch.runtime.takes_trees:
         kinds = sorted({type(layer).__name__ for layer in batch.runtime.cache if not layer.takes_trees})
@@ -74,7 +75,18 @@ def verify_tree(batch: OneRow, states: list, pending: list[int], draft: Draft) -
     tokens, parents = draft.trees[0]
     tree = Tree([-1] + list(parents))
     nodes = [pending[0]] + list(tokens)
-    logprobs = normalize(batch.runtime.forward_tree(nodes, tree.parents))[0]  # [N, V]
+    logits = batch.runtime.forward_tree(nodes, tree.parents)[0]  # raw [N, V]: processors need the model's own
+    processors = states[0].processors
+    if processors is None:
+        logprobs = normalize(logits)
+    else:  # each node as plain decoding after its own path (`process` changes no state)
+        rows = [None] * tree.size
+        for leaf in sorted(set(range(tree.size)) - set(tree.parents)):
+            path = tree.path(leaf)
+            out = processors.process(logits[mx.array(path)], states[0].history, [nodes[i] for i in path[1:]])
+            for j, i in enumerate(path):
+                rows[i] = out[j] if rows[i] is None else rows[i]
+        logprobs = mx.stack(rows)
     mx.eval(logprobs)
     path, token = states[0].acceptor.accept_tree(logprobs, tree.parents, nodes)
     batch.runtime.keep_path(path)
