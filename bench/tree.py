@@ -1,15 +1,17 @@
-"""Tree speculation vs chains (issue 31, docs/tree.md): prompt lookup, one row, held-out code.
+"""Tree speculation vs chains (issue 31, docs/tree.md): prompt lookup and a draft model, one row, held-out code.
 
-On the shipped hybrid demo target (Gated DeltaNet + attention), for each of a few
-held-out code prompts (mlx-lm's sources, outside the training corpus):
+On the shipped hybrid demo target (Gated DeltaNet + attention) and its draft,
+for held-out code prompts (mlx-lm's sources, outside the training corpus):
 
   * verify cost: a forward of N positions (a chain, and a tree of N nodes) in a
     branch, in one-token forwards (c(N) = time(N) / time(1)), medians;
-  * tokens per round and end-to-end decode tok/s of plain greedy, prompt lookup
-    chains and trees of 4, 8, 12, 16 draft nodes, each ungated (every round
-    drafts, the width adapting as `stream_generate`'s) and gated (the decoder's
-    cost gate choosing the width, the tree's depth), timed interleaved in one run;
-    every output checked token for token against plain greedy.
+  * tokens per round of chains and of trees of 4, 8, 12, 16 draft nodes, per
+    drafter, ungated (every round drafts, the width adapting as
+    `stream_generate`'s) and gated (the decoder's cost gate choosing the
+    width, the tree's depth): one untimed pass (the figure is deterministic),
+    every output checked token for token against plain greedy;
+  * end-to-end decode tok/s of plain greedy, each drafter's chain and its best
+    tree (most tokens per round), ungated and gated, timed interleaved in one run.
 
     python bench/tree.py [--quick] [--repeats N] [--max-tokens N] [--prompts N]
                          [--num-draft-tokens K] [--nodes 4,8,12,16]
@@ -48,13 +50,19 @@ def heldout_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
     return [tokenizer.encode("\n".join(lines[max(0, i - 120) : i + 1]))[-length:] for i in picks]
 
 
-def decode(model, prompt: list[int], max_tokens: int, *, k: int = 0, nodes: int = 0, gate: bool = False):
-    """One generation on the decoder, timed from after the prefill: (tokens, rounds, seconds)."""
+def decode(model, prompt: list[int], max_tokens: int, *, k: int = 0, nodes: int = 0, gate: bool = False,
+           draft=None):
+    """One generation on the decoder, timed from after the prefill(s): (tokens, rounds, seconds)."""
     rt = Runtime(model)
     rt.forward(prompt[:-1])
     mx.eval([layer.state for layer in rt.cache])
-    decoder = make_decoder(model, num_draft_tokens=k, draft_tree=nodes, one_row=True, gate=gate)
-    decoder.add(0, rt, prompt[-1], max_tokens=max_tokens)
+    drt = None
+    if draft is not None:
+        drt = Runtime(draft)
+        drt.forward(prompt[:-1])
+        mx.eval([layer.state for layer in drt.cache])
+    decoder = make_decoder(model, num_draft_tokens=k, draft_model=draft, draft_tree=nodes, one_row=True, gate=gate)
+    decoder.add(0, rt, prompt[-1], max_tokens=max_tokens, draft_runtime=drt)
     out = []
     tic = time.perf_counter()
     while not decoder.rows[0].finished:
@@ -109,9 +117,10 @@ def main() -> int:
     k = args.num_draft_tokens
 
     model, tokenizer = mlx_lm.load(str(MODELS_DIR / "target"))
-    params = sum(v.size for _, v in tree_flatten(model.parameters()))
-    header("tree speculation: prompt lookup chains vs trees, one row, held-out code",
-           [("target", {"family": "qwen3_5 (demo)"}, params)])
+    draft, _ = mlx_lm.load(str(MODELS_DIR / "draft"))
+    params = lambda m: sum(v.size for _, v in tree_flatten(m.parameters()))  # noqa: E731
+    header("tree speculation: chains vs trees, prompt lookup and a draft model, one row, held-out code",
+           [("target", {"family": "qwen3_5 (demo)"}, params(model)), ("draft", {"family": "llama (demo)"}, params(draft))])
     prompts = heldout_prompts(tokenizer, count, args.prompt_tokens)
     print(f"{count} prompts of {args.prompt_tokens} tokens, max_tokens {max_tokens}, K {k}, repeats {repeats} "
           "(+1 warm-up); medians; the machine is shared (2 cores), ratios are paired per round\n")
@@ -121,42 +130,62 @@ def main() -> int:
                 ["N positions", "c(N) chain", "c(N) tree"]))
     print()
 
-    sides = {"plain": dict()}
-    for gate in (False, True):
-        g = " gated" if gate else ""
-        sides["chain" + g] = dict(k=k, gate=gate)
-        for b in budgets:
-            sides[f"tree {b}{g}"] = dict(k=k, nodes=b, gate=gate)
+    drafters = {"lookup": {}, "draft model": {"draft": draft}}
     expected = [decode(model, p, max_tokens)[0] for p in prompts]
+    n = sum(len(e) for e in expected)
+    per_round, identical, best = {}, {}, {}
+    for drafter, extra in drafters.items():  # untimed: tokens per round is deterministic
+        for gate in (False, True):
+            g = " gated" if gate else ""
+            for b in [0] + budgets:
+                name = f"{drafter} {'chain' if not b else f'tree {b}'}{g}"
+                outs = [decode(model, p, max_tokens, k=k, nodes=b, gate=gate, **extra) for p in prompts]
+                per_round[name] = n / sum(r for _, r, _ in outs)
+                identical[name] = [o for o, _, _ in outs] == expected
+            trees = [f"{drafter} tree {b}{g}" for b in budgets]
+            best[(drafter, gate)] = max(trees, key=lambda t: per_round[t])
+        print(f"{drafter}: tokens per round done", flush=True)
+    rows = []
+    for drafter in drafters:
+        for gate in (False, True):
+            g = " gated" if gate else ""
+            chain = f"{drafter} chain{g}"
+            for b in [0] + budgets:
+                name = f"{drafter} {'chain' if not b else f'tree {b}'}{g}"
+                rows.append([name, f"{per_round[name]:.2f}", f"{per_round[name] / per_round[chain]:.2f}x",
+                             "yes" if identical[name] else "NO"])
+    print()
+    print(table(rows, ["side", "tokens/round", "vs its chain", "identical"]))
+
+    sides = {"plain": dict()}
+    for drafter, extra in drafters.items():
+        for gate in (False, True):
+            g = " gated" if gate else ""
+            sides[f"{drafter} chain{g}"] = dict(k=k, gate=gate, **extra)
+            tree = best[(drafter, gate)]
+            sides[tree] = dict(k=k, nodes=int(tree.split()[-2 if gate else -1]), gate=gate, **extra)
     times = {name: Stats() for name in sides}
-    rounds = {name: 0 for name in sides}
-    identical = {name: True for name in sides}
     for r in range(repeats + 1):
         for name in rotated(list(sides), r):
             total = 0.0
             for p, want in zip(prompts, expected):
-                out, n_rounds, seconds = decode(model, p, max_tokens, **sides[name])
+                out, _, seconds = decode(model, p, max_tokens, **sides[name])
                 total += seconds
-                identical[name] &= out == want
-                if r == 0:
-                    rounds[name] += n_rounds
+                identical[name] = identical.get(name, True) and out == want
             if r:
                 times[name].samples.append(total)
-        print(f"round {r} done", flush=True)
-    n = sum(len(e) for e in expected)
+        print(f"timed round {r} done", flush=True)
     rows = []
     for name in sides:
-        base = "chain gated" if name.endswith("gated") else "chain"
-        rows.append([name, f"{n / rounds[name]:.2f}", f"{n / times[name].median:.1f}",
-                     fmt_ratio(paired_ratio(times["plain"], times[name])),
-                     "" if name == "plain" else fmt_ratio(paired_ratio(times[base], times[name])),
-                     f"{(n / rounds[name]) / (n / rounds[base]):.2f}x" if name != "plain" else "",
+        base = next((c for c in sides if c.endswith("gated") == name.endswith("gated") and " chain" in c
+                     and name.startswith(c.split(" chain")[0])), name)
+        rows.append([name, f"{n / times[name].median:.1f}", fmt_ratio(paired_ratio(times["plain"], times[name])),
+                     "" if name == "plain" or base == name else fmt_ratio(paired_ratio(times[base], times[name])),
                      "yes" if identical[name] else "NO"])
     print()
-    print(table(rows, ["side", "tokens/round", "tok/s", "vs plain", "vs its chain", "tok/round vs chain",
-                       "identical"]))
+    print(table(rows, ["side", "tok/s", "vs plain", "vs its chain", "identical"]))
     print("\ntok/s: generated tokens / decode seconds (after the prefill) over all prompts; vs = paired "
-          "time ratio (>1: faster), median [min-max]; tokens per round from the warm-up round")
+          "time ratio (>1: faster), median [min-max]")
     print(f"load avg after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0 if all(identical.values()) else 1
 

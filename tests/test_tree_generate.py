@@ -20,6 +20,7 @@ from segcache.layers.tree import Tree
 from segcache.lookup import PromptLookup
 from segcache.processors import make_processors
 from segcache.testing import tokenizer as test_tokenizer
+from test_generate_sampling import Biased
 
 
 def _prompt(seed: int) -> list[int]:
@@ -63,7 +64,7 @@ def test_generate_takes_draft_tree_and_refuses_it_without_lookup():
     with pytest.raises(ValueError, match="draft_tree"):
         generate(model, tok, prompt, draft_tree=4, max_tokens=4)
     with pytest.raises(ValueError, match="draft_tree"):
-        make_drafter(model, draft_model=tiny("llama"), draft_tree=4)
+        make_drafter(model, mtp=object(), draft_tree=4)
     with pytest.raises(ValueError, match="draft_tree"):
         make_drafter(model, prompt_lookup=True, draft_tree=-1)
 
@@ -128,3 +129,29 @@ def test_processors_see_each_nodes_own_history():
                                                                                              **options))]
         assert got == plain
     assert kept
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "gemma3_text"])
+def test_draft_model_trees_are_plain_greedy_and_keep_the_draft_rows_a_prefix(family):
+    # a draft that agrees with the target often, not always: the target's own weights, biased
+    model, tok = tiny(family), test_tokenizer.tokenizer(eos=False)
+    draft = Biased(model, scale=2.0)
+    kept = []
+    keep_path = Runtime.keep_path
+
+    def spy(rt, path):
+        kept.append(list(path))
+        return keep_path(rt, path)
+
+    prompt = _prompt(7)
+    want = [r.token for r in mlx_lm.stream_generate(model, tok, mx.array(prompt), max_tokens=48)]
+    rt, drt = Runtime(model), Runtime(draft)
+    with mock.patch.object(Runtime, "keep_path", spy):
+        got = [r.token for r in stream_generate(model, tok, prompt, draft_model=draft, draft_tree=12,
+                                                num_draft_tokens=3, max_tokens=48, runtime=rt, draft_runtime=drt)]
+    assert got == want
+    rt.check()
+    drt.check()
+    assert drt.tokens == rt.tokens[: drt.offset] and rt.tokens == prompt + got
+    off_chain = [p for p in kept if p != list(range(len(p)))]
+    assert off_chain, "no accepted path left the draft's chain"

@@ -122,20 +122,29 @@ class DraftModel:
     steps skipped the draft) feed them in one ragged forward in a branch,
     each committing what it lacked.
 
+    With `tree` > 0 a lone greedy row also gets a tree (docs/tree.md): its chain, and
+    up to `tree` nodes in all, the draft's next most likely tokens at its uncertain
+    positions as leaves beside the chain's (best first by the draft's probability of
+    reaching them), at no extra draft forward. A round whose accepted path leaves the
+    chain commits the draft rows only as far as they agree with it.
+
     Args:
         rows: the draft model's rows (a `BatchRuntime`, or a `OneRow`).
         min_prob: see above (0: every row drafts its full width).
         prefill_step: tokens per forward when a joining row's draft runtime is
             brought up to the target's tokens.
+        tree: draft nodes per round of a lone greedy row's tree (0: chains).
     """
 
     mode = "draft"
     draft_runtimes = True
 
-    def __init__(self, rows, *, min_prob: float = 0.0, prefill_step: int = 2048):
+    def __init__(self, rows, *, min_prob: float = 0.0, prefill_step: int = 2048, tree: int = 0):
         self.rows = rows
         self.min_prob = min_prob
         self.prefill_step = prefill_step
+        self.tree = tree
+        self._proposals: list | None = None  # the open round's proposals as read (fill)
         # The open round: per row the lag fed before its pending token, and the draft
         # forwards run (row i's branch holds lag_i + forwards tokens). None: no round.
         self._round: tuple[list[int], int] | None = None
@@ -178,7 +187,9 @@ class DraftModel:
         step = [lag + [p] for lag, p in zip(lags, pending)]
         live = [w > 0 for w in widths]
         kept = [0] * len(states)
-        chain, qs = [], [[] for _ in states]
+        chain, qs, tops = [], [[] for _ in states], []
+        branching = self.tree > 0 and greedy and len(states) == 1
+        TOP = 4  # alternatives per position a tree may take
         processed = any(s.processors is not None for s in states)
         for j in range(J):
             raw = self.rows.forward(step)[:, -1]  # [B, V]
@@ -197,6 +208,9 @@ class DraftModel:
                 toks = mx.stack([t for t, _ in props])
                 dists = [q for _, q in props]
             chain.append(toks)
+            if branching:  # the draft's TOP most likely tokens here and their logprobs, read with the chain
+                order = mx.argsort(-lp[0])[:TOP]
+                tops.append((order, lp[0][order]))
             for i in range(len(states)):
                 if live[i]:
                     kept[i] += 1
@@ -217,10 +231,13 @@ class DraftModel:
             step = toks[:, None]
         self._round = ([len(lag) for lag in lags], len(chain))
         tokens = mx.stack(chain, axis=1)  # [B, J']
+        if branching:
+            return Draft(tokens, kept, [None], [_leaves(tokens[0, : kept[0]].tolist(), tops, self.tree)])
         mx.async_eval(tokens)  # start on the drafts not read yet while the verify graph is built
         return Draft(tokens, kept, [mx.stack(q) if q else None for q in qs])
 
     def fill(self, proposals):
+        self._proposals = proposals
         forwards = self._round[1]
         if forwards > 1:  # the proposals fed as arrays (all but the last forward's) get their ids
             self.rows.fill([p[: forwards - 1] for p in proposals])
@@ -229,12 +246,15 @@ class DraftModel:
         if self._round is None:  # nothing was drafted: the draft rows lag (caught up when they draft again)
             return
         (lags, forwards), self._round = self._round, None
+        proposals, self._proposals = self._proposals, None
+        if proposals is not None:  # a tree's path may leave the chain: keep only what agrees with it
+            keep = [min(k, 1 + _agree(s.history[len(s.history) - k : -1], p)) for s, k, p in zip(states, keep, proposals)]
         self.rows.commit([lag + min(forwards, k) for lag, k in zip(lags, keep)])
 
     def rollback(self):
         if self.rows.branch_open:
             self.rows.rollback()
-        self._round = None
+        self._round = self._proposals = None
 
     def extend(self, row_id, tokens):
         pass  # the next round's catch-up feeds them
@@ -270,6 +290,32 @@ class DraftModel:
         return [[] for _ in lags]
 
 
+def _agree(kept: list, proposals: list) -> int:
+    """How many of `kept` (the target's tokens after the pending one) equal the proposals'."""
+    n = 0
+    while n < min(len(kept), len(proposals)) and kept[n] == proposals[n]:
+        n += 1
+    return n
+
+
+def _leaves(chain: list[int], tops: list, budget: int) -> tuple[list[int], list[int]]:
+    """A tree of the `chain` and, up to `budget` nodes in all, leaves beside its tokens: at position
+    j the draft's next likeliest tokens (`tops[j]`: tokens, logprobs), best first by the draft's
+    probability of the chain reaching j and then taking the leaf."""
+    mx.eval(tops)
+    reach, scored = 0.0, []
+    for j, (order, logp) in enumerate(tops[: len(chain)]):
+        for tok, lp in zip(order.tolist(), logp.tolist()):
+            if tok != chain[j]:
+                scored.append((reach + lp, j, tok))
+        reach += logp.tolist()[order.tolist().index(chain[j])] if chain[j] in order.tolist() else float("-inf")
+    tokens, parents = list(chain), list(range(len(chain)))
+    for _, j, tok in sorted(scored, reverse=True)[: max(0, budget - len(chain))]:
+        tokens.append(tok)
+        parents.append(j)  # node j: the chain's token before position j (0: the pending one)
+    return tokens, parents
+
+
 def make_drafter(model, *, draft_model=None, mtp=None, prompt_lookup: bool = False, draft_min_prob: float = 0.0,
                  prefill_step: int = 2048, one_row: bool = False, recurrent_strategy: str = "auto",
                  draft_tree: int = 0) -> Drafter | None:
@@ -286,8 +332,8 @@ def make_drafter(model, *, draft_model=None, mtp=None, prompt_lookup: bool = Fal
             model gives less than this (that draft is still verified).
         prefill_step: tokens per forward when a joining row's draft state is brought up to
             the target's tokens.
-        draft_tree: with prompt lookup, draft nodes per round of a lone row's tree
-            (docs/tree.md); 0: chains only.
+        draft_tree: with prompt lookup or a draft model, draft nodes per round of a lone row's
+            tree (docs/tree.md); 0: chains only.
 
     Raises:
         ValueError: two drafters asked for, a `draft_min_prob` outside [0, 1], a head of
@@ -297,14 +343,14 @@ def make_drafter(model, *, draft_model=None, mtp=None, prompt_lookup: bool = Fal
         raise ValueError("choose one drafter: a draft model or the MTP head, not both")
     if draft_tree and not (prompt_lookup or draft_model is not None or mtp is not None):
         raise ValueError(f"draft_tree={draft_tree} without a drafter: a tree is of prompt lookup's drafts")
-    if draft_tree and (draft_model is not None or mtp is not None):
-        raise ValueError(f"draft_tree={draft_tree}: a draft model or MTP head proposes chains only so far "
-                         "(docs/tree.md); use prompt lookup, or draft_tree=0")
+    if draft_tree and mtp is not None:
+        raise ValueError(f"draft_tree={draft_tree}: the MTP head proposes chains only so far "
+                         "(docs/tree.md); use prompt lookup or a draft model, or draft_tree=0")
     if not 0.0 <= draft_min_prob <= 1.0:
         raise ValueError(f"draft_min_prob must be a probability in [0, 1], got {draft_min_prob}")
     if draft_model is not None:
         rows = OneRow(draft_model) if one_row else BatchRuntime(draft_model, recurrent_strategy=recurrent_strategy)
-        return DraftModel(rows, min_prob=draft_min_prob, prefill_step=prefill_step)
+        return DraftModel(rows, min_prob=draft_min_prob, prefill_step=prefill_step, tree=draft_tree if one_row else 0)
     if mtp is not None:
         if mtp.model is not model:
             raise ValueError("the MTP head is bound to another model than this decoder's target")
@@ -317,7 +363,7 @@ def make_decoder(model, *, num_draft_tokens: int = 0, draft_model=None, mtp=None
                  draft_tree: int = 0, **options) -> BatchDecoder:
     """A `BatchDecoder` with the drafter `make_drafter` makes: `num_draft_tokens` drafts per row per
     round by `draft_model`, else by `mtp`, else by prompt lookup (0: plain decoding); `draft_tree`:
-    prompt lookup's tree budget (docs/tree.md). `options`: the decoder's own (`gate`, `pipeline`,
+    a lone row's tree budget (docs/tree.md). `options`: the decoder's own (`gate`, `pipeline`,
     `adaptive`).
 
     Raises:

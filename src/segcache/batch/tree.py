@@ -92,6 +92,7 @@ def verify_tree(batch: OneRow, states: list, pending: list[int], draft: Draft) -
     batch.runtime.keep_path(path)
     accepted = [nodes[i] for i in path[1:]]
     n = len(accepted)
-    chain = list(draft.tokens[0])
+    proposals = draft.proposals()
+    chain = proposals[0][: draft.widths[0]]
     drafts = accepted + chain[n:] if chain[:n] != accepted else chain
-    return [logprobs[mx.array(path)]], [drafts], [drafts], [(n, token)]
+    return [logprobs[mx.array(path)]], proposals, [drafts], [(n, token)]

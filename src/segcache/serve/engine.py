@@ -67,7 +67,7 @@ class Engine:
         store: a `PrefixStore`, or None to serve without a prefix cache.
         draft_model: a draft sharing the tokenizer, or None.
         prompt_lookup: draft by n-gram lookup instead (exclusive with draft_model).
-        num_draft_tokens: drafts per round, at most. draft_tree: prompt lookup's tree budget (docs/tree.md).
+        num_draft_tokens: drafts per round, at most. draft_tree: a lone row's tree budget (docs/tree.md).
         prefill_step: prompt tokens per prefill forward.
         checkpoint_interval: also checkpoint every this many prompt tokens (0: never),
             so a later prompt sharing only part of this one (another session on the
