@@ -50,7 +50,7 @@ def test_cli_generate_matches_mlx_lm(dirs, capsys):
     expected = mlx_lm.generate(model, tokenizer, PROMPT, max_tokens=15)
     base = ["generate", "--model", dirs["target"], "--prompt", PROMPT, "--max-tokens", "15", "--verbose", "False"]
     for extra in ([], ["--draft-model", dirs["draft"], "--num-draft-tokens", "3"], ["--prompt-lookup"],
-                  ["--prompt-lookup", "--draft-tree", "8"],
+                  ["--prompt-lookup", "--draft-tree", "8"], ["--draft-model", dirs["draft"], "--draft-tree", "8"],
                   ["--draft-model", dirs["draft"], "--num-draft-tokens", "5", "--draft-min-prob", "0.5"]):
         code, out = run(base + extra, capsys)
         assert code == 0, out.err
