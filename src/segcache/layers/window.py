@@ -89,7 +89,9 @@ class WindowLayer(MlxCompat, QuantizeRefused, SnapshotBranches, RotatingKVCache)
 
     # -- tree verify (layers/tree.py) ----------------------------------------------
 
-    takes_trees = True
+    @property
+    def takes_trees(self) -> bool:
+        return self.keep == 0  # attention sinks would sit apart from the window's positions in the mask
 
     def tree_begin(self, tree: Tree) -> None:
         """Before a tree forward (one block): the mask is the tree's over the min(offset, M - 1)
