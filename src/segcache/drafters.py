@@ -248,7 +248,8 @@ class DraftModel:
         (lags, forwards), self._round = self._round, None
         proposals, self._proposals = self._proposals, None
         if proposals is not None:  # a tree's path may leave the chain: keep only what agrees with it
-            keep = [min(k, 1 + _agree(s.history[len(s.history) - k : -1], p)) for s, k, p in zip(states, keep, proposals)]
+            keep = [min(k, 1 + _agree(s.history[len(s.history) - k : -1], p))
+                    for s, k, p in zip(states, keep, proposals)]
         self.rows.commit([lag + min(forwards, k) for lag, k in zip(lags, keep)])
 
     def rollback(self):
@@ -303,12 +304,11 @@ def _leaves(chain: list[int], tops: list, budget: int) -> tuple[list[int], list[
     j the draft's next likeliest tokens (`tops[j]`: tokens, logprobs), best first by the draft's
     probability of the chain reaching j and then taking the leaf."""
     mx.eval(tops)
-    reach, scored = 0.0, []
+    reach, scored = 0.0, []  # reach: the draft's logprob of the chain up to position j
     for j, (order, logp) in enumerate(tops[: len(chain)]):
-        for tok, lp in zip(order.tolist(), logp.tolist()):
-            if tok != chain[j]:
-                scored.append((reach + lp, j, tok))
-        reach += logp.tolist()[order.tolist().index(chain[j])] if chain[j] in order.tolist() else float("-inf")
+        ranked = dict(zip(order.tolist(), logp.tolist()))
+        scored += [(reach + lp, j, tok) for tok, lp in ranked.items() if tok != chain[j]]
+        reach += ranked.get(chain[j], float("-inf"))
     tokens, parents = list(chain), list(range(len(chain)))
     for _, j, tok in sorted(scored, reverse=True)[: max(0, budget - len(chain))]:
         tokens.append(tok)
