@@ -137,9 +137,10 @@ def branch_forward(module, project, inputs: mx.array, mask, cache: RecurrentLaye
 
 def tree_forward(module, project, inputs: mx.array, mask, cache: RecurrentLayer) -> mx.array:
     """A tree of N nodes in one forward (layers/tree.py): node i's conv reads its ancestors' rows
-    and its recurrence starts from its parent's state, one node at a time (the function
-    `gated_delta_update` would dispatch to, T = 1 per call: the ops path on CPU, the kernel on
-    Metal). Records one `Steps` with the tree's parents; `take_path` makes it a chain."""
+    and its recurrence starts from its parent's state: one step per depth, the nodes of a depth
+    as rows of it (the function `gated_delta_update` would dispatch to, T = 1 per call: the ops
+    path on CPU, the kernel on Metal; rows never mix). Records one `Steps` with the tree's
+    parents; `take_path` makes it a chain."""
     tree = cache.tree
     B, N, _ = inputs.shape
     if B != 1 or mask is not None:
@@ -155,14 +156,14 @@ def tree_forward(module, project, inputs: mx.array, mask, cache: RecurrentLayer)
     if before is None:
         before = mx.zeros((1, module.num_v_heads, module.head_v_dim, module.head_k_dim), dtype=mx.float32)
     recurrence = _recurrence(module, k)
-    outs, states = [], []
-    for i, parent in enumerate(tree.parents):
-        y, state = recurrence(
-            q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1], g[:, i : i + 1], beta[:, i : i + 1],
-            before if parent < 0 else states[parent], None,
-        )
-        outs.append(y)
-        states.append(state)
+    outs, states = [None] * N, [None] * N
+    for level in tree.levels():  # the nodes of one depth as rows of one step (their parents are done)
+        idx = mx.array(level, dtype=mx.int32)
+        rows = lambda a: a[0][idx][:, None]  # [1, N, ...] -> [m, 1, ...]: node j of the level is row j
+        start = mx.concatenate([before if tree.parents[i] < 0 else states[tree.parents[i]] for i in level])
+        y, state = recurrence(rows(q), rows(k), rows(v), rows(g), rows(beta), start, None)
+        for j, i in enumerate(level):
+            outs[i], states[i] = y[j : j + 1], state[j : j + 1]
     keep = cache.keeps_states(N, before.nbytes)
     recorded = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "mask": None}
     cache.record(Steps(qkv, recorded, partial(_replay, recurrence), states if keep else None, tree.parents))

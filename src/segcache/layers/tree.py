@@ -87,6 +87,13 @@ class Tree:
             )
         return path
 
+    def levels(self) -> list[list[int]]:
+        """The nodes of each depth, shallowest first (a node's parent is in the level before)."""
+        out: list[list[int]] = [[] for _ in range(max(self.depths) + 1)]
+        for i, d in enumerate(self.depths):
+            out[d].append(i)
+        return out
+
     def ancestors(self) -> list[list[bool]]:
         """row i: which nodes are ancestors of i, i included."""
         rows = []
