@@ -120,7 +120,8 @@ def main() -> int:
     draft, _ = mlx_lm.load(str(MODELS_DIR / "draft"))
     params = lambda m: sum(v.size for _, v in tree_flatten(m.parameters()))  # noqa: E731
     header("tree speculation: chains vs trees, prompt lookup and a draft model, one row, held-out code",
-           [("target", {"family": "qwen3_5 (demo)"}, params(model)), ("draft", {"family": "llama (demo)"}, params(draft))])
+           [("target", {"family": "qwen3_5 (demo)"}, params(model)),
+            ("draft", {"family": "llama (demo)"}, params(draft))])
     prompts = heldout_prompts(tokenizer, count, args.prompt_tokens)
     print(f"{count} prompts of {args.prompt_tokens} tokens, max_tokens {max_tokens}, K {k}, repeats {repeats} "
           "(+1 warm-up); medians; the machine is shared (2 cores), ratios are paired per round\n")
