@@ -51,8 +51,12 @@ def _runtime(name, prompt):
 
 def _same(got, want, name, what):
     # A forward of N rows rounds differently from one of L rows (the matrix products' blocking),
-    # so a tree's rows are the chain's within float rounding, with the same greedy token.
-    assert_logits_close(got, want, what)
+    # so a tree's rows are the chain's within float rounding, with the same greedy token. With
+    # quantized KV that rounding can put a key or value in the next bucket (~1e-3 in the logits).
+    if "kv_bits" in CASES[name][1]:
+        assert_logits_close(got, want, what, atol=5e-3, rtol=5e-3, margin=1e-2)
+    else:
+        assert_logits_close(got, want, what)
 
 
 def _state(rt, n=None):
