@@ -50,6 +50,7 @@ def test_cli_generate_matches_mlx_lm(dirs, capsys):
     expected = mlx_lm.generate(model, tokenizer, PROMPT, max_tokens=15)
     base = ["generate", "--model", dirs["target"], "--prompt", PROMPT, "--max-tokens", "15", "--verbose", "False"]
     for extra in ([], ["--draft-model", dirs["draft"], "--num-draft-tokens", "3"], ["--prompt-lookup"],
+                  ["--prompt-lookup", "--draft-tree", "8"], ["--draft-model", dirs["draft"], "--draft-tree", "8"],
                   ["--draft-model", dirs["draft"], "--num-draft-tokens", "5", "--draft-min-prob", "0.5"]):
         code, out = run(base + extra, capsys)
         assert code == 0, out.err
@@ -72,6 +73,8 @@ def test_cli_errors(dirs, capsys, tmp_path):
     assert code == 1 and "cannot load the model" in out.err
     code, out = run(["generate", "--model", dirs["target"], "--prompt", "x", "--max-tokens", "0"], capsys)
     assert code == 2 and "--max-tokens" in out.err
+    code, out = run(["generate", "--model", dirs["target"], "--prompt", "x", "--draft-tree", "4"], capsys)
+    assert code == 2 and "--draft-tree" in out.err
     code, out = run(["generate", "--model", dirs["target"], "--prompt", "x", "--draft-model", dirs["draft"],
                      "--draft-min-prob", "1.5"], capsys)
     assert code == 2 and "draft_min_prob" in out.err

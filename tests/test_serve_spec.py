@@ -29,7 +29,9 @@ def greedy(ref):
     return text
 
 
-@pytest.mark.parametrize("flags, mode", [(("--draft-model", DRAFT), "draft"), (("--prompt-lookup",), "lookup")])
+@pytest.mark.parametrize("flags, mode", [(("--draft-model", DRAFT), "draft"), (("--prompt-lookup",), "lookup"),
+                                         (("--prompt-lookup", "--draft-tree", "8"), "lookup"),
+                                         (("--draft-model", DRAFT, "--draft-tree", "12"), "draft")])
 def test_speculative_serving_is_identical_to_plain(tmp_path, ref, greedy, flags, mode):
     srv = Server(tmp_path / "store", *flags, "--num-draft-tokens", "4", log_path=tmp_path / "serve.log").start()
     try:

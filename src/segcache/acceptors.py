@@ -32,7 +32,7 @@ from typing import Optional, Protocol, Sequence
 
 import mlx.core as mx
 
-from .sampling import Keys, Sampler, match_accept, speculative_accept
+from .sampling import Keys, Sampler, match_accept, speculative_accept, tree_speculative_accept
 
 
 class GlobalKeys:
@@ -60,6 +60,16 @@ class Acceptor(Protocol):
         """(drafts accepted, the token after them) for one row's verify."""
 
 
+def walk(parents: Sequence[int], tokens: Sequence[int], targets: list[int]) -> tuple[list[int], int]:
+    """A tree's match rule: from the root, the child holding the target's choice at its parent
+    (`targets[node]`), while there is one; (the root path walked, the choice after it)."""
+    child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i}
+    path = [0]
+    while (path[-1], targets[path[-1]]) in child:
+        path.append(child[(path[-1], targets[path[-1]])])
+    return path, targets[path[-1]]
+
+
 class GreedyMatch:
     """Greedy decoding: accept drafts while they equal the target's argmax."""
 
@@ -76,6 +86,11 @@ class GreedyMatch:
         targets = choices[0].tolist()
         n = match_accept(drafts, targets)
         return n, targets[n]
+
+    def accept_tree(self, logprobs, parents, tokens):
+        """(accepted root path, the token after it) for a tree's verify logprobs [N, V]: from
+        the root, the child holding the target's argmax, while there is one (batch/tree.py)."""
+        return walk(parents, tokens, mx.argmax(logprobs, axis=-1).tolist())
 
 
 class SamplerMatch:
@@ -120,6 +135,11 @@ class ExactSpeculative:
     def accept(self, logprobs, drafts, q, choices):
         return speculative_accept(self.sampler.probs(logprobs), q, drafts, key=self.keys.next())
 
+    def accept_tree(self, logprobs, parents, tokens):
+        """A tree of point-mass drafts, exactly: recursive rejection over siblings
+        (`sampling.tree_speculative_accept`)."""
+        return tree_speculative_accept(self.sampler.probs(logprobs), parents, tokens, key=self.keys.next())
+
 
 class KeyedMatch:
     """A `Sampler` drawing from its own `Keys`: the target's own draw at every position of a verify,
@@ -160,6 +180,18 @@ class KeyedMatch:
         self.keys = self._after[n]  # past the n + 1 positions emitted
         self._after = []
         return n, targets[n]
+
+    def accept_tree(self, logprobs, parents, tokens):
+        """A tree's match rule on the target's own draws, node i drawn with the keys of its depth
+        (`Sampler.sample_tree`): the tokens emitted are plain decoding's for these keys."""
+        self._proposing = None
+        depths = [0] * len(parents)
+        for i, p in enumerate(parents[1:], start=1):
+            depths[i] = depths[p] + 1
+        draws, after = self.sampler.sample_tree(logprobs, depths, self.keys)
+        path, token = walk(parents, tokens, draws.tolist())
+        self.keys = after[len(path) - 1]  # past the positions emitted
+        return path, token
 
 
 def make_acceptor(sampler, keys: Optional[Keys] = None) -> Acceptor:

@@ -106,6 +106,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "checkpoint holding mtp.* tensors) instead of the model directory's")
     p.add_argument("--num-draft-tokens", type=int, default=NUM_DRAFT_TOKENS,
                    help=f"drafts per round, at most (default {NUM_DRAFT_TOKENS}; mlx-lm's is 3)")
+    p.add_argument("--draft-tree", type=int, default=0, metavar="N",
+                   help="with --prompt-lookup or --draft-model: verify up to N draft nodes per round as a tree "
+                        "(several matches; the draft's likeliest alternatives) (docs/tree.md; 0 = chains, the default)")
     p.add_argument("--draft-min-prob", type=float, default=None,
                    help="with --draft-model: stop a round's drafting after a draft the draft model gives "
                         "less than this (default: stream_generate's; 0 = always draft --num-draft-tokens)")
@@ -121,6 +124,9 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--max-tokens must be non-zero (-1: until EOS)")
     if args.num_draft_tokens < 1:
         raise ValueError("--num-draft-tokens must be >= 1")
+    if args.draft_tree < 0 or (args.draft_tree and not (args.prompt_lookup or args.draft_model)):
+        raise ValueError("--draft-tree N takes N >= 0, and N > 0 only with --prompt-lookup or --draft-model "
+                         "(docs/tree.md)")
     if args.prefill_step_size < 1:
         raise ValueError("--prefill-step-size must be >= 1")
     if args.prompt_cache_file and args.prompt_cache_dir:
@@ -274,7 +280,7 @@ def _run(args: argparse.Namespace) -> int:
             model, tokenizer, ids,
             draft_model=draft_model, prompt_lookup=args.prompt_lookup, mtp=head, num_draft_tokens=args.num_draft_tokens,
             max_tokens=args.max_tokens, sampler=sampler, runtime=runtime, draft_runtime=draft_runtime,
-            prefill_step_size=args.prefill_step_size,
+            prefill_step_size=args.prefill_step_size, draft_tree=args.draft_tree,
             kv_bits=None if kv is None else kv.bits, kv_group_size=args.kv_group_size,
             quantized_kv_start=args.quantized_kv_start,
             **({} if args.draft_min_prob is None else {"draft_min_prob": args.draft_min_prob}),

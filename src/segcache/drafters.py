@@ -47,13 +47,21 @@ def feed(rt: Runtime, tokens: Sequence[int], step: int) -> None:
 
 
 class Lookup:
-    """Prompt lookup: each row's drafts copied from the last earlier match of its history's suffix."""
+    """Prompt lookup: each row's drafts copied from the last earlier match of its history's suffix.
+
+    With `tree` > 0 a lone row also gets a tree of up to `tree` draft nodes, the
+    continuations of several earlier matches (`PromptLookup.draft_tree`), as deep as its
+    width; its chain is the tree's first branch (docs/tree.md).
+    """
 
     mode = "lookup"
     min_prob = 0.0
     draft_runtimes = False
 
-    def __init__(self):
+    def __init__(self, tree: int = 0):
+        if not isinstance(tree, int) or isinstance(tree, bool) or tree < 0:
+            raise ValueError(f"draft_tree must be an int >= 0 (draft nodes per round), got {tree!r}")
+        self.tree = tree
         self.index: dict = {}  # row id -> PromptLookup of its history
         self._offered: list = []
 
@@ -73,7 +81,10 @@ class Lookup:
         return [len(d) for d in self._offered]
 
     def draft(self, states, widths):
-        return Draft([d[:w] for d, w in zip(self._offered, widths)], list(widths), [None] * len(states))
+        trees = None
+        if self.tree and len(states) == 1 and widths[0]:
+            trees = [self.index[states[0].row_id].draft_tree(widths[0], self.tree)]
+        return Draft([d[:w] for d, w in zip(self._offered, widths)], list(widths), [None] * len(states), trees)
 
     def fill(self, proposals):
         pass
@@ -111,20 +122,29 @@ class DraftModel:
     steps skipped the draft) feed them in one ragged forward in a branch,
     each committing what it lacked.
 
+    With `tree` > 0 a lone greedy row also gets a tree (docs/tree.md): its chain, and
+    up to `tree` nodes in all, the draft's next most likely tokens at its uncertain
+    positions as leaves beside the chain's (best first by the draft's probability of
+    reaching them), at no extra draft forward. A round whose accepted path leaves the
+    chain commits the draft rows only as far as they agree with it.
+
     Args:
         rows: the draft model's rows (a `BatchRuntime`, or a `OneRow`).
         min_prob: see above (0: every row drafts its full width).
         prefill_step: tokens per forward when a joining row's draft runtime is
             brought up to the target's tokens.
+        tree: draft nodes per round of a lone greedy row's tree (0: chains).
     """
 
     mode = "draft"
     draft_runtimes = True
 
-    def __init__(self, rows, *, min_prob: float = 0.0, prefill_step: int = 2048):
+    def __init__(self, rows, *, min_prob: float = 0.0, prefill_step: int = 2048, tree: int = 0):
         self.rows = rows
         self.min_prob = min_prob
         self.prefill_step = prefill_step
+        self.tree = tree
+        self._proposals: list | None = None  # the open round's proposals as read (fill)
         # The open round: per row the lag fed before its pending token, and the draft
         # forwards run (row i's branch holds lag_i + forwards tokens). None: no round.
         self._round: tuple[list[int], int] | None = None
@@ -167,7 +187,9 @@ class DraftModel:
         step = [lag + [p] for lag, p in zip(lags, pending)]
         live = [w > 0 for w in widths]
         kept = [0] * len(states)
-        chain, qs = [], [[] for _ in states]
+        chain, qs, tops = [], [[] for _ in states], []
+        branching = self.tree > 0 and greedy and len(states) == 1
+        TOP = 4  # alternatives per position a tree may take
         processed = any(s.processors is not None for s in states)
         for j in range(J):
             raw = self.rows.forward(step)[:, -1]  # [B, V]
@@ -186,6 +208,9 @@ class DraftModel:
                 toks = mx.stack([t for t, _ in props])
                 dists = [q for _, q in props]
             chain.append(toks)
+            if branching:  # the draft's TOP most likely tokens here and their logprobs, read with the chain
+                order = mx.argsort(-lp[0])[:TOP]
+                tops.append((order, lp[0][order]))
             for i in range(len(states)):
                 if live[i]:
                     kept[i] += 1
@@ -206,10 +231,13 @@ class DraftModel:
             step = toks[:, None]
         self._round = ([len(lag) for lag in lags], len(chain))
         tokens = mx.stack(chain, axis=1)  # [B, J']
+        if branching:
+            return Draft(tokens, kept, [None], [_leaves(tokens[0, : kept[0]].tolist(), tops, self.tree)])
         mx.async_eval(tokens)  # start on the drafts not read yet while the verify graph is built
         return Draft(tokens, kept, [mx.stack(q) if q else None for q in qs])
 
     def fill(self, proposals):
+        self._proposals = proposals
         forwards = self._round[1]
         if forwards > 1:  # the proposals fed as arrays (all but the last forward's) get their ids
             self.rows.fill([p[: forwards - 1] for p in proposals])
@@ -218,12 +246,16 @@ class DraftModel:
         if self._round is None:  # nothing was drafted: the draft rows lag (caught up when they draft again)
             return
         (lags, forwards), self._round = self._round, None
+        proposals, self._proposals = self._proposals, None
+        if proposals is not None:  # a tree's path may leave the chain: keep only what agrees with it
+            keep = [min(k, 1 + _agree(s.history[len(s.history) - k : -1], p))
+                    for s, k, p in zip(states, keep, proposals)]
         self.rows.commit([lag + min(forwards, k) for lag, k in zip(lags, keep)])
 
     def rollback(self):
         if self.rows.branch_open:
             self.rows.rollback()
-        self._round = None
+        self._round = self._proposals = None
 
     def extend(self, row_id, tokens):
         pass  # the next round's catch-up feeds them
@@ -259,8 +291,34 @@ class DraftModel:
         return [[] for _ in lags]
 
 
+def _agree(kept: list, proposals: list) -> int:
+    """How many of `kept` (the target's tokens after the pending one) equal the proposals'."""
+    n = 0
+    while n < min(len(kept), len(proposals)) and kept[n] == proposals[n]:
+        n += 1
+    return n
+
+
+def _leaves(chain: list[int], tops: list, budget: int) -> tuple[list[int], list[int]]:
+    """A tree of the `chain` and, up to `budget` nodes in all, leaves beside its tokens: at position
+    j the draft's next likeliest tokens (`tops[j]`: tokens, logprobs), best first by the draft's
+    probability of the chain reaching j and then taking the leaf."""
+    mx.eval(tops)
+    reach, scored = 0.0, []  # reach: the draft's logprob of the chain up to position j
+    for j, (order, logp) in enumerate(tops[: len(chain)]):
+        ranked = dict(zip(order.tolist(), logp.tolist()))
+        scored += [(reach + lp, j, tok) for tok, lp in ranked.items() if tok != chain[j]]
+        reach += ranked.get(chain[j], float("-inf"))
+    tokens, parents = list(chain), list(range(len(chain)))
+    for _, j, tok in sorted(scored, reverse=True)[: max(0, budget - len(chain))]:
+        tokens.append(tok)
+        parents.append(j)  # node j: the chain's token before position j (0: the pending one)
+    return tokens, parents
+
+
 def make_drafter(model, *, draft_model=None, mtp=None, prompt_lookup: bool = False, draft_min_prob: float = 0.0,
-                 prefill_step: int = 2048, one_row: bool = False, recurrent_strategy: str = "auto") -> Drafter | None:
+                 prefill_step: int = 2048, one_row: bool = False, recurrent_strategy: str = "auto",
+                 draft_tree: int = 0) -> Drafter | None:
     """The drafter for what the caller asked: a draft model, the target's MTP head, prompt lookup, or none.
 
     Args:
@@ -274,31 +332,39 @@ def make_drafter(model, *, draft_model=None, mtp=None, prompt_lookup: bool = Fal
             model gives less than this (that draft is still verified).
         prefill_step: tokens per forward when a joining row's draft state is brought up to
             the target's tokens.
+        draft_tree: with prompt lookup or a draft model, draft nodes per round of a lone row's
+            tree (docs/tree.md); 0: chains only.
 
     Raises:
-        ValueError: two drafters asked for, a `draft_min_prob` outside [0, 1], or a head of
-            another model.
+        ValueError: two drafters asked for, a `draft_min_prob` outside [0, 1], a head of
+            another model, or `draft_tree` with a drafter that proposes chains only.
     """
     if draft_model is not None and mtp is not None:
         raise ValueError("choose one drafter: a draft model or the MTP head, not both")
+    if draft_tree and not (prompt_lookup or draft_model is not None or mtp is not None):
+        raise ValueError(f"draft_tree={draft_tree} without a drafter: a tree is of prompt lookup's drafts")
+    if draft_tree and mtp is not None:
+        raise ValueError(f"draft_tree={draft_tree}: the MTP head proposes chains only so far "
+                         "(docs/tree.md); use prompt lookup or a draft model, or draft_tree=0")
     if not 0.0 <= draft_min_prob <= 1.0:
         raise ValueError(f"draft_min_prob must be a probability in [0, 1], got {draft_min_prob}")
     if draft_model is not None:
         rows = OneRow(draft_model) if one_row else BatchRuntime(draft_model, recurrent_strategy=recurrent_strategy)
-        return DraftModel(rows, min_prob=draft_min_prob, prefill_step=prefill_step)
+        return DraftModel(rows, min_prob=draft_min_prob, prefill_step=prefill_step, tree=draft_tree if one_row else 0)
     if mtp is not None:
         if mtp.model is not model:
             raise ValueError("the MTP head is bound to another model than this decoder's target")
         return MTP(mtp, prefill_step=prefill_step)
-    return Lookup() if prompt_lookup else None
+    return Lookup(tree=draft_tree) if prompt_lookup else None
 
 
 def make_decoder(model, *, num_draft_tokens: int = 0, draft_model=None, mtp=None, draft_min_prob: float = 0.0,
                  prefill_step: int = 2048, recurrent_strategy: str = "auto", one_row: bool = False,
-                 **options) -> BatchDecoder:
+                 draft_tree: int = 0, **options) -> BatchDecoder:
     """A `BatchDecoder` with the drafter `make_drafter` makes: `num_draft_tokens` drafts per row per
-    round by `draft_model`, else by `mtp`, else by prompt lookup (0: plain decoding). `options`:
-    the decoder's own (`gate`, `pipeline`, `adaptive`).
+    round by `draft_model`, else by `mtp`, else by prompt lookup (0: plain decoding); `draft_tree`:
+    a lone row's tree budget (docs/tree.md). `options`: the decoder's own (`gate`, `pipeline`,
+    `adaptive`).
 
     Raises:
         ValueError: a draft model or head with `num_draft_tokens` < 1, or as `make_drafter`.
@@ -307,6 +373,6 @@ def make_decoder(model, *, num_draft_tokens: int = 0, draft_model=None, mtp=None
         raise ValueError(f"a draft model or MTP head needs num_draft_tokens >= 1, got {num_draft_tokens}")
     drafter = make_drafter(model, draft_model=draft_model, mtp=mtp, prompt_lookup=num_draft_tokens > 0,
                            draft_min_prob=draft_min_prob, prefill_step=prefill_step, one_row=one_row,
-                           recurrent_strategy=recurrent_strategy)
+                           recurrent_strategy=recurrent_strategy, draft_tree=draft_tree)
     return BatchDecoder(model, drafter=drafter, num_draft_tokens=num_draft_tokens,
                         recurrent_strategy=recurrent_strategy, one_row=one_row, **options)

@@ -143,6 +143,7 @@ def stream_generate(
     draft_model=None,
     prompt_lookup: bool = False,
     num_draft_tokens: int = 4,
+    draft_tree: int = 0,
     max_tokens: int = 256,
     sampler=None,
     runtime: Optional[Runtime] = None,
@@ -161,13 +162,12 @@ def stream_generate(
 ) -> Iterator[GenerationResponse]:
     """Generate on segcache runtimes, speculatively with a draft model or prompt lookup.
 
-    Stops at EOS and at `max_tokens` exactly as `mlx_lm.stream_generate` does;
-    greedy output is token-identical to it. Afterwards the target runtime holds
-    prompt + emitted tokens, all fed, with no open branch; the draft runtime a
-    prefix of that (up to the last round's tokens short; the next call feeds
-    it the rest first). After an exception the runtimes hold what was fed
-    before it: prompt + emitted, possibly without the last emitted token. While the generator is suspended at a yield the runtimes
-    may hold an open branch: exhaust or close it before using them.
+    Stops at EOS and at `max_tokens` exactly as `mlx_lm.stream_generate` does; greedy output is
+    token-identical to it. Afterwards the target runtime holds prompt + emitted tokens, all fed,
+    with no open branch; the draft runtime a prefix of that (up to the last round's tokens short;
+    the next call feeds it the rest first). After an exception the runtimes hold what was fed
+    before it: prompt + emitted, possibly without the last emitted token. While the generator is
+    suspended at a yield the runtimes may hold an open branch: exhaust or close it before using them.
 
     Args:
         model: the target mlx-lm model.
@@ -182,15 +182,15 @@ def stream_generate(
         runtime: a target Runtime to continue (its model must be `model`).
         draft_runtime: a draft Runtime to continue (its model must be `draft_model`).
         prefill_step_size: prompt tokens per prefill forward.
-        adaptive: adapt each round's width to how likely its drafts are to be
-            accepted (between 1 and num_draft_tokens). With a draft model,
-            a round stops drafting after the first draft whose probability
-            under the draft model is below `draft_min_prob`; with prompt
-            lookup (or draft_min_prob=0) the width halves after a round that
-            accepted nothing and doubles after one that accepted all. Never
-            changes the output, only the speed.
-        draft_min_prob: the draft model's own probability below which a
-            round drafts no further (its low-probability draft is still verified).
+        adaptive: adapt each round's width to how likely its drafts are to be accepted (between 1
+            and num_draft_tokens). With a draft model, a round stops drafting after the first draft
+            whose probability under the draft model is below `draft_min_prob`; with prompt lookup
+            (or draft_min_prob=0) the width halves after a round that accepted nothing and doubles
+            after one that accepted all. Never changes the output, only the speed.
+        draft_tree: with prompt lookup or a draft model, verify up to this many draft nodes per round
+            as a tree (several matches; the draft's likeliest alternatives) (docs/tree.md); 0: chains.
+        draft_min_prob: the draft model's own probability below which a round drafts no further
+            (its low-probability draft is still verified).
         prefill_checkpoints: with a store-backed `runtime`, more positions (in
             runtime tokens + prompt) its prefill checkpoints on the way, e.g.
             chat message boundaries (see `Runtime.prefill`).
@@ -250,7 +250,7 @@ def stream_generate(
         model, num_draft_tokens=num_draft_tokens if draft is not None or prompt_lookup or head else 0,
         draft_model=draft_model if draft is not None else None, prefill_step=prefill_step_size,
         draft_min_prob=draft_min_prob if adaptive and draft is not None else 0.0,
-        gate=False, one_row=True, adaptive=adaptive, mtp=head,
+        gate=False, one_row=True, adaptive=adaptive, mtp=head, draft_tree=draft_tree,
     )
     session = Session(decoder, runtime, history, draft=draft, checkpoints=prefill_checkpoints,  # checks the draft
                       prefill_step=prefill_step_size, agree=agreement(runtime.group), keep=True)

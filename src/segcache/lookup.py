@@ -9,8 +9,18 @@ to 1); the most recent earlier occurrence wins, and the k tokens after it are
 the draft (copying on past the end of the history, as a repeat would). Drafts cost no model call, so any acceptance is a gain; a wrong
 draft costs only the extra verify width.
 
-An index from n-gram to its last two start positions keeps `draft` O(n)
-instead of a scan of the whole history per round.
+An index from n-gram to its start positions keeps `draft` O(n) instead of a
+scan of the whole history per round.
+
+`draft_tree` proposes several matches at once, as a tree (layers/tree.py):
+the continuations of the suffix's earlier occurrences, longest n-gram first
+and most recent first within one n, merged as a trie under the pending token,
+so continuations that share a prefix share its nodes:
+
+    history  ... a b x y ... a b x z ... a b q ... | a b
+    tree     (pending) ─ x ─ z ...        the first branch is `draft`'s chain
+                        │   └ y ...
+                        └ q ...
 """
 
 from __future__ import annotations
@@ -32,9 +42,9 @@ class PromptLookup:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.history: list[int] = []
-        # n-gram -> (latest start, the start before it or -1). The latest start
-        # of the suffix n-gram is the suffix itself, so a match is the one before.
-        self._starts: dict[tuple, tuple[int, int]] = {}
+        # n-gram -> its start positions, ascending. The latest start of the
+        # suffix n-gram is the suffix itself, so a match is one before it.
+        self._starts: dict[tuple, list[int]] = {}
 
     def extend(self, tokens: Iterable[int]) -> None:
         """Append tokens to the history and index the n-grams they complete."""
@@ -45,9 +55,7 @@ class PromptLookup:
                 start = end - n
                 if start < 0:
                     break
-                gram = tuple(self.history[start:end])
-                latest = self._starts.get(gram, (-1, -1))[0]
-                self._starts[gram] = (start, latest)
+                self._starts.setdefault(tuple(self.history[start:end]), []).append(start)
 
     def draft(self, k: int) -> list[int]:
         """The `k` tokens that followed the longest recent match of the history's suffix.
@@ -59,8 +67,7 @@ class PromptLookup:
         if k <= 0:
             return []
         for n in range(min(self.max_ngram, size - 1), self.min_ngram - 1, -1):
-            latest, previous = self._starts.get(tuple(self.history[size - n :]), (-1, -1))
-            match = previous if latest == size - n else latest
+            match = next(self._matches(n), -1)
             if match >= 0:
                 # Copy on from the match. Past the end of the history the copy
                 # reads its own output (match + n <= size - 1, so that is always
@@ -71,3 +78,50 @@ class PromptLookup:
                     out.append(out[match + n + len(out) - size])
                 return out
         return []
+
+    def _matches(self, n: int):
+        """Start positions of earlier occurrences of the history's last n tokens, most recent first."""
+        size = len(self.history)
+        starts = self._starts.get(tuple(self.history[size - n :]), ())
+        return (s for s in reversed(starts) if s != size - n)
+
+    def draft_tree(self, depth: int, budget: int, matches: int = 16) -> tuple[list[int], list[int]]:
+        """Up to `budget` draft nodes, each at most `depth` below the pending token, as a tree.
+
+        The first branch is `draft(depth)`, the chain; the other nodes are chosen best
+        first from the continuations of up to `matches` earlier occurrences per n-gram
+        length: a node's weight is the sum over the continuations through it of 4^n
+        (n its n-gram's length), an estimate of how often it follows, and the heaviest
+        nodes are kept (a parent weighs at least its children, so the kept nodes form a
+        tree).
+
+        Returns:
+            (tokens, parents) of the draft nodes 1..len(tokens): node j's parent is
+            parents[j-1] (0: the pending token), always an earlier node. Empty when
+            nothing matched.
+        """
+        size = len(self.history)
+        trie: dict[tuple, float] = {}  # a path of tokens below the pending one -> its weight
+        for n in range(min(self.max_ngram, size - 1), self.min_ngram - 1, -1):
+            for start, _ in zip(self._matches(n), range(matches)):
+                continuation = self.history[start + n : start + n + depth]
+                for j in range(1, len(continuation) + 1):
+                    key = tuple(continuation[:j])
+                    trie[key] = trie.get(key, 0.0) + 4.0**n
+        chain = self.draft(depth)
+        forced = [tuple(chain[:j]) for j in range(1, min(len(chain), budget) + 1)]
+        rest = sorted((key for key in trie if key not in set(forced)), key=lambda key: (-trie[key], len(key)))
+        kept = set(forced)
+        for key in rest:
+            if len(kept) == budget:
+                break
+            if len(key) == 1 or key[:-1] in kept:
+                kept.add(key)
+        order = sorted(kept, key=lambda key: (len(key), forced.index(key) if key in forced else len(forced)))
+        node = {(): 0}
+        tokens, parents = [], []
+        for key in order:
+            tokens.append(key[-1])
+            parents.append(node[key[:-1]])
+            node[key] = len(tokens)
+        return tokens, parents

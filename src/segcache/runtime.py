@@ -27,7 +27,9 @@ from .layers.offset_branches import OffsetBranches
 from .layers.protocol import UNSTORED
 from .layers.recurrent import STRATEGIES, RecurrentLayer
 from .layers.state import default_state_strategy
+from .layers.tree import Tree
 from .prompt_layers import load_layers
+from .tree_rounds import TreeRounds
 from .ranks import agreement
 from . import prefill as store_prefill
 from .store import PrefixCache, Resume
@@ -63,6 +65,7 @@ class Branch:
         self._runtime = runtime
         self.base_offset = base_offset
         self.open = True
+        self.tree: Tree | None = None  # the tree its one forward verified (forward_tree), until committed
 
     @property
     def length(self) -> int:
@@ -74,8 +77,8 @@ class Branch:
         """The token ids this branch appended."""
         return self._runtime.tokens[self.base_offset :] if self.open else []
 
-    def commit(self, n: int | None = None) -> None:
-        """Keep the first `n` tokens of this branch (all if None) and close it."""
+    def commit(self, n: int | Sequence[int] | None = None) -> None:
+        """Keep the first `n` tokens of this branch (all if None; a tree's: the path `n`) and close it."""
         self._runtime._commit(self, n)
 
     def rollback(self) -> None:
@@ -149,7 +152,7 @@ def _build_layers(model, strategy: str, branch_state_bytes: int, state_strategy:
     return [kind.build(cache, matched, options) for kind, cache, matched in plan]
 
 
-class Runtime(KVSwitch):
+class Runtime(KVSwitch, TreeRounds):
     """A model's cache as a stack of typed per-layer segments with exact branches.
 
     Args:
@@ -314,6 +317,8 @@ class Runtime(KVSwitch):
             chunk = token_ids(tokens)
         self._own_layers("forward")
         self._sync()
+        if self._branches and self._branches[-1].tree is not None:
+            raise BranchError("forward() after forward_tree() in the same branch: commit a path or roll back first")
         saved = [layer.savepoint() for layer in self.cache]
         marks = self.drafters.mark() if self.drafters else ()
         x = chunk[None] if isinstance(chunk, mx.array) else mx.array(chunk, dtype=mx.uint32)[None]
@@ -427,6 +432,8 @@ class Runtime(KVSwitch):
         length = self.offset - inner.base_offset
         if n is None:
             n = length
+        if inner.tree is not None:  # a path of the tree (an int n: the chain of nodes 0..n-1)
+            n = self.keep_path(n)
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= length:
             raise BranchError(f"commit(n={n!r}): n must be an int in 0..{length}, the tokens this branch holds")
         for layer in self.cache:

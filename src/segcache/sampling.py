@@ -205,6 +205,29 @@ class Sampler:
             after.append(stream.copy())
         return mx.stack(tokens), after
 
+    def sample_tree(self, logprobs: mx.array, depths, keys: Keys) -> tuple[mx.array, list]:
+        """`sample_positions` over a tree's verify [N, V]: node i drawn as at position depths[i] (with
+        the stream after depths[i] positions), so the draws along any root path are the draws
+        `sample_positions` makes over that path's chain; tokens [N] (unevaluated), and the stream
+        after each depth. `keys` does not move."""
+        plain = self._filter(logprobs, False)
+        masked = self._filter(logprobs, True) if self.xtc else None
+        streams = [keys.copy()]  # streams[d]: the stream before position d
+        for _ in range(max(depths) + 1):
+            stream = streams[-1].copy()
+            for _ in range(2 if masked is not None else 1):
+                stream.next()
+            streams.append(stream)
+        tokens = []
+        for i, d in enumerate(depths):
+            stream = streams[d].copy()
+            row = plain[i : i + 1]
+            if masked is not None:
+                coin = mx.random.uniform(0, 1, key=stream.next())
+                row = mx.where(coin > self.xtc_probability, row, masked[i : i + 1])
+            tokens.append(mx.random.categorical(row * (1.0 / self.temp), key=stream.next())[0])
+        return mx.stack(tokens), streams[1:]
+
     def draw(self, logprobs: mx.array, key: mx.array) -> tuple[mx.array, mx.array]:
         """A draft's token and the distribution q it was drawn from (for a drafter).
 
@@ -298,3 +321,53 @@ def speculative_accept(p: mx.array, q: mx.array | None, drafts: Sequence[int],
             dist = p[n]
     token = mx.random.categorical(mx.log(dist)[None], key=k_token).item()  # a [1, V] row, as `Sampler.sample`
     return n, token
+
+
+def tree_speculative_accept(p: mx.array, parents: Sequence[int], tokens: Sequence[int],
+                            key: Optional[mx.array] = None) -> tuple[list[int], int]:
+    """Exact speculative sampling of one tree round of point-mass drafts (prompt lookup's).
+
+    From the root, the children of the current node are tried in order, each once:
+    child c (token t) is accepted with probability r(t), r the residual of the node's
+    target distribution after the siblings tried before it were rejected (r starts as
+    p[node]; rejecting t sets r(t) = 0 and renormalizes, which is max(r - q, 0) for the
+    point mass q on t). An accepted child becomes the current node; when every child of
+    a node is rejected (or it has none), the token is drawn from its residual. The first
+    emitted token is then distributed as p[0] exactly, and each next one as the target's
+    distribution after the tokens before it (SpecInfer's multi-draft rejection, one draft
+    per sibling).
+
+    Args:
+        p: target distributions, [N, V]; row i follows node i's path.
+        parents: each node's parent (node 0, the root, -1; parents[i] < i); siblings hold
+            distinct tokens.
+        tokens: each node's token (node 0's is the root's own, unused).
+        key: the round's random key; None draws from mlx's global generator.
+
+    Returns:
+        (path, token): the accepted root path (node indices, 0 first), then the token drawn
+        at its last node.
+    """
+    k_accept = k_token = None
+    if key is not None:
+        k_accept, k_token = mx.random.split(key)
+    p = p.astype(mx.float32)
+    u = mx.random.uniform(shape=(len(parents),), key=k_accept).tolist()  # one draw per child, used once
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(parents[1:], start=1):
+        children.setdefault(parent, []).append(i)
+    path = [0]
+    while True:
+        node = path[-1]
+        residual = p[node]
+        for child in children.get(node, ()):
+            r = residual[tokens[child]].item()
+            if u[child] < r:
+                path.append(child)
+                break
+            residual = residual.at[tokens[child]].multiply(0.0)
+            mass = residual.sum()
+            residual = mx.where(mass > 0, residual / mass, p[node])  # all-zero only by rounding
+        else:
+            token = mx.random.categorical(mx.log(residual)[None], key=k_token).item()
+            return path, token

@@ -88,6 +88,8 @@ def branch_forward(module, project, inputs: mx.array, mask, cache: RecurrentLaye
     """One GDN forward inside a branch; records its `Steps` in `cache`."""
     if cache.lengths is not None or cache.left_padding is not None:
         raise BranchError("batched (padded) recurrent caches cannot be forwarded inside a branch")
+    if cache.tree is not None:
+        return tree_forward(module, project, inputs, mask, cache)
     B, S, _ = inputs.shape
     qkv, z, b, a, conv_input = conv_inputs(module, project, inputs, mask, cache)
     cache[0] = mx.contiguous(conv_input[:, -(module.conv_kernel_size - 1) :, :])
@@ -131,3 +133,45 @@ def branch_forward(module, project, inputs: mx.array, mask, cache: RecurrentLaye
 
     out = module.norm(out, z)
     return reduce_shards(module, module.out_proj(out.reshape(B, S, -1)))
+
+
+def tree_forward(module, project, inputs: mx.array, mask, cache: RecurrentLayer) -> mx.array:
+    """A tree of N nodes in one forward (layers/tree.py): node i's conv reads its ancestors' rows
+    and its recurrence starts from its parent's state: one step per depth, the nodes of a depth
+    as rows of it (the function `gated_delta_update` would dispatch to, T = 1 per call: the ops
+    path on CPU, the kernel on Metal; rows never mix). Records one `Steps` with the tree's
+    parents; `take_path` makes it a chain."""
+    tree = cache.tree
+    B, N, _ = inputs.shape
+    if B != 1 or mask is not None:
+        raise BranchError("a tree forward takes one unpadded row")
+    width = module.conv_kernel_size
+    qkv, z, b, a, conv_input = conv_inputs(module, project, inputs, None, cache)
+    windows = conv_input[0][mx.array(tree.conv_windows(width), dtype=mx.int32)]  # [N, width, C]
+    conv_out = nn.silu(module.conv1d(windows)).reshape(1, N, -1)
+    q, k, v = heads(module, conv_out)
+    beta = mx.sigmoid(b)
+    g = gd.compute_g(module.A_log, a, module.dt_bias)
+    before = cache[1]
+    if before is None:
+        before = mx.zeros((1, module.num_v_heads, module.head_v_dim, module.head_k_dim), dtype=mx.float32)
+    recurrence = _recurrence(module, k)
+    outs, states = [None] * N, [None] * N
+    for level in tree.levels():  # the nodes of one depth as rows of one step (their parents are done)
+        idx = mx.array(level, dtype=mx.int32)
+        rows = lambda a: a[0][idx][:, None]  # [1, N, ...] -> [m, 1, ...]: node j of the level is row j
+        start = mx.concatenate([before if tree.parents[i] < 0 else states[tree.parents[i]] for i in level])
+        y, state = recurrence(rows(q), rows(k), rows(v), rows(g), rows(beta), start, None)
+        for j, i in enumerate(level):
+            outs[i], states[i] = y[j : j + 1], state[j : j + 1]
+    keep = cache.keeps_states(N, before.nbytes)
+    recorded = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "mask": None}
+    cache.record(Steps(qkv, recorded, partial(_replay, recurrence), states if keep else None, tree.parents))
+    # the live slots as after the last node's path (take_path sets the kept path's)
+    last = tree.path(N - 1)
+    rows = (list(range(width - 1)) + [width - 1 + i for i in last])[-(width - 1) :]
+    cache[0] = mx.contiguous(conv_input[:, mx.array(rows, dtype=mx.int32)])
+    cache[1] = states[-1]
+    cache.advance(N)
+    out = module.norm(mx.concatenate(outs, axis=1), z)
+    return reduce_shards(module, module.out_proj(out.reshape(B, N, -1)))

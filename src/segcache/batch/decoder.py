@@ -50,6 +50,7 @@ from .drafting import Drafter, each_row, no_draft
 from .gate import Acceptance, DraftPolicy, Gate, MeasuredCost
 from .rows import OneRow
 from .runtime import BatchRuntime
+from .tree import takes_tree, verify_tree
 
 
 @dataclass
@@ -372,16 +373,20 @@ class BatchDecoder:
             branch = bool(draft)
             if branch:
                 self.batch.fork()
-            logits = self.batch.forward(draft.verify_input(pending))  # raw: processors need the model's own
-            rows = _logprobs(states, logits, draft)
-            choices = each_row(states, lambda i, s: s.acceptor.choices(rows[i]))
-            mx.eval(draft.tokens if draft.lazy else (), rows, *[c for cs in choices for c in cs])  # one sync
-            proposals = draft.proposals()
-            drafts = [p[:w] for p, w in zip(proposals, draft.widths)]
-            # every row's acceptance before any row's state moves: a failure leaves all as they were
-            accepted = each_row(states, lambda i, s: s.acceptor.accept(rows[i], drafts[i], draft.q[i], choices[i]))
-            if branch and draft.lazy:  # the verify input was an unread array: its ids, now read
-                self.batch.fill([[p] + d for p, d in zip(pending, proposals)])
+            if branch and takes_tree(self.batch, states, draft):  # a tree round, kept as its path (batch/tree.py)
+                rows, proposals, drafts, accepted = verify_tree(self.batch, states, pending, draft)
+            else:
+                logits = self.batch.forward(draft.verify_input(pending))  # raw: processors need the model's own
+                rows = _logprobs(states, logits, draft)
+                choices = each_row(states, lambda i, s: s.acceptor.choices(rows[i]))
+                mx.eval(draft.tokens if draft.lazy else (), rows, *[c for cs in choices for c in cs])  # one sync
+                proposals = draft.proposals()
+                drafts = [p[:w] for p, w in zip(proposals, draft.widths)]
+                # every row's acceptance before any row's state moves: a failure leaves all as they were
+                accepted = each_row(states, lambda i, s: s.acceptor.accept(rows[i], drafts[i], draft.q[i],
+                                                                         choices[i]))
+                if branch and draft.lazy:  # the verify input was an unread array: its ids, now read
+                    self.batch.fill([[p] + d for p, d in zip(pending, proposals)])
         except BaseException:  # a failed speculative step changes nothing (a plain one has fed y_i)
             if self.batch.branch_open:
                 self.batch.rollback()

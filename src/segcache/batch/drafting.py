@@ -34,11 +34,14 @@ class Draft:
         widths: drafts row i offers for verification (its first widths[i]; an
             array row may hold more proposals, computed but never kept).
         q: per row the distributions its drafts were drawn from, [w_i, V], or None.
+        trees: per row a tree of drafts (tokens, parents) whose first branch is its chain,
+            or None (batch/tree.py verifies it where it can, else the chain is verified).
     """
 
     tokens: list | mx.array
     widths: list[int]
     q: list = field(default_factory=list)
+    trees: list | None = None
 
     @property
     def lazy(self) -> bool:

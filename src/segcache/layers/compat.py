@@ -63,6 +63,9 @@ class MlxCompat:
     # a model with this kind (a window has no quantized form); neither: kv_bits leaves it be.
     kv_switches = False
     kv_refused = False
+    # The kind verifies trees of drafts (layers/tree.py: tree_begin, tree_end, take_path);
+    # a model with a layer of a kind that does not verifies chains only.
+    takes_trees = False
 
     def kv_form(self) -> tuple[int, int] | None:
         """(group_size, bits) of the quantized K/V this layer holds; None if it holds none."""

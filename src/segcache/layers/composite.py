@@ -26,6 +26,7 @@ class CompositeLayer(CacheList):
 
     replaced_by = None  # CacheList has no to_quantized: never replaced (layers.compat.MlxCompat)
     kv_switches = kv_refused = False  # kv_bits leaves a composite as it is (layers.compat.MlxCompat)
+    takes_trees = False  # no tree verify over children yet (layers/tree.py): chains
 
     def kv_form(self) -> None:
         return None

@@ -37,6 +37,8 @@ from .window import WindowLayer
 class KVLayer(MlxCompat, OffsetBranches, KVCache):
     """mlx-lm's `KVCache` (same update path, same logits) plus a branch stack."""
 
+    takes_trees = True  # OffsetBranches.tree_begin / take_path
+
     def clone(self) -> "KVLayer":
         """An independent layer holding the committed tokens (shares the buffer until a write)."""
         other = KVLayer()

@@ -9,7 +9,10 @@ so a branch is where it began, and `commit(n)` / `rollback` only move `offset`.
 
 from __future__ import annotations
 
+import mlx.core as mx
+
 from ..errors import BranchError, InvariantError
+from .tree import Tree, path_index, tree_mask
 
 
 class OffsetBranches:
@@ -36,6 +39,26 @@ class OffsetBranches:
 
     def branch_offsets(self) -> list[int]:
         return list(self.marks)
+
+    # -- tree verify (layers/tree.py) ----------------------------------------------
+
+    def tree_begin(self, tree: Tree) -> None:
+        """Before a tree forward: the model's mask is the tree's. An instance attribute, so the
+        class's `make_mask` (every chain forward's) is untouched; `tree_end` removes it."""
+        before = self.offset
+        self.make_mask = lambda N, return_array=False, window_size=None, **_: tree_mask(tree, before, window_size)
+
+    def tree_end(self) -> None:
+        vars(self).pop("make_mask", None)
+
+    def take_path(self, path: list[int]) -> None:
+        """The innermost branch, which holds a tree, becomes the chain of `path`'s nodes: their
+        rows copied down to the branch's start (node j of the path to row base + j)."""
+        base = self.marks[-1]
+        if path != list(range(len(path))):
+            idx = path_index(base, path)
+            self.keys, self.values = _moved(self.keys, idx, base), _moved(self.values, idx, base)
+        self.offset = base + len(path)
 
     def savepoint(self) -> int:
         return self.offset
@@ -70,3 +93,11 @@ class OffsetBranches:
         self.offset -= n
         self._note_trim()
         return n
+
+
+def _moved(buf, idx: mx.array, base: int):
+    """`buf` (an array or quantized parts, token axis 2) with rows `idx` written to base, base+1, ..."""
+    if isinstance(buf, tuple):
+        return tuple(_moved(a, idx, base) for a in buf)
+    buf[..., base : base + idx.size, :] = buf[..., idx, :]
+    return buf

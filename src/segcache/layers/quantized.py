@@ -44,6 +44,8 @@ def _views(parts):
 class QuantizedKVLayer(MlxCompat, OffsetBranches, QuantizedKVCache):
     """mlx-lm's `QuantizedKVCache` (same update path, same quantized SDPA) plus a branch stack."""
 
+    takes_trees = True  # OffsetBranches.tree_begin / take_path (rows quantize one by one)
+
     def __init__(self, group_size: int = 64, bits: int = 8):
         super().__init__(group_size=group_size, bits=bits)
 

@@ -67,14 +67,26 @@ class Steps:
     inputs: dict[str, mx.array | None]
     replay: Callable[[dict, mx.array | None], mx.array]
     states: list[mx.array] | None = None
+    # A tree forward's record (layers/tree.py): node i's recurrence started from its
+    # parent's state (parents[i], -1: the state before). None: a chain, step t from t-1.
+    parents: tuple | None = None
 
     @property
     def length(self) -> int:
         return self.conv_rows.shape[1]
 
+    def along(self, path: list[int]) -> "Steps":
+        """A tree record's nodes of a root `path` as the chain record of those tokens."""
+        idx = mx.array(path, dtype=mx.int32)
+        cut = {k: (None if v is None else v[:, idx]) for k, v in self.inputs.items()}
+        states = None if self.states is None else [self.states[i] for i in path]
+        return Steps(self.conv_rows[:, idx], cut, self.replay, states)
+
     def first(self, n: int) -> "Steps":
         if n == self.length:
             return self
+        if self.parents is not None:
+            raise BranchError("a tree's record is cut along a path (take_path), not to its first tokens")
         cut = {k: (None if v is None else v[:, :n]) for k, v in self.inputs.items()}
         states = None if self.states is None else self.states[:n]
         return Steps(self.conv_rows[:, :n], cut, self.replay, states)
@@ -145,6 +157,32 @@ class RecurrentLayer(MlxCompat, BatchingRefused, KeptStates, SnapshotBranches, A
         # Blocks of at least this many tokens run the chunked recurrence outside
         # branches (adapters.chunked); None: always mlx-lm's path. Set by Runtime.
         self.chunked_from: int | None = None
+
+    # -- tree verify (layers/tree.py) ----------------------------------------------
+
+    takes_trees = True
+    tree = None  # the tree being verified, during its forward only (the adapter reads it)
+
+    def tree_begin(self, tree) -> None:
+        self.tree = tree
+
+    def tree_end(self) -> None:
+        self.tree = None
+
+    def take_path(self, path: list[int]) -> None:
+        """The innermost branch, which holds a tree (one record), becomes the chain of `path`:
+        the path's recorded inputs (and kept states) as one chain record, the state after its
+        last node, the conv tail from the path's rows."""
+        mark = self.marks[-1]
+        (record,) = mark.records
+        self._truncate(mark, 0)
+        if not path:
+            self._restore(mark)
+            return
+        chain = record.along(path)
+        self._extend(mark, [chain])
+        self.cache = _rebuild(mark.conv, mark.state, [chain], [chain], len(path), self.conv_tail)
+        self.offset = mark.offset + len(path)
 
     @property
     def capturing(self) -> bool:

@@ -51,6 +51,7 @@ from .compat import MlxCompat, QuantizeRefused
 from .protocol import CHECKPOINT
 from .rows import RowLengths, ints
 from .snapshots import SnapshotBranches
+from .tree import Tree, tree_mask
 
 
 @dataclass
@@ -85,6 +86,33 @@ class WindowLayer(MlxCompat, QuantizeRefused, SnapshotBranches, RotatingKVCache)
         if self.marks:
             self.marks[-1].records.append((keys, values))
         return super().update_and_fetch(keys, values)
+
+    # -- tree verify (layers/tree.py) ----------------------------------------------
+
+    @property
+    def takes_trees(self) -> bool:
+        return self.keep == 0  # attention sinks would sit apart from the window's positions in the mask
+
+    def tree_begin(self, tree: Tree) -> None:
+        """Before a tree forward (one block): the mask is the tree's over the min(offset, M - 1)
+        keys a block keeps, limited to the window, as `make_mask` would give the block's chain."""
+        before = min(self.max_size - 1, self.offset)
+        self.make_mask = lambda N, window_size=None, return_array=False, **_: tree_mask(
+            tree, before, window_size or self.max_size)
+
+    def tree_end(self) -> None:
+        vars(self).pop("make_mask", None)
+
+    def take_path(self, path: list[int]) -> None:
+        """The innermost branch, which holds a tree (one chunk), becomes the chain of `path`: the
+        ring restored and the path's rows re-appended as one chunk, the layout its chain reaches."""
+        mark = self.marks[-1]
+        (keys, values), = mark.records
+        self._restore(mark)
+        mark.records = []
+        if path:
+            idx = mx.array(path, dtype=mx.int32)
+            self.update_and_fetch(keys[..., idx, :], values[..., idx, :])
 
     def _snapshot(self) -> _WindowMark:
         return _WindowMark(_view(self.keys), _view(self.values), self.offset, self._idx)

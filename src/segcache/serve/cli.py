@@ -73,6 +73,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--mtp-weights", metavar="PATH", help="with --mtp: the head's file (or the original "
                    "checkpoint holding mtp.* tensors) instead of the model directory's")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="drafts per round, at most (default 4)")
+    p.add_argument("--draft-tree", type=int, default=0, metavar="N",
+                   help="with --prompt-lookup or --draft-model: verify up to N draft nodes per round as a tree, "
+                        "at --decode-concurrency 1 (batched rows verify chains; docs/tree.md; default 0: chains)")
     p.add_argument("--prompt-cache-dir", help="prefix store directory (default: one per model identity under "
                    "the user's cache directory, e.g. ~/.cache/segcache/serve/<identity>)")
     p.add_argument("--prompt-cache-remote", metavar="URL", help="shared prefix-cache tier on Redis/Valkey, redis://[:password@]host:port/db (rediss:// for TLS); local tiers still serve when it is down")
@@ -327,6 +330,10 @@ def run(args: argparse.Namespace) -> int:
               "--prompt-concurrency must be >= 1, --request-timeout and --rank-timeout > 0, "
               "--max-queue, --checkpoint-interval and --max-connections >= 0", file=sys.stderr)
         return 2
+    if args.draft_tree < 0 or (args.draft_tree and not (args.prompt_lookup or args.draft_model)):
+        print("segcache serve: --draft-tree N takes N >= 0, and N > 0 only with --prompt-lookup or --draft-model",
+              file=sys.stderr)
+        return 2
     try:
         keys = api_keys(args)
     except ValueError as exc:
@@ -408,7 +415,7 @@ def run(args: argparse.Namespace) -> int:
     name = settings.served_name
     options = dict(store=store, draft_model=draft, prompt_lookup=args.prompt_lookup, mtp=head,
                    num_draft_tokens=args.num_draft_tokens, prefill_step=args.prefill_step_size,
-                   checkpoint_interval=args.checkpoint_interval, vocab_size=vocab)
+                   draft_tree=args.draft_tree, checkpoint_interval=args.checkpoint_interval, vocab_size=vocab)
     if kv is not None:
         options["kv"] = kv  # one row at a time: batched rows hold unquantized KV (_apply_mlx_lm_flags)
     if args.hot_conversations < 0:

@@ -68,11 +68,10 @@ class Engine:
         store: a `PrefixStore`, or None to serve without a prefix cache.
         draft_model: a draft sharing the tokenizer, or None.
         prompt_lookup: draft by n-gram lookup instead (exclusive with draft_model).
-        num_draft_tokens: drafts per round, at most.
+        num_draft_tokens: drafts per round, at most. draft_tree: a lone row's tree budget (docs/tree.md).
         prefill_step: prompt tokens per prefill forward.
-        checkpoint_interval: also checkpoint every this many prompt tokens (0: never),
-            so a later prompt sharing only part of this one (another session on the
-            same long context) resumes within that many tokens of where they part.
+        checkpoint_interval: also checkpoint every this many prompt tokens (0: never), so a later
+            prompt sharing only part of this one resumes within that many tokens of where they part.
         decode_concurrency: rows decoding together at most (the scheduler's max_running).
         prompt_concurrency: prompts being prefilled at once, at most (mlx-lm's meaning).
         vocab_size: the model's vocabulary (its logits' width; default: the tokenizer's).
@@ -102,7 +101,8 @@ class Engine:
     def __init__(self, model, tokenizer, *, store=None, draft_model=None, prompt_lookup: bool = False,
                  num_draft_tokens: int = 4, prefill_step: int = 2048, checkpoint_interval: int = 256,
                  decode_concurrency: int = 1, prompt_concurrency: int = 8, vocab_size: Optional[int] = None,
-                 grammars: Optional[Grammars] = None, kv=None, group=None, mtp=None, hot=None):
+                 grammars: Optional[Grammars] = None, kv=None, group=None, mtp=None, hot=None,
+                 draft_tree: int = 0):
         self.model, self.tokenizer, self.store, self.draft_model = model, tokenizer, store, draft_model
         self.prompt_lookup, self.num_draft_tokens = prompt_lookup, num_draft_tokens
         self.prefill_step, self.checkpoint_interval = prefill_step, checkpoint_interval
@@ -119,7 +119,7 @@ class Engine:
         self.decoder = make_decoder(model, num_draft_tokens=num_draft_tokens if drafting else 0,
                                     draft_model=draft_model, prefill_step=prefill_step,
                                     draft_min_prob=DRAFT_MIN_PROB if draft_model is not None else 0.0,
-                                    gate=not one and group is None, one_row=one, mtp=mtp)
+                                    gate=not one and group is None, one_row=one, mtp=mtp, draft_tree=draft_tree)
         self._buffers: dict[str, collections.deque] = {}
         self._prefilling = 0  # prompts being prefilled (at most prompt_concurrency)
         # Prompts fed together (several rows only): the batch holds exactly the `_joining` sessions

@@ -25,8 +25,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..errors import BranchError
+from ..layers.tree import Tree
 from ..runtime import Runtime
-from .strategies import commit_points, token_chunks, token_ids
+from .strategies import commit_points, draft_trees, token_chunks, token_ids
 
 ATOL = 1e-4
 RTOL = 1e-4
@@ -181,6 +182,29 @@ class RuntimeMachine(RuleBasedStateMachine):
         nxt = data.draw(token_ids(self.vocab))
         self._close(self.rt.forward([nxt]), self.ref.logits_after(self._fed(self.expected), [nxt]),
                     f"the token after commit({n}) of {drafts}")
+        self.expected.append(nxt)
+
+    @precondition(lambda self: len(self.expected) + 9 <= self.max_tokens and self.rt.takes_trees)
+    @rule(data=st.data())
+    def tree_round(self, data):
+        """A tree round (docs/tree.md): fork, verify a tree of drafts in one forward, every node
+        against a chain forward of its path; commit one path (or none), feed the next token."""
+        tokens, parents = data.draw(draft_trees(self.vocab, max_nodes=8))
+        tree, prefix = Tree(parents), self._fed(self.expected)
+        self.fork()
+        logits = self.rt.forward_tree(tokens, parents)
+        for leaf in sorted(set(range(tree.size)) - set(parents)):
+            nodes = tree.path(leaf)
+            want = self.ref.logits_after(prefix, [tokens[i] for i in nodes])
+            self._close(logits[:, nodes], want, f"tree {tokens} / {parents}: the path to node {leaf}")
+        end = data.draw(st.integers(-1, tree.size - 1))
+        path = tree.path(end) if end >= 0 else []
+        self.branches.pop().commit(path)
+        del self.expected[self.bases.pop() :]
+        self.expected += [tokens[i] for i in path]
+        nxt = data.draw(token_ids(self.vocab))
+        self._close(self.rt.forward([nxt]), self.ref.logits_after(self._fed(self.expected), [nxt]),
+                    f"the token after committing path {path} of {tokens} / {parents}")
         self.expected.append(nxt)
 
     @precondition(lambda self: self.bases)

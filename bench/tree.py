@@ -1,0 +1,195 @@
+"""Tree speculation vs chains (issue 31, docs/tree.md): prompt lookup and a draft model, one row, held-out code.
+
+On the shipped hybrid demo target (Gated DeltaNet + attention) and its draft,
+for held-out code prompts (mlx-lm's sources, outside the training corpus):
+
+  * verify cost: a forward of N positions (a chain, and a tree of N nodes) in a
+    branch, in one-token forwards (c(N) = time(N) / time(1)), fastest samples;
+  * tokens per round of chains and of trees of 4, 8, 12, 16 draft nodes, per
+    drafter, ungated (every round drafts, the width adapting as
+    `stream_generate`'s) and gated (the decoder's cost gate choosing the
+    width, the tree's depth): one untimed pass (the figure is deterministic),
+    every output checked token for token against plain greedy;
+  * end-to-end decode tok/s of plain greedy, each drafter's chain and its best
+    tree (most tokens per round), ungated and gated, timed interleaved in one run.
+
+    python bench/tree.py [--quick] [--repeats N] [--max-tokens N] [--prompts N]
+                         [--num-draft-tokens K] [--nodes 4,8,12,16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import Stats, fmt_ratio, header, paired_ratio, rotated, table  # noqa: E402  (imports segcache first)
+
+import mlx.core as mx  # noqa: E402
+import mlx_lm  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
+
+import segcache  # noqa: E402
+from segcache import Runtime  # noqa: E402
+from segcache.drafters import make_decoder  # noqa: E402
+from segcache.lookup import PromptLookup  # noqa: E402
+
+MODELS_DIR = Path(segcache.__file__).resolve().parent / "models"
+
+
+def heldout_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
+    """`count` prompts of `length` tokens from heldout_other.txt, each ending at a `def`/`class`
+    line, spread over the file (as bench/speculative.py picks them, longer)."""
+    lines = (MODELS_DIR / "heldout_other.txt").read_text().split("\n")
+    starts = [i for i, line in enumerate(lines) if line.lstrip().startswith(("def ", "class "))]
+    picks = starts[len(starts) // (2 * count) :: max(1, len(starts) // count)][:count]
+    return [tokenizer.encode("\n".join(lines[max(0, i - 120) : i + 1]))[-length:] for i in picks]
+
+
+def decode(model, prompt: list[int], max_tokens: int, *, k: int = 0, nodes: int = 0, gate: bool = False,
+           draft=None):
+    """One generation on the decoder, timed from after the prefill(s): (tokens, rounds, seconds)."""
+    rt = Runtime(model)
+    rt.forward(prompt[:-1])
+    mx.eval([layer.state for layer in rt.cache])
+    drt = None
+    if draft is not None:
+        drt = Runtime(draft)
+        drt.forward(prompt[:-1])
+        mx.eval([layer.state for layer in drt.cache])
+    decoder = make_decoder(model, num_draft_tokens=k, draft_model=draft, draft_tree=nodes, one_row=True, gate=gate)
+    decoder.add(0, rt, prompt[-1], max_tokens=max_tokens, draft_runtime=drt)
+    out = []
+    tic = time.perf_counter()
+    while not decoder.rows[0].finished:
+        out += [t for t, _, _ in decoder.step()[0]]
+    seconds = time.perf_counter() - tic
+    return out, decoder.rows[0].stats.rounds, seconds
+
+
+def verify_costs(model, prompt: list[int], sizes: list[int], repeats: int) -> dict:
+    """{N: (chain c(N), tree c(N))}: forwards of N positions in a branch, in one-token forwards."""
+    rt = Runtime(model)
+    rt.forward(prompt)
+    mx.eval([layer.state for layer in rt.cache])
+    lookup = PromptLookup()
+    lookup.extend(prompt)
+    rng = random.Random(0)
+
+    def timed_forward(tokens, parents=None):
+        samples = []
+        for _ in range(repeats + 1):
+            branch = rt.fork()
+            tic = time.perf_counter()
+            out = rt.forward(tokens) if parents is None else rt.forward_tree(tokens, parents)
+            mx.eval(out, [layer.state for layer in rt.cache])
+            samples.append(time.perf_counter() - tic)
+            branch.rollback()
+        return Stats(samples[1:]).lo  # load from other processes only adds time: the fastest is the cost
+
+    one = timed_forward(prompt[-1:])
+    out = {}
+    for n in sizes:
+        tokens = [rng.randrange(64) for _ in range(n)]
+        parents = [-1] + [rng.randrange(max(0, i - 3), i) for i in range(1, n)]  # bushy, a few deep
+        out[n] = (timed_forward(tokens) / one, timed_forward(tokens, parents) / one if n > 1 else 1.0)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="2 prompts, 48 tokens, 2 repeats")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--prompts", type=int, default=None, help="held-out prompts")
+    parser.add_argument("--prompt-tokens", type=int, default=400)
+    parser.add_argument("--num-draft-tokens", type=int, default=4, help="the chain's (and the trees' depth) K")
+    parser.add_argument("--nodes", default="4,8,12,16", help="tree budgets (draft nodes per round)")
+    args = parser.parse_args()
+    repeats = args.repeats or (2 if args.quick else 3)
+    max_tokens = args.max_tokens or (48 if args.quick else 128)
+    count = args.prompts or (2 if args.quick else 4)
+    budgets = [int(x) for x in args.nodes.split(",")]
+    k = args.num_draft_tokens
+
+    model, tokenizer = mlx_lm.load(str(MODELS_DIR / "target"))
+    draft, _ = mlx_lm.load(str(MODELS_DIR / "draft"))
+    params = lambda m: sum(v.size for _, v in tree_flatten(m.parameters()))  # noqa: E731
+    header("tree speculation: chains vs trees, prompt lookup and a draft model, one row, held-out code",
+           [("target", {"family": "qwen3_5 (demo)"}, params(model)),
+            ("draft", {"family": "llama (demo)"}, params(draft))])
+    prompts = heldout_prompts(tokenizer, count, args.prompt_tokens)
+    print(f"{count} prompts of {args.prompt_tokens} tokens, max_tokens {max_tokens}, K {k}, repeats {repeats} "
+          "(+1 warm-up); medians; the machine is shared (2 cores), ratios are paired per round\n")
+
+    costs = verify_costs(model, prompts[0], sorted({1, 2, 4, 5, 8, 9, 12, 13, 16, 17}), max(5, repeats * 3))
+    print(table([[str(n), f"{c:.2f}", f"{t:.2f}"] for n, (c, t) in costs.items()],
+                ["N positions", "c(N) chain", "c(N) tree"]))
+    print()
+
+    drafters = {"lookup": {}, "draft model": {"draft": draft}}
+    expected = [decode(model, p, max_tokens)[0] for p in prompts]
+    n = sum(len(e) for e in expected)
+    per_round, identical, best = {}, {}, {}
+    for drafter, extra in drafters.items():  # untimed: tokens per round is deterministic
+        for gate in (False, True):
+            g = " gated" if gate else ""
+            for b in [0] + budgets:
+                name = f"{drafter} {'chain' if not b else f'tree {b}'}{g}"
+                outs = [decode(model, p, max_tokens, k=k, nodes=b, gate=gate, **extra) for p in prompts]
+                per_round[name] = n / sum(r for _, r, _ in outs)
+                identical[name] = [o for o, _, _ in outs] == expected
+            trees = [f"{drafter} tree {b}{g}" for b in budgets]
+            best[(drafter, gate)] = max(trees, key=lambda t: per_round[t])
+        print(f"{drafter}: tokens per round done", flush=True)
+    rows = []
+    for drafter in drafters:
+        for gate in (False, True):
+            g = " gated" if gate else ""
+            chain = f"{drafter} chain{g}"
+            for b in [0] + budgets:
+                name = f"{drafter} {'chain' if not b else f'tree {b}'}{g}"
+                rows.append([name, f"{per_round[name]:.2f}", f"{per_round[name] / per_round[chain]:.2f}x",
+                             "yes" if identical[name] else "NO"])
+    print()
+    print(table(rows, ["side", "tokens/round", "vs its chain", "identical"]))
+
+    sides = {"plain": dict()}
+    for drafter, extra in drafters.items():
+        for gate in (False, True):
+            g = " gated" if gate else ""
+            sides[f"{drafter} chain{g}"] = dict(k=k, gate=gate, **extra)
+            tree = best[(drafter, gate)]
+            sides[tree] = dict(k=k, nodes=int(tree.split()[-2 if gate else -1]), gate=gate, **extra)
+    times = {name: Stats() for name in sides}
+    for r in range(repeats + 1):
+        for name in rotated(list(sides), r):
+            total = 0.0
+            for p, want in zip(prompts, expected):
+                out, _, seconds = decode(model, p, max_tokens, **sides[name])
+                total += seconds
+                identical[name] = identical.get(name, True) and out == want
+            if r:
+                times[name].samples.append(total)
+        print(f"timed round {r} done", flush=True)
+    rows = []
+    for name in sides:
+        base = next((c for c in sides if c.endswith("gated") == name.endswith("gated") and " chain" in c
+                     and name.startswith(c.split(" chain")[0])), name)
+        rows.append([name, f"{n / times[name].median:.1f}", fmt_ratio(paired_ratio(times["plain"], times[name])),
+                     "" if name == "plain" or base == name else fmt_ratio(paired_ratio(times[base], times[name])),
+                     "yes" if identical[name] else "NO"])
+    print()
+    print(table(rows, ["side", "tok/s", "vs plain", "vs its chain", "identical"]))
+    print("\ntok/s: generated tokens / decode seconds (after the prefill) over all prompts; vs = paired "
+          "time ratio (>1: faster), median [min-max]")
+    print(f"load avg after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    return 0 if all(identical.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
