@@ -441,59 +441,76 @@ class DiskTier:
         return delta
 
     def update(self, key: bytes, fn: Callable[[Record | None], Record | None], encode: Callable[[Record], bytes]) -> tuple[Record | None, bool]:
-        """Read, change and write key inside ONE write transaction (atomic across processes).
+        """`update_many` of one key: (the record now stored under key, whether fn's result was written)."""
+        return self.update_many([(key, fn)], lambda _, rec: encode(rec))[0]
+
+    def update_many(self, items: Sequence[tuple[bytes, Callable[[Record | None], Record | None]]],
+                    encode: Callable[[bytes, Record], bytes]) -> list[tuple[Record | None, bool]]:
+        """Read, change and write each key inside ONE write transaction (atomic across processes).
+
+        All or nothing: if any fn or encode raises, or any new value exceeds the budget,
+        the transaction is aborted and nothing is written. A key listed twice sees the
+        first fn's result.
 
         Args:
-            key: The record key.
-            fn: current record (decoded from disk, None if absent or corrupt) -> new record,
-                or None to leave it as it is. May run more than once (after a map resize).
-            encode: Record -> value bytes.
+            items: (key, fn) pairs. fn: current record (decoded from disk, None if absent or
+                corrupt) -> new record, or None to leave it as it is. May run more than once
+                (after a map resize).
+            encode: (key, Record) -> value bytes.
 
         Returns:
-            (the record now stored under key, whether fn's result was written).
+            Per item, (the record now stored under its key, whether fn's result was written).
 
         Raises:
-            StoreError: The new value exceeds the disk budget (nothing was written).
+            StoreError: A new value exceeds the disk budget (nothing was written).
             lmdb.Error: The write failed (nothing was written).
         """
+        items = list(items)
+        if not items:
+            return []
 
         def txn_fn(txn):
             self._flush_touched(txn)
-            v = txn.get(key, db=self.records)
-            current, bad = None, False
-            if v is not None:
-                r = codec.decode_many([(v, key, None)])[0]
-                if isinstance(r, codec.CorruptRecordError):
-                    bad = r
-                else:
-                    current = r
-            new = fn(current)
-            if new is None:
-                return current, False, bad
-            value = encode(new)
-            if len(value) > self.disk_bytes * _LOW_WATER or self._footprint(key, len(value)) > self.low:
-                raise StoreError(f"record of {len(value)} bytes for {key.hex()[:16]} exceeds the disk budget {self.disk_bytes}; nothing was written")
-            now = time.time()
-            used = self._used(txn) + self._put_one(txn, key, value, Entry(key, new.tokens, len(value), new.kind, now, safe_cost(new.cost), now, new.parent))
+            used = self._used(txn)
+            out, bads = [], []
+            for key, fn in items:
+                v = txn.get(key, db=self.records)
+                current = None
+                if v is not None:
+                    r = codec.decode_many([(v, key, None)])[0]
+                    if isinstance(r, codec.CorruptRecordError):
+                        bads.append((key, r))
+                    else:
+                        current = r
+                new = fn(current)
+                if new is None:
+                    out.append((current, False))
+                    continue
+                value = encode(key, new)
+                if len(value) > self.disk_bytes * _LOW_WATER or self._footprint(key, len(value)) > self.low:
+                    raise StoreError(f"record of {len(value)} bytes for {key.hex()[:16]} exceeds the disk budget {self.disk_bytes}; nothing was written")
+                now = time.time()
+                used += self._put_one(txn, key, value, Entry(key, new.tokens, len(value), new.kind, now, safe_cost(new.cost), now, new.parent))
+                out.append((new, True))
             evicted = 0
-            if used > self.disk_bytes:
-                used, evicted = self._evict_txn(txn, used, int(self.disk_bytes * _LOW_WATER), keep={key})
-            txn.put(META_BYTES, _U64.pack(max(used, 0)), db=self.meta)
-            return new, evicted, bad
+            if any(w for _, w in out):
+                if used > self.disk_bytes:
+                    used, evicted = self._evict_txn(txn, used, int(self.disk_bytes * _LOW_WATER), keep={k for k, _ in items})
+                txn.put(META_BYTES, _U64.pack(max(used, 0)), db=self.meta)
+            return out, evicted, bads
 
-        self._room(4 * self.psize)  # a node: a few pages
+        self._room(4 * self.psize * len(items))  # a node: a few pages
         try:
-            rec, evicted, bad = self._run(txn_fn, write=True)
+            out, evicted, bads = self._run(txn_fn, write=True)
         except lmdb.MapFullError:
-            self._room(16 * self.psize, force=True)
-            rec, evicted, bad = self._run(txn_fn, write=True)
-        written = evicted is not False
-        if bad:
+            self._room(16 * self.psize * len(items), force=True)
+            out, evicted, bads = self._run(txn_fn, write=True)
+        written = {k for (k, _), (_, w) in zip(items, out) if w}
+        for key, bad in bads:
             self._report(key, bad)
-            self.corrupt_dropped += written  # overwritten; if left, the next read drops it
-        if written:
-            self.evictions += evicted
-        return rec, written
+            self.corrupt_dropped += key in written  # overwritten; if left, the next read drops it
+        self.evictions += evicted
+        return out
 
     @staticmethod
     def _entry_or_none(key, raw, default: int) -> int:

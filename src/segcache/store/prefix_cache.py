@@ -396,15 +396,22 @@ class PrefixCache:
         if rt.drafters:
             puts += drafter_records.puts(ix, rt, snaps, lay.spt)
         store.put_many(puts)
-        written = len(puts)
-        for j in range(0, N // P + 1):
+        # Every node this prompt extends is merged in ONE store transaction (other
+        # processes extend them too); a node that already holds all this prompt adds
+        # (read from RAM, or the disk in one read) costs no write at all.
+        bounds = range(0, N // P + 1)
+        ix.load_nodes(bounds)
+        merges = []
+        for j in bounds:
             cont, new_tails = ix.rem(j, N), tails.get(j, [])
-            if ix.node(j).add(list(cont), new_tails):  # cheap read first: most nodes are unchanged
-                written += self._merge_node(ix, j, cont, new_tails)
-        return written
+            if ix.node(j).add(list(cont), new_tails):
+                merges.append((ix.node_key(j), self._node_merge(ix, j, cont, new_tails)))
+        if merges:
+            store.update_many(merges)
+        return len(puts) + len(merges)
 
-    def _merge_node(self, ix: PromptKeys, j: int, cont: list[int], tails: list[list[int]]) -> int:
-        """Read-modify-write node j in one store transaction (other processes extend it too)."""
+    def _node_merge(self, ix: PromptKeys, j: int, cont: list[int], tails: list[list[int]]):
+        """The read-modify-write of node j: current record -> the node with this prompt's additions."""
         cost = self.layout.page_tokens * self.layout.spt
 
         def merge(current: Record | None) -> Record:
@@ -412,8 +419,7 @@ class PrefixCache:
             node.add(list(cont), tails)
             return node.record(cost, ix.parent(j))
 
-        self.store.update(ix.node_key(j), merge)
-        return 1
+        return merge
 
     def _has_logits(self, ix: PromptKeys, r: int) -> bool:
         rec = self.store.get(ix.ckpt_key(r), count=False, expect=ix.ckpt_spec(r))

@@ -1,8 +1,8 @@
 """One prompt's keys in the prefix store, and the index nodes that list what lies past a page.
 
 See `prefix_cache` for the key scheme. A node is small and read by every
-prefill that reaches its boundary; it is rewritten in one store transaction
-(`PrefixStore.update`) so that processes extending it at once lose nothing.
+prefill that reaches its boundary; a publish rewrites the nodes it extends in one store transaction
+(`PrefixStore.update_many`) so that processes extending them at once lose nothing.
 """
 
 from __future__ import annotations
@@ -136,6 +136,15 @@ class PromptKeys:
             rec = self.store.get(self.node_key(j), count=False, expect=self.node_spec())
             self._nodes[j] = Node.parse(rec, self.P)
         return self._nodes[j]
+
+    def load_nodes(self, bounds) -> None:
+        """Read the nodes at boundaries `bounds` not read yet, in one lookup (RAM, then one disk read)."""
+        todo = [j for j in bounds if j not in self._nodes]
+        if todo:
+            spec = self.node_spec()
+            recs = self.store.get_many([self.node_key(j) for j in todo], expects=[spec] * len(todo))
+            for j, rec in zip(todo, recs):
+                self._nodes[j] = Node.parse(rec, self.P)
 
     def rem(self, j: int, end: int) -> list[int]:
         """The prompt's tokens in page j+1, cut at `end`."""

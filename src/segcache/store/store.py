@@ -342,30 +342,56 @@ class PrefixStore:
             StoreError: The key or fn's record is malformed, the record exceeds the disk
                 budget, or the write failed; the store is unchanged.
         """
+        return self.update_many([(key, fn)])[0]
 
-        def checked(current: Record | None) -> Record | None:
-            new = fn(current)
-            if new is not None:
-                _validate(key, new)
-                mx.eval(list(new.arrays.values()))
-            return new
+    def update_many(self, items: Sequence[tuple[bytes, Callable[[Record | None], Record | None]]]) -> list[Record | None]:
+        """`update` of several keys in ONE LMDB write transaction: all of them, or none.
+
+        Each fn sees its key's current disk value inside the transaction, exactly as
+        `update`; a key listed twice sees the earlier fn's result. If any fn raises or
+        returns a malformed record, or a value exceeds the disk budget, nothing is
+        written (the exception propagates; malformed records raise StoreError). With a
+        remote tier, each written key's merge is queued for it as `update` queues one.
+
+        Returns:
+            Per item, the record now stored under its key (None if there is none).
+        """
+        items = list(items)
+
+        def checked(key: bytes, fn: Callable[[Record | None], Record | None]) -> Callable[[Record | None], Record | None]:
+            def run(current: Record | None) -> Record | None:
+                new = fn(current)
+                if new is not None:
+                    _validate(key, new)
+                    mx.eval(list(new.arrays.values()))
+                return new
+
+            return run
 
         with self._lock:
             self._check_open()
-            _validate(key, Record("", 0))
-            if self._ram.is_dirty(key):  # ours and not on disk yet: disk must hold it before we read
-                rec = self._ram.peek(key)
-                if key in self._suspend([(key, rec)]):
-                    self._ram.mark_clean([key])
-            with _store_errors(self.path, f"update of {key.hex()[:16]}"):
-                rec, _ = self._disk.update(key, checked, lambda r: codec.encode(r, key=key, compress=self.compress))
-            if rec is None:
-                self._ram.pop(key)
-            else:
-                self._ram.put(key, rec, dirty=False)
-                if self._remote is not None:
-                    self._remote.update(key, checked)  # the same merge, on the remote's value
-            return rec
+            for key, _ in items:
+                _validate(key, Record("", 0))
+            if not items:
+                return []
+            dirty = [(k, rec) for k in dict.fromkeys(k for k, _ in items)
+                     if self._ram.is_dirty(k) and (rec := self._ram.peek(k)) is not None]
+            if dirty:  # ours and not on disk yet: disk must hold them before we read
+                self._ram.mark_clean(self._suspend(dirty))
+            runs = [(key, checked(key, fn)) for key, fn in items]
+            what = f"update of {items[0][0].hex()[:16]}" + (f" and {len(items) - 1} more" if len(items) > 1 else "")
+            with _store_errors(self.path, what):
+                got = self._disk.update_many(runs, lambda key, r: codec.encode(r, key=key, compress=self.compress))
+            out = []
+            for (key, run), (rec, _) in zip(runs, got):
+                if rec is None:
+                    self._ram.pop(key)
+                else:
+                    self._ram.put(key, rec, dirty=False)
+                    if self._remote is not None:
+                        self._remote.update(key, run)  # the same merge, on the remote's value
+                out.append(rec)
+            return out
 
     def note_prefill(self, tokens: int, hit_tokens: int) -> None:
         """Count one prefill of `tokens` tokens that resumed `hit_tokens` of them from the store."""
