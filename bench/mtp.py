@@ -165,9 +165,8 @@ def run(cfg, model, draft, head, toks, n, rows):
         t0, c0 = time.perf_counter(), time.process_time()
         while dec.rows:
             out = dec.step()
-            if dec.gate is not None and dec.gate.last:
-                width = dec.gate.last["width"]
-                chosen[width] = chosen.get(width, 0) + 1
+            if dec.gate is not None:  # the width this step verified (the gate may plan a step ahead)
+                chosen[dec.last_width] = chosen.get(dec.last_width, 0) + 1
             for rid, emitted in out.items():
                 got[rid].extend(t for t, _, _ in emitted)
                 if dec.rows[rid].finished or len(got[rid]) >= n:

@@ -2,6 +2,7 @@
 unit of cost. Driven by fixed cost tables (never time); every row stays token-identical to
 the same request generated alone whatever the gate decides."""
 
+import mlx.core as mx
 import pytest
 
 from conftest import tiny
@@ -54,11 +55,18 @@ def run(dec, model, prompts=PROMPTS):
 
 
 def counting(dec):
-    """Count the target batch's forks (a plain step never forks)."""
-    forks = []
-    fork = dec.batch.fork
-    dec.batch.fork = lambda: (forks.append(1), fork())[1]
-    return forks
+    """Count the target batch's verify forwards: a forward of more than one position per row,
+    which a plain step never runs (its pipelined lookahead is one token per row, in a branch)."""
+    verifies = []
+    forward = dec.batch.forward
+
+    def counted(inputs):
+        if (inputs.shape[1] if isinstance(inputs, mx.array) else max(map(len, inputs))) > 1:
+            verifies.append(1)
+        return forward(inputs)
+
+    dec.batch.forward = counted
+    return verifies
 
 
 @pytest.mark.parametrize("drafter", ("lookup", "draft"))

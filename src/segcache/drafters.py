@@ -78,7 +78,10 @@ class Lookup:
     def fill(self, proposals):
         pass
 
-    def close(self, states, keep):
+    def capture(self):
+        return None
+
+    def close(self, states, keep, fed=None):
         pass
 
     def rollback(self):
@@ -214,7 +217,10 @@ class DraftModel:
         if forwards > 1:  # the proposals fed as arrays (all but the last forward's) get their ids
             self.rows.fill([p[: forwards - 1] for p in proposals])
 
-    def close(self, states, keep):
+    def capture(self):
+        return None
+
+    def close(self, states, keep, fed=None):
         if self._round is None:  # nothing was drafted: the draft rows lag (caught up when they draft again)
             return
         (lags, forwards), self._round = self._round, None

@@ -180,10 +180,15 @@ class MTP:
     def fill(self, proposals):
         self._hidden = self.tap.take()  # the verify forward's, [B, 1 + J, H]
 
-    def close(self, states, keep):
+    def capture(self):
+        return self.tap.take()  # the forward's hidden states, kept for a close after later forwards
+
+    def close(self, states, keep, fed=None):
         ids_now = [s.row_id for s in states]
         if self._ids is not None:  # a round: the verify's hidden states, rows that left since dropped
             hidden, ids = self._hidden, self._ids
+        elif fed is not None:  # a plain step: the hidden states captured from the forward that fed it
+            hidden, ids = fed
         else:  # a plain step: the forward that just ran fed every row its pending token
             hidden, ids = self.tap.take(), ids_now
         self.rows.order(ids_now)
