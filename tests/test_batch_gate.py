@@ -6,11 +6,13 @@ import mlx.core as mx
 import pytest
 
 from conftest import tiny
+from segcache.batch import decoder as decoder_module
 from segcache.drafters import make_decoder
 from segcache.batch.gate import Acceptance, Gate, MeasuredCost
 from segcache.generation import stream_generate
 from segcache.runtime import Runtime
 from segcache.testing import tokenizer as test_tokenizer
+from test_mtp_decode import fitted, reference
 
 PROMPTS = [
     [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
@@ -144,14 +146,16 @@ def test_measured_cost_plain_first_then_each_width_then_scaled_across_row_counts
     cost.record(2, 0, 1.0)
     assert cost.estimate(2, 0) == 1.0  # the median: the first step's cost dropped
     assert gate.choose([3, 3], rows) == 1  # the narrowest untried width, guessed as cheap as plain
-    for t in (1.2, 99.0, 1.3, 1.3):  # an outlier, then it leaves the window
+    for t in (1.1, 99.0, 1.2, 1.2):  # an outlier, then it leaves the window
         cost.record(2, 1, t)
-    assert cost.estimate(2, 1) == 1.3  # the median of the last 3
-    assert gate.choose([3, 3], rows) == 2  # untried, guessed as cheap as width 1: the most tokens
+    assert cost.estimate(2, 1) == 1.2  # the median of the last 3
+    # width 1: 3 tokens / 1.2 = 2.5, over plain's 2 by more than the margin; untried width 2 is
+    # guessed at 1.2 + 0.2 (what width 1 added): 3.5 tokens / 1.4 = 2.5 > 2.5 / 1.05, the most tokens
+    assert gate.choose([3, 3], rows) == 2
     cost.record(2, 2, 4.0)
-    assert gate.choose([3, 3], rows) == 1  # 3 untried, but guessed no cheaper than 2: not worth a try
+    assert gate.choose([3, 3], rows) == 1  # 3 untried, but guessed at 4.0 + 0.2: not worth a try
     cost.record(4, 0, 2.0)
-    assert cost.estimate(4, 1) == 2.6  # scaled by the plain steps' ratio
+    assert cost.estimate(4, 1) == 2.4  # scaled by the plain steps' ratio
     assert cost.estimate(4, 3) is None
 
 
@@ -185,3 +189,54 @@ def test_no_probe_sooner_than_max_probe_where_no_acceptance_could_pay():
             assert probes == [8, 17]  # every max_probe + 1 steps
         else:
             assert probes[:3] == [2, 7, 16]  # 2, then 4, then 8 plain steps between probes
+
+
+def test_a_measured_width_must_beat_plain_steps_by_the_margin():
+    rows = [Acceptance(hits=9.0, tries=10.0)] * 2  # a = 0.9: width 1 gives 1.9 tokens per row
+    for cost_1, want in ((1.85, 0), (1.75, 1)):  # 1.9 / 1.85 = 1.03x plain: under 5%; 1.9 / 1.75 = 1.09x
+        cost = MeasuredCost()
+        for _ in range(3):
+            cost.record(2, 0, 1.0)
+        cost.record(2, 1, cost_1)
+        assert Gate(cost, probe=0).choose([1, 1], rows) == want
+
+
+@pytest.mark.parametrize("family", ("qwen3_5", "qwen3_next"))
+def test_gated_mtp_plain_steps_pipeline_and_hand_the_head_every_token(family, monkeypatch):
+    """Speculation never pays by the table, so the gate's plain steps run ahead (one lookahead
+    each, in a branch) and its probes draft; the head gets the plain steps' hidden states in one
+    hand-over (BACKLOG at most, or before a probe, a join or a leave). Every row is plain
+    greedy's, and the head holds exactly one state per token its target holds (check())."""
+    monkeypatch.setattr(decoder_module, "BACKLOG", 3)  # hand-overs by count too, between probes
+    model, head = fitted(family)
+    dec = make_decoder(model, num_draft_tokens=2, mtp=head, gate=Gate(proportional, probe=4, max_probe=8))
+    lookaheads = []
+    fork = dec.batch.fork
+    dec.batch.fork = lambda: (lookaheads.append(dec._round is None), fork())[1]
+    n = 24
+    got = {i: [] for i in range(len(PROMPTS))}
+    steps = 0
+    for i in (0, 1):
+        rt = Runtime(model)
+        rt.forward(PROMPTS[i][:-1])
+        dec.add(i, rt, PROMPTS[i][-1], max_tokens=n)
+    widths = []
+    while dec.rows:
+        if steps == 4:  # late joins, with a lookahead in flight
+            for i in (2, 3):
+                rt = Runtime(model)
+                rt.forward(PROMPTS[i][:-1])
+                dec.add(i, rt, PROMPTS[i][-1], max_tokens=n)
+        out = dec.step()
+        widths.append(dec.last_width)
+        for rid, emitted in out.items():
+            got[rid].extend(t for t, _, _ in emitted)
+            if dec.rows[rid].finished:
+                dec.remove(rid)
+        steps += 1
+        if steps % 7 == 0:  # now and then (check() hands the backlog over itself)
+            dec.check()
+    for i, p in enumerate(PROMPTS):
+        assert got[i][:n] == reference(model, p, n), f"row {i}"
+    assert 0 in widths and any(widths)  # plain steps and probes
+    assert sum(lookaheads) > len(widths) // 2  # most plain steps ran ahead

@@ -160,10 +160,13 @@ class Gate:
             row count often also computes what a join or a leave left lazy (the
             rows' merged or cut caches), and a plain cost taken from it alone makes
             every width look cheap (the gate then speculates where it does not pay).
+        margin: a measured width is chosen over plain steps only when its expected tokens per
+            second beat theirs by this fraction (a table's too: a width that barely pays by its
+            estimates gains little where it is right and loses where it is not).
     """
 
     def __init__(self, cost=None, *, decay: float = 0.8, probe: int = 8, max_probe: int = 64,
-                 clock: Callable[[], float] = time.perf_counter, plain_samples: int = 3):
+                 clock: Callable[[], float] = time.perf_counter, plain_samples: int = 3, margin: float = 0.05):
         if cost is None:
             cost = MeasuredCost()
         elif callable(cost) and not isinstance(cost, (TableCost, MeasuredCost)):
@@ -176,6 +179,7 @@ class Gate:
         self.probed = None  # at the last probe: expected rate of width 1 over plain
         self.clock = clock
         self.plain_samples = plain_samples
+        self.margin = margin
         self.last: dict = {}  # the last choice: width, expected tokens per second of each width
 
     def choose(self, avail: list[int], rows: list[Acceptance]) -> int:
@@ -188,17 +192,28 @@ class Gate:
         if plain is None or (counted is not None and counted(B, 0) < self.plain_samples):
             self.last = {"width": 0, "why": "measure plain"}
             return 0  # plain steps measure it (plain is never a loss)
-        rates, floor = {0: B / plain}, plain
+        rates, floor, slope = {0: B / plain}, plain, None
         for k in range(1, top + 1):
             c = self.cost.estimate(B, k)
-            # unmeasured: guessed as cheap as the narrower widths (a step is never cheaper for
-            # verifying more), the narrowest untried only, so widths are tried narrowest first
-            floor = floor if c is None else max(floor, c)
+            if c is None:
+                # unmeasured: guessed to cost what the narrower widths cost plus the least a width
+                # added between them (a step is never cheaper for verifying more; the first width
+                # tried is guessed as cheap as a plain step), the narrowest untried only, so widths
+                # are tried narrowest first and only while the guess says widening may pay
+                guess = floor + (slope or 0.0)
+            else:
+                if k > 1 or c > plain:
+                    step = max(c - floor, 0.0)
+                    slope = step if slope is None else min(slope, step)
+                floor = max(floor, c)
             gain = sum(1 + r.expected(min(k, a)) for a, r in zip(avail, rows))
-            rates[k] = gain / (floor if c is None else c)
+            rates[k] = gain / (guess if c is None else c)
             if c is None:  # one untried width at a time: the frontier widens only while it pays
                 break
-        best = max(rates, key=lambda k: (rates[k], -k))
+        # a measured width must beat plain steps by `margin` (noise in a few timed steps must not
+        # tip a batch into rounds that cost as much as they give); an untried one is tried once
+        best = max(rates, key=lambda k: (rates[k] / (1.0 if k == 0 or self.cost.estimate(B, k) is None
+                                                      else 1.0 + self.margin), -k))
         if best:  # speculation pays by the estimates: probes wait the shortest again
             self.quiet, self.wait = 0, self.probe
         elif self.probe and self.quiet >= self.wait and (self.quiet >= self.max_probe
