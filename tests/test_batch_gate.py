@@ -240,3 +240,12 @@ def test_gated_mtp_plain_steps_pipeline_and_hand_the_head_every_token(family, mo
         assert got[i][:n] == reference(model, p, n), f"row {i}"
     assert 0 in widths and any(widths)  # plain steps and probes
     assert sum(lookaheads) > len(widths) // 2  # most plain steps ran ahead
+
+
+def test_a_width_is_never_taken_as_cheaper_than_a_narrower_one():
+    cost = MeasuredCost()
+    for _ in range(3):
+        cost.record(2, 0, 1.0)
+    cost.record(2, 1, 2.0)  # 1.5 tokens per row for 2 plain steps: does not pay
+    cost.record(2, 2, 0.5)  # lucky timings: 1.75 tokens for half a plain step, were it believed
+    assert Gate(cost, probe=0).choose([2, 2], [Acceptance(), Acceptance()]) == 0  # width 2 taken at 2.0

@@ -83,6 +83,7 @@ class MeasuredCost:
     def __init__(self, window: int = 9):
         self.window = window
         self.samples: dict[tuple[int, int], list[float]] = {}
+        self._medians: dict[tuple[int, int], float] = {}  # of `samples`, dropped when they change
 
     def estimate(self, rows: int, width: int) -> Optional[float]:
         if (rows, width) in self.samples:
@@ -101,6 +102,7 @@ class MeasuredCost:
         kept = self.samples.setdefault((rows, width), [])
         kept.append(max(seconds, 1e-6))
         del kept[: -self.window]
+        self._medians.pop((rows, width), None)
 
     def check(self) -> None:
         for key, kept in self.samples.items():
@@ -108,7 +110,10 @@ class MeasuredCost:
                 raise InvariantError(f"step cost samples for {key}: {kept}, not 1..{self.window} positive seconds")
 
     def _median(self, rows: int, width: int) -> float:
-        return statistics.median(self.samples[rows, width])
+        key = (rows, width)
+        if key not in self._medians:  # the gate asks every step; samples change once a step
+            self._medians[key] = statistics.median(self.samples[key])
+        return self._medians[key]
 
 
 @dataclass
@@ -192,7 +197,7 @@ class Gate:
         if plain is None or (counted is not None and counted(B, 0) < self.plain_samples):
             self.last = {"width": 0, "why": "measure plain"}
             return 0  # plain steps measure it (plain is never a loss)
-        rates, floor, slope = {0: B / plain}, plain, None
+        rates, floor, slope, measured = {0: B / plain}, plain, None, {0}
         for k in range(1, top + 1):
             c = self.cost.estimate(B, k)
             if c is None:
@@ -202,18 +207,21 @@ class Gate:
                 # are tried narrowest first and only while the guess says widening may pay
                 guess = floor + (slope or 0.0)
             else:
+                # never cheaper than a narrower width or a plain step: a few lucky timings on a
+                # shared CPU must not make verifying more look cheaper than verifying less
+                c = max(c, floor)
+                measured.add(k)
                 if k > 1 or c > plain:
-                    step = max(c - floor, 0.0)
+                    step = c - floor
                     slope = step if slope is None else min(slope, step)
-                floor = max(floor, c)
+                floor = c
             gain = sum(1 + r.expected(min(k, a)) for a, r in zip(avail, rows))
             rates[k] = gain / (guess if c is None else c)
             if c is None:  # one untried width at a time: the frontier widens only while it pays
                 break
         # a measured width must beat plain steps by `margin` (noise in a few timed steps must not
         # tip a batch into rounds that cost as much as they give); an untried one is tried once
-        best = max(rates, key=lambda k: (rates[k] / (1.0 if k == 0 or self.cost.estimate(B, k) is None
-                                                      else 1.0 + self.margin), -k))
+        best = max(rates, key=lambda k: (rates[k] / (1.0 + self.margin if k and k in measured else 1.0), -k))
         if best:  # speculation pays by the estimates: probes wait the shortest again
             self.quiet, self.wait = 0, self.probe
         elif self.probe and self.quiet >= self.wait and (self.quiet >= self.max_probe
