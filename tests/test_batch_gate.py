@@ -171,7 +171,8 @@ def test_the_draft_batch_skips_plain_steps_and_catches_up_before_drafting(family
     for i, p in enumerate(PROMPTS):
         assert got[i][:MAX] == alone(model, p), f"row {i}"
     assert widths[:8] == [0, 0, 1, 0, 0, 0, 0, 1]
-    assert lags[1] == [2] * len(PROMPTS)  # two plain steps never fed the draft
+    # the prompt (fed to the draft when the row first drafts) and two plain steps: never fed yet
+    assert lags[1] == [len(p) - 1 + 2 for p in PROMPTS]
     # the draft is the target: after catching up it proposes what the target emits, so every probe accepts
     assert all(s.accepted == s.drafted > 0 for s in states)
 

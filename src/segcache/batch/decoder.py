@@ -203,7 +203,7 @@ class BatchDecoder:
 
         With a draft model, `draft_runtime` (of the draft model) holds a prefix
         of those tokens, e.g. resumed from the prefix store; the rest is fed to
-        it here. None: a fresh draft runtime fed all of them. `stats`: where the
+        it when the row first drafts. None: a fresh draft runtime. `stats`: where the
         row's figures are counted (a new `GenerationStats` if None). `processors`:
         the row's logits processors, applied at every verified position as plain
         decoding would (the acceptor decides on their output). `stop_tokens`: a
@@ -213,8 +213,6 @@ class BatchDecoder:
             ValueError: the id is taken, a lone row's decoder holds one already, the
                 runtime is of another model, or the draft runtime holds tokens that are
                 not a prefix of the target's or is of another model; nothing changed.
-                (If joining then fails, the draft runtime given has been fed up to the
-                target's tokens, which it may keep.)
         """
         if row_id in self.rows:
             raise ValueError(f"add({row_id!r}): a row with that id is already in the batch")

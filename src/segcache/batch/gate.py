@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
+import mlx.core as mx
+
 from ..errors import InvariantError
 
 # The default `min_prob` of a draft model's rows (DraftPolicy; `stream_generate`'s
@@ -41,6 +43,14 @@ from ..errors import InvariantError
 # among the fastest settings on held-out code prompts with 4 drafts per round
 # (docs/benchmarks.md).
 DRAFT_MIN_PROB = 0.25
+
+
+def default_clock() -> Callable[[], float]:
+    """What the gate times steps by: the process's CPU time where MLX computes on the CPU (every
+    forward runs on this process's threads, and other processes sharing the cores, which move
+    wall times by 2-8x on a loaded machine, barely move it), else the wall clock (a GPU's work
+    is not this process's CPU time)."""
+    return time.process_time if mx.default_device().type == mx.DeviceType.cpu else time.perf_counter
 
 
 class StepCost(Protocol):
@@ -159,7 +169,8 @@ class Gate:
         probe: after that many plain steps in a row, one step drafts one token
             (0: never probe); doubled after each probe finding the estimates no
             better than the last, up to `max_probe`.
-        clock: seconds, for measuring steps (the decoder times its steps by it).
+        clock: seconds, for measuring steps (the decoder times its steps by it); None:
+            `default_clock()` (CPU time where MLX computes on the CPU, else wall time).
         plain_samples: with measured costs, a row count's plain steps are measured
             this many times before any width is tried at it: the first step at a
             row count often also computes what a join or a leave left lazy (the
@@ -171,7 +182,7 @@ class Gate:
     """
 
     def __init__(self, cost=None, *, decay: float = 0.8, probe: int = 8, max_probe: int = 64,
-                 clock: Callable[[], float] = time.perf_counter, plain_samples: int = 3, margin: float = 0.05):
+                 clock: Optional[Callable[[], float]] = None, plain_samples: int = 3, margin: float = 0.05):
         if cost is None:
             cost = MeasuredCost()
         elif callable(cost) and not isinstance(cost, (TableCost, MeasuredCost)):
@@ -182,7 +193,7 @@ class Gate:
         self.wait = probe  # plain steps before the next probe
         self.quiet = 0  # plain steps in a row (the gate chose 0)
         self.probed = None  # at the last probe: expected rate of width 1 over plain
-        self.clock = clock
+        self.clock = clock if clock is not None else default_clock()
         self.plain_samples = plain_samples
         self.margin = margin
         self.last: dict = {}  # the last choice: width, expected tokens per second of each width
