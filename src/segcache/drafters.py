@@ -39,6 +39,7 @@ class Lookup:
     mode = "lookup"
     min_prob = 0.0
     draft_runtimes = False
+    offers_rooms = False  # the match of the token just emitted
 
     def __init__(self):
         self.index: dict = {}  # row id -> PromptLookup of its history
@@ -113,6 +114,7 @@ class DraftModel:
 
     mode = "draft"
     draft_runtimes = True
+    offers_rooms = True
 
     def __init__(self, rows, *, min_prob: float = 0.0, prefill_step: int = 2048):
         self.rows = rows

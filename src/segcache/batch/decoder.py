@@ -167,8 +167,10 @@ class BatchDecoder:
         self.pipeline = pipeline and not num_draft_tokens
         # A gated drafter's plain steps pipeline too: the gate decides the next step's width
         # before this step's lookahead is launched (`_plan`), so a lookahead only runs ahead of a
-        # step that is plain anyway and none is ever wasted on a switch to speculation.
-        self._gated_pipeline = pipeline and self.gate is not None
+        # step that is plain anyway and none is ever wasted on a switch to speculation. Only
+        # where the drafter's offer is each row's room (not prompt lookup's match, which needs
+        # the token the step emits).
+        self._gated_pipeline = pipeline and self.gate is not None and drafter.offers_rooms
         # The lookahead in flight: (its logits [B, 1, V], the row ids it was built for, in order,
         # whether it was fed in a branch, what the drafter kept of its forward or None), or None.
         # Invariant: on a batch, not None iff the batch's branch is open and no round is; then

@@ -86,11 +86,16 @@ class Drafter(Protocol):
             this (0: every row drafts the width the decoder's policy gives it).
         draft_runtimes: whether a row may bring state of its own to `add` (a draft
             model's `Runtime`, the prefill's MTP `HiddenStates`).
+        offers_rooms: whether `offer` gives every row its whole room after a plain step
+            (a draft model, the MTP head; not prompt lookup, whose offer is the match of
+            the token just emitted), so a gated decoder can choose the next step's width
+            before that token is read and pipeline its plain steps.
     """
 
     mode: str
     min_prob: float
     draft_runtimes: bool
+    offers_rooms: bool
 
     def add(self, row_id, history: list, runtime: Runtime, draft_runtime) -> None:
         """A row joins holding `history[:-1]` in `runtime`; raises (changing nothing) if it cannot."""

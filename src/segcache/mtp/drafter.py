@@ -72,6 +72,7 @@ class MTP:
     mode = "mtp"
     min_prob = 0.0
     draft_runtimes = True  # the prefill's HiddenStates
+    offers_rooms = True  # every row has a hidden state to draft from after a plain step
 
     def __init__(self, head: MTPHead, *, prefill_step: int = 2048):
         head = head.for_drafting()  # float16 weights of a float32 target: a float32 copy (same drafts)
