@@ -250,3 +250,19 @@ def test_a_width_is_never_taken_as_cheaper_than_a_narrower_one():
     cost.record(2, 1, 2.0)  # 1.5 tokens per row for 2 plain steps: does not pay
     cost.record(2, 2, 0.5)  # lucky timings: 1.75 tokens for half a plain step, were it believed
     assert Gate(cost, probe=0).choose([2, 2], [Acceptance(), Acceptance()]) == 0  # width 2 taken at 2.0
+
+
+def test_a_width_costs_its_ratio_to_the_plain_steps_timed_just_before_it():
+    """Other processes move step times by several x within seconds: a width timed while the
+    machine was quiet must not look cheap against plain steps timed once it got busy."""
+    cost = MeasuredCost()
+    for _ in range(3):
+        cost.record(2, 0, 1.0)  # quiet
+    cost.record(2, 1, 1.6)  # quiet too: 1.6 plain steps
+    for _ in range(9):
+        cost.record(2, 0, 3.0)  # busy now
+    assert cost.estimate(2, 1) == pytest.approx(4.8)  # 1.6 of the plain steps now, not 1.6 seconds
+    assert Gate(cost, probe=0).choose([1, 1], [Acceptance(), Acceptance()]) == 0  # 1.5 tokens for 1.6 steps
+    cost.record(4, 0, 6.0)
+    assert cost.estimate(4, 1) == pytest.approx(9.6)  # another row count: the same ratio
+    cost.check()

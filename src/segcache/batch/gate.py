@@ -77,52 +77,77 @@ class TableCost:
 
 
 class MeasuredCost:
-    """Step costs measured online: the median of the last `window` wall times per (rows, width).
+    """Step costs measured online, per (rows, width): a width's cost as the median of the last
+    `window` ratios of its steps to the plain steps measured just before each (the median of
+    the last `recent` there), times the plain steps' median now.
 
-    A median, not a mean: a step that also evaluates lazy work left by a join
-    (or meets another process on a shared CPU) can take 30x the usual, and a
-    mean would carry that into many decisions. A shape not measured yet at this
-    row count is scaled from the nearest row count where it was (by the ratio
-    of their plain steps); a width never measured is None, which the gate takes
-    as an optimistic guess (as cheap as the narrower widths; the narrowest
-    untried width only) so it is tried once if it may pay, then known.
+    Ratios, not seconds: on a shared CPU other processes move every step's time by 2-8x
+    within seconds, so a width timed in a quiet moment against plain steps timed in a busy
+    one looked cheaper than a plain step (and the gate ran rounds that cost 1.6 plain
+    steps); a step and the plain steps just before it meet about the same load. A median,
+    not a mean: a step that also evaluates lazy work left by a join can take 30x the usual,
+    and a mean would carry that into many decisions. A width measured before any plain step
+    at its row count keeps its seconds. A shape not measured yet at this row count is scaled
+    from the nearest row count where it was (its ratio times this count's plain steps); a
+    width never measured is None, which the gate takes as a guess (`Gate.choose`) so it is
+    tried once if it may pay, then known.
 
-    Invariant: every list in `samples` holds 1..window positive seconds.
+    Invariant: every list in `samples` holds 1..window positive seconds, every list in
+    `ratios` 1..window positive ratios, each for a width > 0 that has samples.
     """
 
-    def __init__(self, window: int = 9):
-        self.window = window
+    def __init__(self, window: int = 9, recent: int = 3):
+        self.window, self.recent = window, recent
         self.samples: dict[tuple[int, int], list[float]] = {}
-        self._medians: dict[tuple[int, int], float] = {}  # of `samples`, dropped when they change
+        self.ratios: dict[tuple[int, int], list[float]] = {}  # width > 0: seconds / recent plain
+        self._medians: dict[tuple, float] = {}  # of `samples` / `ratios`, dropped when they change
 
     def estimate(self, rows: int, width: int) -> Optional[float]:
+        if width and (rows, 0) in self.samples:
+            if (rows, width) in self.ratios:
+                return self._median("r", rows, width) * self._median("s", rows, 0)
+            known = [b for b, w in self.ratios if w == width]
+            if known and (rows, width) not in self.samples:
+                b = min(known, key=lambda b: abs(b - rows))
+                return self._median("r", b, width) * self._median("s", rows, 0)
         if (rows, width) in self.samples:
-            return self._median(rows, width)
+            return self._median("s", rows, width)
         known = [b for b, w in self.samples if w == width and (b, 0) in self.samples]
         if (rows, 0) not in self.samples or not known:
             return None
         b = min(known, key=lambda b: abs(b - rows))
-        return self._median(b, width) * self._median(rows, 0) / self._median(b, 0)
+        return self._median("s", b, width) * self._median("s", rows, 0) / self._median("s", b, 0)
 
     def count(self, rows: int, width: int) -> int:
         """Steps of that shape measured (in the window)."""
         return len(self.samples.get((rows, width), ()))
 
     def record(self, rows: int, width: int, seconds: float) -> None:
-        kept = self.samples.setdefault((rows, width), [])
-        kept.append(max(seconds, 1e-6))
+        seconds = max(seconds, 1e-6)
+        if width and (rows, 0) in self.samples:
+            plain = statistics.median(self.samples[rows, 0][-self.recent:])
+            self._keep(self.ratios, "r", rows, width, seconds / plain)
+        self._keep(self.samples, "s", rows, width, seconds)
+
+    def _keep(self, table: dict, kind: str, rows: int, width: int, value: float) -> None:
+        kept = table.setdefault((rows, width), [])
+        kept.append(value)
         del kept[: -self.window]
-        self._medians.pop((rows, width), None)
+        self._medians.pop((kind, rows, width), None)
 
     def check(self) -> None:
-        for key, kept in self.samples.items():
-            if not 1 <= len(kept) <= self.window or min(kept) <= 0:
-                raise InvariantError(f"step cost samples for {key}: {kept}, not 1..{self.window} positive seconds")
+        for name, table in (("step cost samples", self.samples), ("step cost ratios", self.ratios)):
+            for key, kept in table.items():
+                if not 1 <= len(kept) <= self.window or min(kept) <= 0:
+                    raise InvariantError(f"{name} for {key}: {kept}, not 1..{self.window} positive values")
+        stray = [key for key in self.ratios if key[1] == 0 or key not in self.samples]
+        if stray:
+            raise InvariantError(f"step cost ratios for {stray}: a width > 0 with samples each")
 
-    def _median(self, rows: int, width: int) -> float:
-        key = (rows, width)
+    def _median(self, kind: str, rows: int, width: int) -> float:
+        key = (kind, rows, width)
         if key not in self._medians:  # the gate asks every step; samples change once a step
-            self._medians[key] = statistics.median(self.samples[key])
+            self._medians[key] = statistics.median((self.ratios if kind == "r" else self.samples)[rows, width])
         return self._medians[key]
 
 
