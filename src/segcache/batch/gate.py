@@ -264,7 +264,9 @@ class Gate:
                                                          or not self._hopeless(B, top, plain)):
             # back off while probes show the estimates no better than at the last probe
             ratio = rates[1] / rates[0]
-            better = self.probed is not None and ratio > self.probed
+            # better by the margin: a ratio drawn from noisy step times is better than the last
+            # one half the time, and every such reset brought probes back to every `probe` steps
+            better = self.probed is not None and ratio > self.probed * (1.0 + self.margin)
             best, self.quiet, self.probed = 1, 0, ratio
             self.wait = self.probe if better else min(2 * self.wait, self.max_probe)
         else:
