@@ -22,6 +22,15 @@ probes cost one one-draft step per `probe`..`max_probe` steps. Where every
 width costs more than 1 + K plain steps (not even drafts all accepted could
 pay: a CPU where the drafter costs half a forward) probes wait `max_probe`.
 
+Costs are measured on the gate's clock (CPU time where MLX computes on the
+CPU), a width's as its ratio to the plain steps timed just before it
+(`MeasuredCost`), never below a narrower width's; an untried width is guessed
+at the widest measured one's cost plus the least a width added, and a measured
+width must beat plain steps by `margin`. A decoder asks once per step, and with
+a drafter that offers every row its room it asks for the next step while this
+step's tokens are still lazy (`BatchDecoder._plan`), so its plain steps
+pipeline as a plain decoder's do.
+
 The gate only sets widths: rows verify their drafts exactly as before, so
 every row's output is the same whatever it decides.
 """
