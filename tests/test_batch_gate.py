@@ -206,39 +206,55 @@ def test_a_measured_width_must_beat_plain_steps_by_the_margin():
 def test_gated_mtp_plain_steps_pipeline_and_hand_the_head_every_token(family, monkeypatch):
     """Speculation never pays by the table, so the gate's plain steps run ahead (one lookahead
     each, in a branch) and its probes draft; the head gets the plain steps' hidden states in one
-    hand-over (BACKLOG at most, or before a probe, a join or a leave). Every row is plain
-    greedy's, and the head holds exactly one state per token its target holds (check())."""
-    monkeypatch.setattr(decoder_module, "BACKLOG", 3)  # hand-overs by count too, between probes
+    hand-over (BACKLOG steps at most, or before a probe or a join; cut to the rows that stay when
+    one leaves). Every row is plain greedy's, the head holds one state per token its target holds
+    (check()), and its K/V and unfed states are those of a decoder handing them over every step."""
     model, head = fitted(family)
-    dec = make_decoder(model, num_draft_tokens=2, mtp=head, gate=Gate(proportional, probe=4, max_probe=8))
-    lookaheads = []
-    fork = dec.batch.fork
-    dec.batch.fork = lambda: (lookaheads.append(dec._round is None), fork())[1]
-    n = 24
-    got = {i: [] for i in range(len(PROMPTS))}
-    steps = 0
-    for i in (0, 1):
+
+    def decoder(backlog):
+        monkeypatch.setattr(decoder_module, "BACKLOG", backlog)
+        return make_decoder(model, num_draft_tokens=2, mtp=head, gate=Gate(proportional, probe=4, max_probe=8))
+
+    def start(dec, i):
         rt = Runtime(model)
         rt.forward(PROMPTS[i][:-1])
         dec.add(i, rt, PROMPTS[i][-1], max_tokens=n)
-    widths = []
-    while dec.rows:
-        if steps == 4:  # late joins, with a lookahead in flight
-            for i in (2, 3):
-                rt = Runtime(model)
-                rt.forward(PROMPTS[i][:-1])
-                dec.add(i, rt, PROMPTS[i][-1], max_tokens=n)
-        out = dec.step()
-        widths.append(dec.last_width)
-        for rid, emitted in out.items():
-            got[rid].extend(t for t, _, _ in emitted)
-            if dec.rows[rid].finished:
-                dec.remove(rid)
+
+    n = 24
+    decs = [decoder(3), decoder(1)]  # BACKLOG applies at each step: patched around each one's steps
+    lookaheads = []
+    fork = decs[0].batch.fork
+    decs[0].batch.fork = lambda: (lookaheads.append(decs[0]._round is None), fork())[1]
+    got = [{i: [] for i in range(len(PROMPTS))} for _ in decs]
+    widths, steps = [], 0
+    for dec in decs:
+        for i in (0, 1):
+            start(dec, i)
+    while decs[0].rows:
+        for d, (dec, backlog) in enumerate(zip(decs, (3, 1))):
+            monkeypatch.setattr(decoder_module, "BACKLOG", backlog)
+            if steps == 4:  # late joins, with a lookahead in flight
+                for i in (2, 3):
+                    start(dec, i)
+            out = dec.step()
+            if d == 0:
+                widths.append(dec.last_width)
+            for rid, emitted in out.items():
+                got[d][rid].extend(t for t, _, _ in emitted)
+                if dec.rows[rid].finished:
+                    dec.remove(rid)
         steps += 1
-        if steps % 7 == 0:  # now and then (check() hands the backlog over itself)
-            dec.check()
+        if steps % 5 == 0 and decs[0].rows:  # now and then (check() hands the backlog over itself)
+            for dec in decs:
+                dec.check()
+            a, b = (dec.drafter.rows for dec in decs)
+            assert a.ids == b.ids and a.held == b.held and a.lags == b.lags
+            assert mx.allclose(a.layers[0].keys[..., : max(a.held), :], b.layers[0].keys[..., : max(b.held), :],
+                               atol=1e-5)
+            if a.tail is not None:
+                assert mx.allclose(a.tail[:, : max(a.lags)], b.tail[:, : max(b.lags)], atol=1e-5)
     for i, p in enumerate(PROMPTS):
-        assert got[i][:n] == reference(model, p, n), f"row {i}"
+        assert got[0][i][:n] == reference(model, p, n) == got[1][i][:n], f"row {i}"
     assert 0 in widths and any(widths)  # plain steps and probes
     assert sum(lookaheads) > len(widths) // 2  # most plain steps ran ahead
 

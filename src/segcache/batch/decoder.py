@@ -182,10 +182,11 @@ class BatchDecoder:
         # The width the gate chose for the next step while planning this one's lookahead (None:
         # the next step asks the gate itself). Reset by a join (the rows change).
         self._planned: int | None = None
-        # What the drafter captured from plain steps' forwards (an MTP head's hidden states, [B, 1, H]
-        # each), not handed to it yet, oldest first, every entry for the batch's rows in their order
-        # (handed over before the rows change, before a step drafts, and at BACKLOG entries), so a
-        # run of plain steps touches the drafter once per BACKLOG steps, not once per step.
+        # What the drafter captured from plain steps' forwards (an MTP head's hidden states, [B, n, H]
+        # each, n steps), not handed to it yet, oldest first, every entry for the batch's rows in their
+        # order (handed over before a row joins, before a step drafts, and at BACKLOG steps; cut to
+        # the rows that stay when one leaves), so a run of plain steps touches the drafter once per
+        # BACKLOG steps, not once per step.
         self._backlog: list = []
         self.last_width = 0  # the width the last step verified (0: a plain step)
         # The last step's (rows, width, seconds by the gate's clock), not yet recorded: its
@@ -269,7 +270,7 @@ class BatchDecoder:
         """The row leaves (cancelled), its state dropped; the others keep theirs (and the round)."""
         if row_id not in self.rows:
             raise KeyError(f"no row {row_id!r} in the decoder (rows: {list(self.rows)})")
-        self._hand_over()
+        self._cut_backlog(row_id)
         self.batch.leave(row_id)  # with an open round or lookahead, its branch goes with it
         if self.drafter is not None:
             self.drafter.remove(row_id)
@@ -555,7 +556,7 @@ class BatchDecoder:
         if built_for != ids:
             captured = captured[mx.array([built_for.index(r) for r in ids], dtype=mx.int32)]
         self._backlog.append(captured)
-        if len(self._backlog) >= BACKLOG:
+        if sum(kept.shape[1] for kept in self._backlog) >= BACKLOG:
             self._hand_over()
 
     def _hand_over(self) -> None:
@@ -565,7 +566,17 @@ class BatchDecoder:
         kept, self._backlog = self._backlog, []
         ids = self.batch.ids
         fed = kept[0] if len(kept) == 1 else mx.concatenate(kept, axis=1)
-        self.drafter.close([self.rows[r] for r in ids], [len(kept)] * len(ids), (fed, ids))
+        self.drafter.close([self.rows[r] for r in ids], [fed.shape[1]] * len(ids), (fed, ids))
+
+    def _cut_backlog(self, row_id) -> None:
+        """Before `row_id` leaves: the backlog without its row (the others' states stay unfed; handing
+        them over here made every leaving row pay a head call for the rows that stay)."""
+        if not self._backlog:
+            return
+        ids = self.batch.ids
+        others = [i for i, r in enumerate(ids) if r != row_id]
+        fed = self._backlog[0] if len(self._backlog) == 1 else mx.concatenate(self._backlog, axis=1)
+        self._backlog = [fed[mx.array(others, dtype=mx.int32)]] if others else []
 
     def _drop_lookahead(self) -> None:
         """Before a join: roll a lookahead in a branch back (the rows hold history[:-1] again; its
