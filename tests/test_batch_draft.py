@@ -187,13 +187,15 @@ def test_draft_runtime_prefix_is_caught_up_and_a_wrong_one_refused():
     drt = Runtime(draft_model)
     drt.forward(p[:4])  # a prefix, e.g. resumed from the prefix store
     start(dec, model, 0, p, draft_runtime=drt)
-    assert dec.drafter.rows.tokens(0) == p[:-1]
+    assert dec.drafter.rows.tokens(0) == p[:4]  # the rest is fed when the row first drafts
     wrong = Runtime(draft_model)
     wrong.forward([9, 9])
     with pytest.raises(ValueError, match="not a prefix"):
         start(dec, model, 1, PROMPTS[1], draft_runtime=wrong)
     assert dec.batch.ids == [0] and dec.drafter.rows.ids == [0]  # the refused row changed nothing
-    got = run_rest(dec, {0: []})
+    first = dec.step()[0]
+    assert dec.drafter.rows.tokens(0)[: len(p) - 1] == p[:-1]  # caught up in its first round
+    got = run_rest(dec, {0: first})
     assert got[0] == alone(model, p)
 
 

@@ -2,14 +2,17 @@
 unit of cost. Driven by fixed cost tables (never time); every row stays token-identical to
 the same request generated alone whatever the gate decides."""
 
+import mlx.core as mx
 import pytest
 
 from conftest import tiny
+from segcache.batch import decoder as decoder_module
 from segcache.drafters import make_decoder
 from segcache.batch.gate import Acceptance, Gate, MeasuredCost
 from segcache.generation import stream_generate
 from segcache.runtime import Runtime
 from segcache.testing import tokenizer as test_tokenizer
+from test_mtp_decode import fitted, reference
 
 PROMPTS = [
     [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
@@ -54,11 +57,18 @@ def run(dec, model, prompts=PROMPTS):
 
 
 def counting(dec):
-    """Count the target batch's forks (a plain step never forks)."""
-    forks = []
-    fork = dec.batch.fork
-    dec.batch.fork = lambda: (forks.append(1), fork())[1]
-    return forks
+    """Count the target batch's verify forwards: a forward of more than one position per row,
+    which a plain step never runs (its pipelined lookahead is one token per row, in a branch)."""
+    verifies = []
+    forward = dec.batch.forward
+
+    def counted(inputs):
+        if (inputs.shape[1] if isinstance(inputs, mx.array) else max(map(len, inputs))) > 1:
+            verifies.append(1)
+        return forward(inputs)
+
+    dec.batch.forward = counted
+    return verifies
 
 
 @pytest.mark.parametrize("drafter", ("lookup", "draft"))
@@ -136,14 +146,16 @@ def test_measured_cost_plain_first_then_each_width_then_scaled_across_row_counts
     cost.record(2, 0, 1.0)
     assert cost.estimate(2, 0) == 1.0  # the median: the first step's cost dropped
     assert gate.choose([3, 3], rows) == 1  # the narrowest untried width, guessed as cheap as plain
-    for t in (1.2, 99.0, 1.3, 1.3):  # an outlier, then it leaves the window
+    for t in (1.1, 99.0, 1.2, 1.2):  # an outlier, then it leaves the window
         cost.record(2, 1, t)
-    assert cost.estimate(2, 1) == 1.3  # the median of the last 3
-    assert gate.choose([3, 3], rows) == 2  # untried, guessed as cheap as width 1: the most tokens
+    assert cost.estimate(2, 1) == 1.2  # the median of the last 3
+    # width 1: 3 tokens / 1.2 = 2.5, over plain's 2 by more than the margin; untried width 2 is
+    # guessed at 1.2 + 0.2 (what width 1 added): 3.5 tokens / 1.4 = 2.5 > 2.5 / 1.05, the most tokens
+    assert gate.choose([3, 3], rows) == 2
     cost.record(2, 2, 4.0)
-    assert gate.choose([3, 3], rows) == 1  # 3 untried, but guessed no cheaper than 2: not worth a try
+    assert gate.choose([3, 3], rows) == 1  # 3 untried, but guessed at 4.0 + 0.2: not worth a try
     cost.record(4, 0, 2.0)
-    assert cost.estimate(4, 1) == 2.6  # scaled by the plain steps' ratio
+    assert cost.estimate(4, 1) == 2.4  # scaled by the plain steps' ratio
     assert cost.estimate(4, 3) is None
 
 
@@ -159,7 +171,8 @@ def test_the_draft_batch_skips_plain_steps_and_catches_up_before_drafting(family
     for i, p in enumerate(PROMPTS):
         assert got[i][:MAX] == alone(model, p), f"row {i}"
     assert widths[:8] == [0, 0, 1, 0, 0, 0, 0, 1]
-    assert lags[1] == [2] * len(PROMPTS)  # two plain steps never fed the draft
+    # the prompt (fed to the draft when the row first drafts) and two plain steps: never fed yet
+    assert lags[1] == [len(p) - 1 + 2 for p in PROMPTS]
     # the draft is the target: after catching up it proposes what the target emits, so every probe accepts
     assert all(s.accepted == s.drafted > 0 for s in states)
 
@@ -177,3 +190,95 @@ def test_no_probe_sooner_than_max_probe_where_no_acceptance_could_pay():
             assert probes == [8, 17]  # every max_probe + 1 steps
         else:
             assert probes[:3] == [2, 7, 16]  # 2, then 4, then 8 plain steps between probes
+
+
+def test_a_measured_width_must_beat_plain_steps_by_the_margin():
+    rows = [Acceptance(hits=9.0, tries=10.0)] * 2  # a = 0.9: width 1 gives 1.9 tokens per row
+    for cost_1, want in ((1.85, 0), (1.75, 1)):  # 1.9 / 1.85 = 1.03x plain: under 5%; 1.9 / 1.75 = 1.09x
+        cost = MeasuredCost()
+        for _ in range(3):
+            cost.record(2, 0, 1.0)
+        cost.record(2, 1, cost_1)
+        assert Gate(cost, probe=0).choose([1, 1], rows) == want
+
+
+@pytest.mark.parametrize("family", ("qwen3_5", "qwen3_next"))
+def test_gated_mtp_plain_steps_pipeline_and_hand_the_head_every_token(family, monkeypatch):
+    """Speculation never pays by the table, so the gate's plain steps run ahead (one lookahead
+    each, in a branch) and its probes draft; the head gets the plain steps' hidden states in one
+    hand-over (BACKLOG steps at most, or before a probe or a join; cut to the rows that stay when
+    one leaves). Every row is plain greedy's, the head holds one state per token its target holds
+    (check()), and its K/V and unfed states are those of a decoder handing them over every step."""
+    model, head = fitted(family)
+
+    def decoder(backlog):
+        monkeypatch.setattr(decoder_module, "BACKLOG", backlog)
+        return make_decoder(model, num_draft_tokens=2, mtp=head, gate=Gate(proportional, probe=4, max_probe=8))
+
+    def start(dec, i):
+        rt = Runtime(model)
+        rt.forward(PROMPTS[i][:-1])
+        dec.add(i, rt, PROMPTS[i][-1], max_tokens=n)
+
+    n = 24
+    decs = [decoder(3), decoder(1)]  # BACKLOG applies at each step: patched around each one's steps
+    lookaheads = []
+    fork = decs[0].batch.fork
+    decs[0].batch.fork = lambda: (lookaheads.append(decs[0]._round is None), fork())[1]
+    got = [{i: [] for i in range(len(PROMPTS))} for _ in decs]
+    widths, steps = [], 0
+    for dec in decs:
+        for i in (0, 1):
+            start(dec, i)
+    while decs[0].rows:
+        for d, (dec, backlog) in enumerate(zip(decs, (3, 1))):
+            monkeypatch.setattr(decoder_module, "BACKLOG", backlog)
+            if steps == 4:  # late joins, with a lookahead in flight
+                for i in (2, 3):
+                    start(dec, i)
+            out = dec.step()
+            if d == 0:
+                widths.append(dec.last_width)
+            for rid, emitted in out.items():
+                got[d][rid].extend(t for t, _, _ in emitted)
+                if dec.rows[rid].finished:
+                    dec.remove(rid)
+        steps += 1
+        if steps % 5 == 0 and decs[0].rows:  # now and then (check() hands the backlog over itself)
+            for dec in decs:
+                dec.check()
+            a, b = (dec.drafter.rows for dec in decs)
+            assert a.ids == b.ids and a.held == b.held and a.lags == b.lags
+            assert mx.allclose(a.layers[0].keys[..., : max(a.held), :], b.layers[0].keys[..., : max(b.held), :],
+                               atol=1e-5)
+            if a.tail is not None:
+                assert mx.allclose(a.tail[:, : max(a.lags)], b.tail[:, : max(b.lags)], atol=1e-5)
+    for i, p in enumerate(PROMPTS):
+        assert got[0][i][:n] == reference(model, p, n) == got[1][i][:n], f"row {i}"
+    assert 0 in widths and any(widths)  # plain steps and probes
+    assert sum(lookaheads) > len(widths) // 2  # most plain steps ran ahead
+
+
+def test_a_width_is_never_taken_as_cheaper_than_a_narrower_one():
+    cost = MeasuredCost()
+    for _ in range(3):
+        cost.record(2, 0, 1.0)
+    cost.record(2, 1, 2.0)  # 1.5 tokens per row for 2 plain steps: does not pay
+    cost.record(2, 2, 0.5)  # lucky timings: 1.75 tokens for half a plain step, were it believed
+    assert Gate(cost, probe=0).choose([2, 2], [Acceptance(), Acceptance()]) == 0  # width 2 taken at 2.0
+
+
+def test_a_width_costs_its_ratio_to_the_plain_steps_timed_just_before_it():
+    """Other processes move step times by several x within seconds: a width timed while the
+    machine was quiet must not look cheap against plain steps timed once it got busy."""
+    cost = MeasuredCost()
+    for _ in range(3):
+        cost.record(2, 0, 1.0)  # quiet
+    cost.record(2, 1, 1.6)  # quiet too: 1.6 plain steps
+    for _ in range(9):
+        cost.record(2, 0, 3.0)  # busy now
+    assert cost.estimate(2, 1) == pytest.approx(4.8)  # 1.6 of the plain steps now, not 1.6 seconds
+    assert Gate(cost, probe=0).choose([1, 1], [Acceptance(), Acceptance()]) == 0  # 1.5 tokens for 1.6 steps
+    cost.record(4, 0, 6.0)
+    assert cost.estimate(4, 1) == pytest.approx(9.6)  # another row count: the same ratio
+    cost.check()

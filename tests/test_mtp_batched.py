@@ -222,14 +222,15 @@ def test_greedy_batched_mtp_with_late_joins_equals_plain_greedy(target):
 
 def test_the_gate_times_steps_by_its_own_clock():
     """A Gate's `clock` is what the decoder times its steps with (a CPU-time clock on a shared
-    machine): every recorded step cost is that clock's difference."""
+    machine): every recorded step cost is two of that clock's differences, the step's own and
+    the settling of its round at the start of the next step (each 3 ticks here)."""
     model, head = fitted("qwen3_5")
     ticks = iter(range(0, 10_000, 3))
     gate = Gate(clock=lambda: float(next(ticks)))
     dec = mtp_decoder(model, num_draft_tokens=2, mtp=head, gate=gate)
     _run_batched(dec, model, PROMPTS[:3], late=(), n=8)
     samples = [x for kept in gate.cost.samples.values() for x in kept]
-    assert samples and all(x == 3.0 for x in samples)
+    assert samples and all(x == 6.0 for x in samples)
 
 
 def test_a_float16_head_drafts_for_a_float32_target_from_a_float32_copy_bit_for_bit():

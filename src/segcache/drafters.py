@@ -13,7 +13,6 @@ model, an MTP head, prompt lookup) into one of them; the decoder is handed it:
 
 from __future__ import annotations
 
-from typing import Sequence
 
 import mlx.core as mx
 
@@ -34,18 +33,6 @@ from .runtime import Runtime
 GAP_IN_FORK = 8
 
 
-def eval_cache(rt) -> None:
-    mx.eval([layer.state for layer in rt.cache])
-
-
-def feed(rt: Runtime, tokens: Sequence[int], step: int) -> None:
-    """Forward `tokens` through `rt` outside any branch, in chunks of `step`."""
-    for i in range(0, len(tokens), step):
-        rt.forward(tokens[i : i + step])
-        eval_cache(rt)
-        mx.clear_cache()
-
-
 class Lookup:
     """Prompt lookup: each row's drafts copied from the last earlier match of its history's suffix.
 
@@ -57,6 +44,7 @@ class Lookup:
     mode = "lookup"
     min_prob = 0.0
     draft_runtimes = False
+    offers_rooms = False  # the match of the token just emitted
 
     def __init__(self, tree: int = 0):
         if not isinstance(tree, int) or isinstance(tree, bool) or tree < 0:
@@ -89,7 +77,10 @@ class Lookup:
     def fill(self, proposals):
         pass
 
-    def close(self, states, keep):
+    def capture(self):
+        return None
+
+    def close(self, states, keep, fed=None):
         pass
 
     def rollback(self):
@@ -116,11 +107,14 @@ class DraftModel:
     draft model gives less than `min_prob`. The last proposals are never fed:
     a row that accepts all of them lags by one, caught up next round.
 
-    Catching up: rows that lag the target by the same tokens (a lone row
-    always) feed them in the round's first forward, or outside the fork first
-    when longer than GAP_IN_FORK; rows that lag by different tokens (plain
-    steps skipped the draft) feed them in one ragged forward in a branch,
-    each committing what it lacked.
+    Catching up: a joining row's draft runtime holds a prefix of its tokens
+    (none, or what the prefix store restored) and is fed the rest only when the
+    row first drafts, so a batch the gate keeps on plain steps never pays a
+    draft prefill. Rows that lag the target by the same few tokens (a lone row
+    after a round) feed them in the round's first forward; longer lags are fed
+    outside the fork first, rows of different lags right-padded in one forward
+    per `prefill_step` tokens (`forward_padded`), or, where some row lags
+    nothing, in a ragged forward in a branch, each committing what it lacked.
 
     With `tree` > 0 a lone greedy row also gets a tree (docs/tree.md): its chain, and
     up to `tree` nodes in all, the draft's next most likely tokens at its uncertain
@@ -131,13 +125,14 @@ class DraftModel:
     Args:
         rows: the draft model's rows (a `BatchRuntime`, or a `OneRow`).
         min_prob: see above (0: every row drafts its full width).
-        prefill_step: tokens per forward when a joining row's draft runtime is
-            brought up to the target's tokens.
+        prefill_step: tokens per row per forward when lagging draft rows are brought up
+            to the target's tokens.
         tree: draft nodes per round of a lone greedy row's tree (0: chains).
     """
 
     mode = "draft"
     draft_runtimes = True
+    offers_rooms = True
 
     def __init__(self, rows, *, min_prob: float = 0.0, prefill_step: int = 2048, tree: int = 0):
         self.rows = rows
@@ -166,7 +161,9 @@ class DraftModel:
                 f"the target runtime's {len(want)} tokens, or the target holds tokens fed without "
                 "Runtime.forward (ids unknown) that the draft runtime has not seen"
             )
-        feed(drt, want[len(held):], self.prefill_step)
+        # the rest is fed when the row first drafts (`_catch_up`), with every other row that lags
+        # in one forward, or never where the gate keeps plain steps (on a CPU, where a draft
+        # seldom pays, a joining prompt's draft prefill was a cost of every request)
         self.rows.join(row_id, drt)
 
     def remove(self, row_id):
@@ -242,7 +239,10 @@ class DraftModel:
         if forwards > 1:  # the proposals fed as arrays (all but the last forward's) get their ids
             self.rows.fill([p[: forwards - 1] for p in proposals])
 
-    def close(self, states, keep):
+    def capture(self):
+        return None
+
+    def close(self, states, keep, fed=None):
         if self._round is None:  # nothing was drafted: the draft rows lag (caught up when they draft again)
             return
         (lags, forwards), self._round = self._round, None
@@ -274,20 +274,28 @@ class DraftModel:
                                      "history but the pending token")
 
     def _catch_up(self, states) -> list[list[int]]:
-        """Feed the draft rows what they lack but what rides along in the first forward."""
+        """Feed the draft rows what they lack but what rides along in the first forward.
+
+        Rows lagging by one short count ride along; otherwise the lags are fed first, in
+        forwards of at most `prefill_step` tokens per row: outside any branch while every row
+        still lags (rows of different lengths right-padded, `forward_padded`), else in a
+        branch where each row commits what it lacked (a row that lags nothing feeds a token
+        it then drops: rows are never empty)."""
         rows = self.rows
         lags = [s.history[n:-1] for s, n in zip(states, rows.lengths)]
-        if len({len(lag) for lag in lags}) == 1:
-            if len(lags[0]) <= GAP_IN_FORK:
-                return lags
-            for i in range(0, len(lags[0]), self.prefill_step):  # a long lag: outside the fork, in chunks
-                mx.eval(rows.forward([lag[i : i + self.prefill_step] for lag in lags]))
-            return [[] for _ in lags]
-        # ragged: one forward in a branch, each row committing what it lacked (a row that
-        # lags nothing feeds a token it then drops: rows are never empty)
-        rows.fork()
-        rows.forward([lag or [0] for lag in lags])
-        rows.commit([len(lag) for lag in lags])
+        if len({len(lag) for lag in lags}) == 1 and len(lags[0]) <= GAP_IN_FORK:
+            return lags
+        step = self.prefill_step
+        while any(lags):
+            pieces = [lag[:step] for lag in lags]
+            one_length = len({len(p) for p in pieces}) == 1
+            if all(pieces) and (one_length or rows.pads_rows):
+                mx.eval(rows.forward(pieces) if one_length else rows.forward_padded(pieces))
+            else:
+                rows.fork()
+                rows.forward([p or [0] for p in pieces])
+                rows.commit([len(p) for p in pieces])
+            lags = [lag[len(p):] for lag, p in zip(lags, pieces)]
         return [[] for _ in lags]
 
 

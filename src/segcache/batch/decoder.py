@@ -52,6 +52,9 @@ from .rows import OneRow
 from .runtime import BatchRuntime
 from .tree import takes_tree, verify_tree
 
+# Plain steps whose captured forwards (an MTP head's hidden states) the drafter is given at once.
+BACKLOG = 64
+
 
 @dataclass
 class RowState:
@@ -163,11 +166,33 @@ class BatchDecoder:
         self.width = num_draft_tokens
         self.rows: dict[Hashable, RowState] = {}
         self.pipeline = pipeline and not num_draft_tokens
-        # The lookahead in flight: (its logits [B, 1, V], the row ids it was built for, in order),
-        # or None. Invariant: on a batch, not None iff the batch's branch is open and no round is;
-        # then every row (a subset of those ids) has fed exactly its pending token in that branch.
+        # A gated drafter's plain steps pipeline too: the gate decides the next step's width
+        # before this step's lookahead is launched (`_plan`), so a lookahead only runs ahead of a
+        # step that is plain anyway and none is ever wasted on a switch to speculation. Only
+        # where the drafter's offer is each row's room (not prompt lookup's match, which needs
+        # the token the step emits).
+        self._gated_pipeline = pipeline and self.gate is not None and drafter.offers_rooms
+        # The lookahead in flight: (its logits [B, 1, V], the row ids it was built for, in order,
+        # whether it was fed in a branch, what the drafter kept of its forward or None), or None.
+        # Invariant: on a batch, not None iff the batch's branch is open and no round is; then
+        # every row (a subset of those ids) has fed exactly its pending token in that branch.
+        # With a drafter, the drafter has not seen that token's forward yet (it is handed the kept
+        # part when the lookahead is committed).
         self._ahead: tuple | None = None
         self._round: _Round | None = None
+        # The width the gate chose for the next step while planning this one's lookahead (None:
+        # the next step asks the gate itself). Reset by a join (the rows change).
+        self._planned: int | None = None
+        # What the drafter captured from plain steps' forwards (an MTP head's hidden states, [B, n, H]
+        # each, n steps), not handed to it yet, oldest first, every entry for the batch's rows in their
+        # order (handed over before a row joins, before a step drafts, and at BACKLOG steps; cut to
+        # the rows that stay when one leaves), so a run of plain steps touches the drafter once per
+        # BACKLOG steps, not once per step.
+        self._backlog: list = []
+        self.last_width = 0  # the width the last step verified (0: a plain step)
+        # The last step's (rows, width, seconds by the gate's clock), not yet recorded: its
+        # cost is recorded when the next step has settled its round. None: nothing pending.
+        self._unrecorded: tuple | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -182,7 +207,7 @@ class BatchDecoder:
 
         With a draft model, `draft_runtime` (of the draft model) holds a prefix
         of those tokens, e.g. resumed from the prefix store; the rest is fed to
-        it here. None: a fresh draft runtime fed all of them. `stats`: where the
+        it when the row first drafts. None: a fresh draft runtime. `stats`: where the
         row's figures are counted (a new `GenerationStats` if None). `processors`:
         the row's logits processors, applied at every verified position as plain
         decoding would (the acceptor decides on their output). `stop_tokens`: a
@@ -192,8 +217,6 @@ class BatchDecoder:
             ValueError: the id is taken, a lone row's decoder holds one already, the
                 runtime is of another model, or the draft runtime holds tokens that are
                 not a prefix of the target's or is of another model; nothing changed.
-                (If joining then fails, the draft runtime given has been fed up to the
-                target's tokens, which it may keep.)
         """
         if row_id in self.rows:
             raise ValueError(f"add({row_id!r}): a row with that id is already in the batch")
@@ -205,7 +228,9 @@ class BatchDecoder:
             raise ValueError(f"add({row_id!r}): a draft runtime without a draft model")
         history = runtime.tokens + [pending]
         self._close()  # a row joins settled rows
+        self._hand_over()
         self._drop_lookahead()  # ... that hold history[:-1] again (unless fed ahead outside a branch)
+        self._planned = None
         if self.drafter is not None:
             self.drafter.add(row_id, history, runtime, draft_runtime)
         try:
@@ -225,24 +250,28 @@ class BatchDecoder:
     def _feed_joiner(self, row_id, pending: int) -> None:
         """The other rows fed their pending tokens outside a branch (after a failed step): feed the
         joining row's alone (the others feed a token they drop) and add its logits to the lookahead's."""
-        logits, built_for, _ = self._ahead
+        logits, built_for, _, kept = self._ahead
         ids = self.batch.ids
         self.batch.fork()
         try:
             out = self.batch.forward([[0]] * (len(ids) - 1) + [[pending]])
+            mine = self.drafter.capture() if kept is not None else None
             self.batch.commit([0] * (len(ids) - 1) + [1])
         except BaseException:
             if self.batch.branch_open:
                 self.batch.rollback()
             self.remove(row_id)
             raise
-        old = logits[mx.array([built_for.index(r) for r in ids[:-1]], dtype=mx.int32)]
-        self._ahead = (mx.concatenate([old, out[-1:, -1:]], axis=0), ids, False)
+        index = mx.array([built_for.index(r) for r in ids[:-1]], dtype=mx.int32)
+        if kept is not None:  # the drafter's part of the joiner's forward goes with the others'
+            kept = mx.concatenate([kept[index], mine[-1:, -1:]], axis=0)
+        self._ahead = (mx.concatenate([logits[index], out[-1:, -1:]], axis=0), ids, False, kept)
 
     def remove(self, row_id) -> None:
         """The row leaves (cancelled), its state dropped; the others keep theirs (and the round)."""
         if row_id not in self.rows:
             raise KeyError(f"no row {row_id!r} in the decoder (rows: {list(self.rows)})")
+        self._cut_backlog(row_id)
         self.batch.leave(row_id)  # with an open round or lookahead, its branch goes with it
         if self.drafter is not None:
             self.drafter.remove(row_id)
@@ -301,6 +330,7 @@ class BatchDecoder:
         if not self.rows:
             self._drop_lookahead()
             self._ahead = None
+            self._backlog = []
             if self._round is not None:
                 self._round = None
                 if self.batch.branch_open:
@@ -348,27 +378,42 @@ class BatchDecoder:
         if finished:
             raise ValueError(f"step(): rows {finished} are finished (a stop token, their last token, or fewer "
                              "tokens taken than emitted): release or remove them first")
+        gate, drafter = self.gate, self.drafter
+        c0 = gate.clock() if gate is not None else 0.0  # the gate's own clock (wall time by default)
         tic = time.perf_counter()
         self._close()
         commit_time = time.perf_counter() - tic
-        if self.pipeline:
-            return self._pipelined_step()
+        g0 = c0
+        if gate is not None:
+            # the last step's cost includes settling its round (the commit, the drafter's close)
+            last, self._unrecorded = self._unrecorded, None
+            g0 = gate.clock()
+            if last is not None:
+                gate.record(last[0], last[1], last[2] + g0 - c0)
+        planned, self._planned = self._planned, None
+        if self.pipeline or (self._gated_pipeline and (planned == 0 or self._ahead is not None)):
+            return self._pipelined_step(g0)
         ids = self.batch.ids
         states = [self.rows[r] for r in ids]
         if not states:
             return {}
         pending = [s.history[-1] for s in states]
-        gate, drafter = self.gate, self.drafter
         t0 = time.perf_counter()
-        g0 = gate.clock() if gate is not None else 0.0  # the gate's own clock (wall time by default)
         draft, branch = no_draft(len(states)), False
+        widths = None
+        if drafter is not None:
+            self._hand_over()  # the drafter sees every token before it offers
+            rooms = [self.policy.room(s.cap, s.remaining) for s in states]
+            avail = drafter.offer(states, rooms) if any(rooms) else rooms
+            if planned is not None:  # chosen while planning the last step
+                widths = [min(a, planned) for a in avail]
+            else:
+                widths = self.policy.choose(avail, [s.estimate for s in states])
+            if self._gated_pipeline and not any(widths):  # a plain step: pipelined
+                return self._pipelined_step(g0)
         try:
-            if drafter is not None:
-                rooms = [self.policy.room(s.cap, s.remaining) for s in states]
-                widths = self.policy.choose(drafter.offer(states, rooms) if any(rooms) else rooms,
-                                            [s.estimate for s in states])
-                if any(widths):
-                    draft = drafter.draft(states, widths)
+            if widths is not None and any(widths):
+                draft = drafter.draft(states, widths)
             t1 = time.perf_counter()
             branch = bool(draft)
             if branch:
@@ -409,9 +454,15 @@ class BatchDecoder:
                 drafter.fill(proposals)
         elif drafter is not None:
             drafter.close(states, [keep[r] for r in ids])
-        if gate is not None:
-            gate.record(len(states), max(draft.widths, default=0), gate.clock() - g0)
+        self.last_width = max(draft.widths, default=0)
+        self._measured(len(states), g0)
         return out
+
+    def _measured(self, rows: int, g0: float) -> None:
+        """The step that began at g0 (the gate's clock) ends: recorded for the gate at the next
+        step, once its round is settled (the settling is part of its cost)."""
+        if self.gate is not None:
+            self._unrecorded = (rows, self.last_width, self.gate.clock() - g0)
 
     def _close(self) -> None:
         """Settle the open round: each row keeps what it took (every token unless `settle` said fewer)."""
@@ -423,22 +474,36 @@ class BatchDecoder:
             if self.drafter is not None:
                 self.drafter.close([self.rows[r] for r in ids], keep)
 
-    def _pipelined_step(self) -> dict:
-        """A plain step: take the lookahead's logits (or forward the pending tokens), choose, launch the next."""
+    def _plan(self, states: list) -> int:
+        """The next step's width, chosen now (before this step's lookahead is launched): what the
+        gate gives rows that may draft their whole room after this step's token."""
+        rooms = [self.policy.room(s.cap, s.remaining - 1 if s.remaining > 0 else s.remaining) for s in states]
+        if not any(rooms):
+            return 0
+        return self.gate.choose(rooms, [s.estimate for s in states])
+
+    def _pipelined_step(self, g0: float = 0.0) -> dict:
+        """A plain step: take the lookahead's logits (or forward the pending tokens), choose, launch the
+        next (with a gated drafter, only when the gate plans a plain step next)."""
         ids = self.batch.ids
         states = [self.rows[r] for r in ids]
         if not states:
             return {}
+        drafter = None if self.pipeline else self.drafter
         old = self._ahead
         launched = False
         try:
             if old is None:
                 logits = self.batch.forward([[s.history[-1]] for s in states])[:, -1]
+                if drafter is not None:  # it sees the forward that fed the pending tokens
+                    self._keep_for_drafter(drafter.capture(), ids)
             else:
-                logits, built_for, in_branch = old
+                logits, built_for, in_branch, kept = old
                 if in_branch:  # each row's pending token, fed by the lookahead: committed now
                     self.batch.commit([1] * len(states))
-                    self._ahead = old = (logits, built_for, False)
+                if kept is not None:
+                    self._keep_for_drafter(kept, built_for)
+                self._ahead = old = (logits, built_for, False, None)
                 logits = logits[:, -1]
                 if built_for != ids:  # rows left since: their logits rows go too
                     logits = logits[mx.array([built_for.index(r) for r in ids], dtype=mx.int32)]
@@ -454,13 +519,17 @@ class BatchDecoder:
                 chosen = mx.stack(each_row(states, lambda i, s: s.acceptor.sample(logprobs[i])))
             mx.async_eval(chosen, logprobs)
             in_branch = self.batch.lookahead_in_branch
-            ahead = None
-            # queue the next forward now, unless every row ends here and it could not be dropped
-            if in_branch or any(s.remaining != 1 for s in states):
+            ahead = kept = None
+            plan = self._plan(states) if drafter is not None else 0
+            # queue the next forward now, unless every row ends here and it could not be dropped,
+            # or the next step drafts (its verify feeds the pending tokens)
+            if plan == 0 and (in_branch or any(s.remaining != 1 for s in states)):
                 if in_branch:
                     self.batch.fork()
                 launched = True
                 ahead = self.batch.forward(chosen.reshape(-1, 1))  # built while the device works on `chosen`
+                if drafter is not None:
+                    kept = drafter.capture()
                 mx.async_eval(ahead)
             toks = chosen.tolist()
             if ahead is not None and in_branch:
@@ -472,12 +541,47 @@ class BatchDecoder:
                 self.batch.rollback()
             self._ahead = old
             raise
-        self._ahead = None if ahead is None else (ahead, ids, in_branch)
+        self._ahead = None if ahead is None else (ahead, ids, in_branch, kept)
+        if drafter is not None:
+            self._planned = plan
         out = {}
         for rid, s, t, i in zip(ids, states, toks, range(len(ids))):
             out[rid] = [(t, logprobs[i], False)]
             self._advance(s, [], 0, t, False)
+        self.last_width = 0
+        self._measured(len(states), g0)
         return out
+
+    def _keep_for_drafter(self, captured, built_for: list) -> None:
+        """A plain forward fed every row its pending token: what the drafter captured of it (None:
+        nothing) joins the backlog, cut to the batch's rows (rows that left since dropped)."""
+        if captured is None:
+            return
+        ids = self.batch.ids
+        if built_for != ids:
+            captured = captured[mx.array([built_for.index(r) for r in ids], dtype=mx.int32)]
+        self._backlog.append(captured)
+        if sum(kept.shape[1] for kept in self._backlog) >= BACKLOG:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Give the drafter the backlog of plain steps in one call (each row kept one token per step)."""
+        if not self._backlog:
+            return
+        kept, self._backlog = self._backlog, []
+        ids = self.batch.ids
+        fed = kept[0] if len(kept) == 1 else mx.concatenate(kept, axis=1)
+        self.drafter.close([self.rows[r] for r in ids], [fed.shape[1]] * len(ids), (fed, ids))
+
+    def _cut_backlog(self, row_id) -> None:
+        """Before `row_id` leaves: the backlog without its row (the others' states stay unfed; handing
+        them over here made every leaving row pay a head call for the rows that stay)."""
+        if not self._backlog:
+            return
+        ids = self.batch.ids
+        others = [i for i, r in enumerate(ids) if r != row_id]
+        fed = self._backlog[0] if len(self._backlog) == 1 else mx.concatenate(self._backlog, axis=1)
+        self._backlog = [fed[mx.array(others, dtype=mx.int32)]] if others else []
 
     def _drop_lookahead(self) -> None:
         """Before a join: roll a lookahead in a branch back (the rows hold history[:-1] again; its
@@ -520,6 +624,7 @@ class BatchDecoder:
         prefix), and with a lookahead in flight, the pending token fed (on a batch in a branch of one
         token per row). An open round: each row's branch holds its pending token and drafts."""
         self.batch.check()
+        self._hand_over()  # the drafter's invariants count every token it was given
         if set(self.rows) != set(self.batch.ids):
             raise InvariantError(f"decoder rows {list(self.rows)} but batch rows {self.batch.ids}")
         if self._ahead is not None and self._round is not None:
@@ -529,8 +634,9 @@ class BatchDecoder:
             raise InvariantError(f"round open: {self._round is not None}, lookahead in a branch: {ahead_open}, "
                                  f"branch open: {self.batch.branch_open}")
         if self._ahead is not None:
-            logits, launched, _ = self._ahead
-            if not self.pipeline or logits.shape[0] != len(launched) or any(r not in launched for r in self.batch.ids):
+            logits, launched = self._ahead[:2]
+            if (not (self.pipeline or self._gated_pipeline) or logits.shape[0] != len(launched)
+                    or any(r not in launched for r in self.batch.ids)):
                 raise InvariantError(f"lookahead built for rows {launched}, batch rows {self.batch.ids}")
         if self.drafter is not None:
             self.drafter.check([self.rows[r] for r in self.batch.ids], settled=self._round is None)

@@ -5,7 +5,9 @@
     drafter.draft(states, widths) -> Draft                   the step's drafts, every row at once
     ... the decoder verifies [pending] + drafts per row in one target forward ...
     drafter.fill(proposals)                                  the drafts as read with the verify
-    drafter.close(states, keep)                              the round is over: row i kept keep[i] target tokens
+    drafter.close(states, keep, fed)                         the round is over: row i kept keep[i] target tokens
+    (a plain step: drafter.capture() right after the forward that fed the pending tokens, and
+     close(states, [1] * B, (captured, ids)) once that forward is committed)
     drafter.extend(row_id, tokens) / remove(row_id)
 
 The drafters themselves (prompt lookup, a draft model: drafters.py; the target's MTP head:
@@ -87,11 +89,16 @@ class Drafter(Protocol):
             this (0: every row drafts the width the decoder's policy gives it).
         draft_runtimes: whether a row may bring state of its own to `add` (a draft
             model's `Runtime`, the prefill's MTP `HiddenStates`).
+        offers_rooms: whether `offer` gives every row its whole room after a plain step
+            (a draft model, the MTP head; not prompt lookup, whose offer is the match of
+            the token just emitted), so a gated decoder can choose the next step's width
+            before that token is read and pipeline its plain steps.
     """
 
     mode: str
     min_prob: float
     draft_runtimes: bool
+    offers_rooms: bool
 
     def add(self, row_id, history: list, runtime: Runtime, draft_runtime) -> None:
         """A row joins holding `history[:-1]` in `runtime`; raises (changing nothing) if it cannot."""
@@ -108,8 +115,14 @@ class Drafter(Protocol):
     def fill(self, proposals: list[list[int]]) -> None:
         """The round's drafts as read (every row's proposals, kept or not)."""
 
-    def close(self, states: list, keep: list[int]) -> None:
-        """End the round: row i kept keep[i] target tokens of it (its pending token included)."""
+    def capture(self):
+        """What the drafter keeps of the target forward that just ran (the MTP head: its hidden
+        states), for a `close` after further forwards; None when it needs nothing."""
+
+    def close(self, states: list, keep: list[int], fed: tuple | None = None) -> None:
+        """End the round: row i kept keep[i] target tokens of it (its pending token included).
+        With no round open (a plain step), `fed` is (`capture()` of the forward that fed each
+        row's pending token, the row ids of that forward in order), or None: the last forward."""
 
     def rollback(self) -> None:
         """Drop the round (a failed step)."""

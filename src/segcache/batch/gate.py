@@ -22,6 +22,15 @@ probes cost one one-draft step per `probe`..`max_probe` steps. Where every
 width costs more than 1 + K plain steps (not even drafts all accepted could
 pay: a CPU where the drafter costs half a forward) probes wait `max_probe`.
 
+Costs are measured on the gate's clock (CPU time where MLX computes on the
+CPU), a width's as its ratio to the plain steps timed just before it
+(`MeasuredCost`), never below a narrower width's; an untried width is guessed
+at the widest measured one's cost plus the least a width added, and a measured
+width must beat plain steps by `margin`. A decoder asks once per step, and with
+a drafter that offers every row its room it asks for the next step while this
+step's tokens are still lazy (`BatchDecoder._plan`), so its plain steps
+pipeline as a plain decoder's do.
+
 The gate only sets widths: rows verify their drafts exactly as before, so
 every row's output is the same whatever it decides.
 """
@@ -33,6 +42,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
+import mlx.core as mx
+
 from ..errors import InvariantError
 
 # The default `min_prob` of a draft model's rows (DraftPolicy; `stream_generate`'s
@@ -41,6 +52,14 @@ from ..errors import InvariantError
 # among the fastest settings on held-out code prompts with 4 drafts per round
 # (docs/benchmarks.md).
 DRAFT_MIN_PROB = 0.25
+
+
+def default_clock() -> Callable[[], float]:
+    """What the gate times steps by: the process's CPU time where MLX computes on the CPU (every
+    forward runs on this process's threads, and other processes sharing the cores, which move
+    wall times by 2-8x on a loaded machine, barely move it), else the wall clock (a GPU's work
+    is not this process's CPU time)."""
+    return time.process_time if mx.default_device().type == mx.DeviceType.cpu else time.perf_counter
 
 
 class StepCost(Protocol):
@@ -67,48 +86,78 @@ class TableCost:
 
 
 class MeasuredCost:
-    """Step costs measured online: the median of the last `window` wall times per (rows, width).
+    """Step costs measured online, per (rows, width): a width's cost as the median of the last
+    `window` ratios of its steps to the plain steps measured just before each (the median of
+    the last `recent` there), times the plain steps' median now.
 
-    A median, not a mean: a step that also evaluates lazy work left by a join
-    (or meets another process on a shared CPU) can take 30x the usual, and a
-    mean would carry that into many decisions. A shape not measured yet at this
-    row count is scaled from the nearest row count where it was (by the ratio
-    of their plain steps); a width never measured is None, which the gate takes
-    as an optimistic guess (as cheap as the narrower widths; the narrowest
-    untried width only) so it is tried once if it may pay, then known.
+    Ratios, not seconds: on a shared CPU other processes move every step's time by 2-8x
+    within seconds, so a width timed in a quiet moment against plain steps timed in a busy
+    one looked cheaper than a plain step (and the gate ran rounds that cost 1.6 plain
+    steps); a step and the plain steps just before it meet about the same load. A median,
+    not a mean: a step that also evaluates lazy work left by a join can take 30x the usual,
+    and a mean would carry that into many decisions. A width measured before any plain step
+    at its row count keeps its seconds. A shape not measured yet at this row count is scaled
+    from the nearest row count where it was (its ratio times this count's plain steps); a
+    width never measured is None, which the gate takes as a guess (`Gate.choose`) so it is
+    tried once if it may pay, then known.
 
-    Invariant: every list in `samples` holds 1..window positive seconds.
+    Invariant: every list in `samples` holds 1..window positive seconds, every list in
+    `ratios` 1..window positive ratios, each for a width > 0 that has samples.
     """
 
-    def __init__(self, window: int = 9):
-        self.window = window
+    def __init__(self, window: int = 9, recent: int = 3):
+        self.window, self.recent = window, recent
         self.samples: dict[tuple[int, int], list[float]] = {}
+        self.ratios: dict[tuple[int, int], list[float]] = {}  # width > 0: seconds / recent plain
+        self._medians: dict[tuple, float] = {}  # of `samples` / `ratios`, dropped when they change
 
     def estimate(self, rows: int, width: int) -> Optional[float]:
+        if width and (rows, 0) in self.samples:
+            if (rows, width) in self.ratios:
+                return self._median("r", rows, width) * self._median("s", rows, 0)
+            known = [b for b, w in self.ratios if w == width]
+            if known and (rows, width) not in self.samples:
+                b = min(known, key=lambda b: abs(b - rows))
+                return self._median("r", b, width) * self._median("s", rows, 0)
         if (rows, width) in self.samples:
-            return self._median(rows, width)
+            return self._median("s", rows, width)
         known = [b for b, w in self.samples if w == width and (b, 0) in self.samples]
         if (rows, 0) not in self.samples or not known:
             return None
         b = min(known, key=lambda b: abs(b - rows))
-        return self._median(b, width) * self._median(rows, 0) / self._median(b, 0)
+        return self._median("s", b, width) * self._median("s", rows, 0) / self._median("s", b, 0)
 
     def count(self, rows: int, width: int) -> int:
         """Steps of that shape measured (in the window)."""
         return len(self.samples.get((rows, width), ()))
 
     def record(self, rows: int, width: int, seconds: float) -> None:
-        kept = self.samples.setdefault((rows, width), [])
-        kept.append(max(seconds, 1e-6))
+        seconds = max(seconds, 1e-6)
+        if width and (rows, 0) in self.samples:
+            plain = statistics.median(self.samples[rows, 0][-self.recent:])
+            self._keep(self.ratios, "r", rows, width, seconds / plain)
+        self._keep(self.samples, "s", rows, width, seconds)
+
+    def _keep(self, table: dict, kind: str, rows: int, width: int, value: float) -> None:
+        kept = table.setdefault((rows, width), [])
+        kept.append(value)
         del kept[: -self.window]
+        self._medians.pop((kind, rows, width), None)
 
     def check(self) -> None:
-        for key, kept in self.samples.items():
-            if not 1 <= len(kept) <= self.window or min(kept) <= 0:
-                raise InvariantError(f"step cost samples for {key}: {kept}, not 1..{self.window} positive seconds")
+        for name, table in (("step cost samples", self.samples), ("step cost ratios", self.ratios)):
+            for key, kept in table.items():
+                if not 1 <= len(kept) <= self.window or min(kept) <= 0:
+                    raise InvariantError(f"{name} for {key}: {kept}, not 1..{self.window} positive values")
+        stray = [key for key in self.ratios if key[1] == 0 or key not in self.samples]
+        if stray:
+            raise InvariantError(f"step cost ratios for {stray}: a width > 0 with samples each")
 
-    def _median(self, rows: int, width: int) -> float:
-        return statistics.median(self.samples[rows, width])
+    def _median(self, kind: str, rows: int, width: int) -> float:
+        key = (kind, rows, width)
+        if key not in self._medians:  # the gate asks every step; samples change once a step
+            self._medians[key] = statistics.median((self.ratios if kind == "r" else self.samples)[rows, width])
+        return self._medians[key]
 
 
 @dataclass
@@ -154,16 +203,20 @@ class Gate:
         probe: after that many plain steps in a row, one step drafts one token
             (0: never probe); doubled after each probe finding the estimates no
             better than the last, up to `max_probe`.
-        clock: seconds, for measuring steps (the decoder times its steps by it).
+        clock: seconds, for measuring steps (the decoder times its steps by it); None:
+            `default_clock()` (CPU time where MLX computes on the CPU, else wall time).
         plain_samples: with measured costs, a row count's plain steps are measured
             this many times before any width is tried at it: the first step at a
             row count often also computes what a join or a leave left lazy (the
             rows' merged or cut caches), and a plain cost taken from it alone makes
             every width look cheap (the gate then speculates where it does not pay).
+        margin: a measured width is chosen over plain steps only when its expected tokens per
+            second beat theirs by this fraction (a table's too: a width that barely pays by its
+            estimates gains little where it is right and loses where it is not).
     """
 
     def __init__(self, cost=None, *, decay: float = 0.8, probe: int = 8, max_probe: int = 64,
-                 clock: Callable[[], float] = time.perf_counter, plain_samples: int = 3):
+                 clock: Optional[Callable[[], float]] = None, plain_samples: int = 3, margin: float = 0.05):
         if cost is None:
             cost = MeasuredCost()
         elif callable(cost) and not isinstance(cost, (TableCost, MeasuredCost)):
@@ -174,8 +227,9 @@ class Gate:
         self.wait = probe  # plain steps before the next probe
         self.quiet = 0  # plain steps in a row (the gate chose 0)
         self.probed = None  # at the last probe: expected rate of width 1 over plain
-        self.clock = clock
+        self.clock = clock if clock is not None else default_clock()
         self.plain_samples = plain_samples
+        self.margin = margin
         self.last: dict = {}  # the last choice: width, expected tokens per second of each width
 
     def choose(self, avail: list[int], rows: list[Acceptance]) -> int:
@@ -188,24 +242,40 @@ class Gate:
         if plain is None or (counted is not None and counted(B, 0) < self.plain_samples):
             self.last = {"width": 0, "why": "measure plain"}
             return 0  # plain steps measure it (plain is never a loss)
-        rates, floor = {0: B / plain}, plain
+        rates, floor, slope, measured = {0: B / plain}, plain, None, {0}
         for k in range(1, top + 1):
             c = self.cost.estimate(B, k)
-            # unmeasured: guessed as cheap as the narrower widths (a step is never cheaper for
-            # verifying more), the narrowest untried only, so widths are tried narrowest first
-            floor = floor if c is None else max(floor, c)
+            if c is None:
+                # unmeasured: guessed to cost what the narrower widths cost plus the least a width
+                # added between them (a step is never cheaper for verifying more; the first width
+                # tried is guessed as cheap as a plain step), the narrowest untried only, so widths
+                # are tried narrowest first and only while the guess says widening may pay
+                guess = floor + (slope or 0.0)
+            else:
+                # never cheaper than a narrower width or a plain step: a few lucky timings on a
+                # shared CPU must not make verifying more look cheaper than verifying less
+                c = max(c, floor)
+                measured.add(k)
+                if k > 1 or c > plain:
+                    step = c - floor
+                    slope = step if slope is None else min(slope, step)
+                floor = c
             gain = sum(1 + r.expected(min(k, a)) for a, r in zip(avail, rows))
-            rates[k] = gain / (floor if c is None else c)
+            rates[k] = gain / (guess if c is None else c)
             if c is None:  # one untried width at a time: the frontier widens only while it pays
                 break
-        best = max(rates, key=lambda k: (rates[k], -k))
+        # a measured width must beat plain steps by `margin` (noise in a few timed steps must not
+        # tip a batch into rounds that cost as much as they give); an untried one is tried once
+        best = max(rates, key=lambda k: (rates[k] / (1.0 + self.margin if k and k in measured else 1.0), -k))
         if best:  # speculation pays by the estimates: probes wait the shortest again
             self.quiet, self.wait = 0, self.probe
         elif self.probe and self.quiet >= self.wait and (self.quiet >= self.max_probe
                                                          or not self._hopeless(B, top, plain)):
             # back off while probes show the estimates no better than at the last probe
             ratio = rates[1] / rates[0]
-            better = self.probed is not None and ratio > self.probed
+            # better by the margin: a ratio drawn from noisy step times is better than the last
+            # one half the time, and every such reset brought probes back to every `probe` steps
+            better = self.probed is not None and ratio > self.probed * (1.0 + self.margin)
             best, self.quiet, self.probed = 1, 0, ratio
             self.wait = self.probe if better else min(2 * self.wait, self.max_probe)
         else:

@@ -73,6 +73,7 @@ class MTP:
     mode = "mtp"
     min_prob = 0.0
     draft_runtimes = True  # the prefill's HiddenStates
+    offers_rooms = True  # every row has a hidden state to draft from after a plain step
 
     def __init__(self, head: MTPHead, *, prefill_step: int = 2048):
         head = head.for_drafting()  # float16 weights of a float32 target: a float32 copy (same drafts)
@@ -203,10 +204,15 @@ class MTP:
     def fill(self, proposals):
         self._hidden = self.tap.take()  # the verify forward's, [B, 1 + J, H]
 
-    def close(self, states, keep):
+    def capture(self):
+        return self.tap.take()  # the forward's hidden states, kept for a close after later forwards
+
+    def close(self, states, keep, fed=None):
         ids_now = [s.row_id for s in states]
         if self._ids is not None:  # a round: the verify's hidden states, rows that left since dropped
             hidden, ids = self._hidden, self._ids
+        elif fed is not None:  # a plain step: the hidden states captured from the forward that fed it
+            hidden, ids = fed
         else:  # a plain step: the forward that just ran fed every row its pending token
             hidden, ids = self.tap.take(), ids_now
         self.rows.order(ids_now)
