@@ -15,6 +15,7 @@ from segcache.adapters.head import Head, split
 from segcache.batch import BatchRuntime
 from segcache.batch.prefill import PrefillBatch
 from segcache.demo import MODELS_DIR
+from segcache.mtp import MTPHead
 from segcache.testing import models
 from test_batch_padded import held, seqs
 
@@ -62,8 +63,7 @@ def test_split_families_give_the_full_calls_logits_and_states(family):
 
 def test_tied_heads_and_the_shipped_target_are_split_too():
     _check_against_full_call(models.build("llama", tie_word_embeddings=True), True)
-    target, _ = mlx_lm.load(str(MODELS_DIR / "target"))
-    _check_against_full_call(target, True)
+    _check_against_full_call(_target(), True)
 
 
 @pytest.mark.parametrize("family", ("nemotron_h", "mamba"))
@@ -103,3 +103,71 @@ def test_prefill_batch_hands_back_what_the_full_head_gives():
     assert [r.position for r in reached] == [10, 10]
     for r in reached:
         assert _close(r.logits, full[r.row_id : r.row_id + 1, 9])
+
+
+ONE_ROW = ("llama", "qwen3", "qwen3_next", "qwen3_5", "nemotron_h")  # dense, hybrid, one not split
+
+
+def _target():
+    return mlx_lm.load(str(MODELS_DIR / "target"))[0]
+
+
+def _one_row_check(model, ids: list, chunks: list):
+    """`Runtime.forward(last_only=True)` over `chunks` of `ids`: the last position's logits of the
+    full forward (TOL, same greedy token) and every layer's state bit for bit, chunk by chunk."""
+    mine, theirs = segcache.Runtime(model), segcache.Runtime(model)
+    at = 0
+    for n in chunks:
+        got = mine.forward(ids[at : at + n], last_only=True)
+        full = theirs.forward(ids[at : at + n])
+        assert got.shape == (1, 1, full.shape[-1]) and full.shape[1] == n
+        assert _close(got[:, 0], full[:, -1])
+        got_states, want_states = _states(mine.cache), _states(theirs.cache)
+        assert len(got_states) == len(want_states) > 0
+        assert all(_same(x, y) for x, y in zip(got_states, want_states))
+        at += n
+    assert mine.tokens == theirs.tokens == ids[:at]
+
+
+@pytest.mark.parametrize("family", ONE_ROW)
+def test_a_one_row_forward_with_the_last_logits_only_moves_the_runtime_as_the_full_one(family):
+    _one_row_check(tiny(family), seqs(3, [40])[0], [17, 1, 22])
+
+
+def test_the_shipped_targets_one_row_forward_with_the_last_logits_only():
+    _one_row_check(_target(), seqs(4, [96])[0], [64, 1, 31])
+
+
+@pytest.mark.parametrize("family", ("qwen3", "qwen3_5"))
+def test_a_prefill_gives_the_full_forwards_last_logits_and_states(family):
+    """`Runtime.prefill` (its chunks run `last_only`) ends as chunked full forwards do, and its
+    logits are theirs at the prompt's last position."""
+    model = tiny(family)
+    ids = seqs(5, [45])[0]
+    rt, ref = segcache.Runtime(model), segcache.Runtime(model)
+    got = rt.prefill(ids, step_size=16)
+    for at in range(0, len(ids), 16):
+        full = ref.forward(ids[at : at + 16])
+    assert got.shape == (1, full.shape[-1]) and _close(got, full[:, -1])
+    assert all(_same(x, y) for x, y in zip(held(rt), held(ref)))
+
+
+@pytest.mark.parametrize("family", ("qwen3_next", "qwen3_5"))
+def test_the_mtp_heads_segment_sees_every_hidden_state_with_the_last_logits_only(family):
+    """The MTP head's segment reads the body's final norm through its tap: a prefill whose chunks
+    run the head at the last position only feeds it exactly what full forwards do."""
+    model = models.build(family)
+    head = MTPHead.build(model)
+    ids = seqs(6, [37])[0]
+    rt, ref = segcache.Runtime(model, mtp=head), segcache.Runtime(model, mtp=head)
+    rt.prefill(ids, step_size=8)
+    for at in range(0, len(ids), 8):
+        ref.forward(ids[at : at + 8])
+    a, b = rt.drafters.get("mtp"), ref.drafters.get("mtp")
+    assert not a.stale and a.offset == b.offset == len(ids)
+    n = a.kv.offset
+    assert n == b.kv.offset == len(ids) - 1
+    for x, y in ((a.kv.keys[..., :n, :], b.kv.keys[..., :n, :]), (a.kv.values[..., :n, :], b.kv.values[..., :n, :]),
+                 (a.tail, b.tail)):
+        assert _same(x, y)
+    rt.check()

@@ -82,10 +82,12 @@ class Prefill:
                 yield self.pos
             tic = time.perf_counter()
             end = min(self.pos + step_size, stop)
-            out = rt.forward(self.ids[self.pos : end])
+            # the head at the last position only (adapters/head.py); where no logits are wanted
+            # it never runs: nothing evaluated below depends on it
+            out = rt.forward(self.ids[self.pos : end], last_only=True)
             state = [layer.state for layer in rt.cache] + rt.drafters.state
             if end == stop and self.want_logits:  # logits only where a checkpoint or the caller needs them
-                self.logits = out[:, -1, :] * 1  # own buffer: do not pin the [S, vocab] logits
+                self.logits = out[:, -1, :] * 1  # own buffer: a model not split slices its [S, vocab] logits
                 mx.eval(self.logits, state)
             else:
                 mx.eval(state)

@@ -16,6 +16,7 @@ from mlx_lm.models.cache import CacheList
 
 from . import drafter_segments, registry
 from .adapters.chunked import chunked_threshold
+from .adapters.head import last_logits
 from .errors import (
     BranchError,
     InvariantError,
@@ -297,16 +298,17 @@ class Runtime(KVSwitch, TreeRounds):
 
     # -- forward ----------------------------------------------------------------
 
-    def forward(self, tokens: Sequence[int] | mx.array) -> mx.array:
+    def forward(self, tokens: Sequence[int] | mx.array, *, last_only: bool = False) -> mx.array:
         """Run the model on `tokens` through this cache and record them.
 
         Args:
             tokens: token ids, a list or an integer mx.array of shape [S] or [1, S].
                 An array is recorded without being read (reading it would wait
                 for the device each step), so its values are not checked.
+            last_only: the head at the last position only (adapters/head.py), as a prefill reads.
 
         Returns:
-            The logits, [1, S, vocab] (lazy, as the model returns them).
+            The logits, [1, S, vocab] (lazy, as the model returns them); [1, 1, vocab] with `last_only`.
 
         Raises:
             ValueError: `tokens` is empty or not token ids; nothing changed.
@@ -323,7 +325,7 @@ class Runtime(KVSwitch, TreeRounds):
         marks = self.drafters.mark() if self.drafters else ()
         x = chunk[None] if isinstance(chunk, mx.array) else mx.array(chunk, dtype=mx.uint32)[None]
         try:
-            logits = self.model(x, cache=self.cache)
+            logits = last_logits(self.model, x, self.cache) if last_only else self.model(x, cache=self.cache)
             if self.drafters:
                 self.drafters.forwarded(chunk)
             if self.kv_quantization is not None and not self._branches:

@@ -11,7 +11,14 @@ positions is wasted: on the shipped target about a tenth of a prefill
 forward's products. mlx-lm's BatchGenerator skips it by
 never evaluating a prefill's logits; a segcache prefill needs the last
 position's, so `rows_logits` runs the body and then the head on the positions
-asked for only.
+asked for only: a padded batch's rows (`BatchRuntime.forward_padded(last_only=True)`),
+and `last_logits` the last position of a one-row forward
+(`Runtime.forward(last_only=True)`, what `Prefill.feed` runs).
+
+A chunk whose logits nobody reads needs no split: the head's product is lazy and
+nothing evaluated depends on it (a prefill evaluates the layers' states only), so
+it never runs. The body's final norm still runs, and with it the MTP head's
+hidden-state tap (mtp/tap.py), which sees every position's hidden state either way.
 
 The body runs untouched, so every layer's state is bit for bit what the full
 call leaves; the head is the same module on the same rows of the same hidden
@@ -81,3 +88,13 @@ class Head:
             return self.model(inputs, cache=cache)[rows, at]
         body, head = self.parts
         return head(body(inputs, cache)[rows, at])
+
+
+def last_logits(model, inputs: mx.array, cache) -> mx.array:
+    """One forward of `inputs` [B, S]; returns the logits [B, 1, V] of the last position only
+    (the model's own call's, sliced, where it is not split)."""
+    parts = split(model)
+    if parts is None:
+        return model(inputs, cache=cache)[:, -1:]
+    body, head = parts
+    return head(body(inputs, cache)[:, -1:])
