@@ -196,8 +196,8 @@ def replay(server: Proc, context: str, tokens: int) -> dict:
         server.stop()
 
 
-def streamed(client: openai.OpenAI, prompt: str, tokens: int) -> tuple[float, int]:
-    """(seconds to the first token, completion tokens) of one streamed greedy completion."""
+def _stream(client: openai.OpenAI, prompt: str, tokens: int) -> tuple[float | None, int, float]:
+    """(seconds to the first token or None, completion tokens, seconds in all) of one streamed greedy completion."""
     tic = time.perf_counter()
     ttft, n = None, 0
     for ev in client.completions.create(model="default_model", prompt=prompt, max_tokens=tokens, temperature=0.0,
@@ -206,20 +206,19 @@ def streamed(client: openai.OpenAI, prompt: str, tokens: int) -> tuple[float, in
             ttft = time.perf_counter() - tic
         if ev.usage is not None:
             n = ev.usage.completion_tokens
-    return (ttft if ttft is not None else time.perf_counter() - tic), n
+    return ttft, n, time.perf_counter() - tic
+
+
+def streamed(client: openai.OpenAI, prompt: str, tokens: int) -> tuple[float, int]:
+    """(seconds to the first token, completion tokens) of one streamed greedy completion."""
+    ttft, n, total = _stream(client, prompt, tokens)
+    return (ttft if ttft is not None else total), n
 
 
 def timed(client: openai.OpenAI, prompt: str, tokens: int) -> tuple[float, float]:
     """(seconds to the first token, decode tok/s after it) of one streamed greedy completion."""
-    tic = time.perf_counter()
-    ttft, n = None, 0
-    for ev in client.completions.create(model="default_model", prompt=prompt, max_tokens=tokens, temperature=0.0,
-                                        stream=True, stream_options={"include_usage": True}):
-        if ev.choices and ttft is None:
-            ttft = time.perf_counter() - tic
-        if ev.usage is not None:
-            n = ev.usage.completion_tokens
-    total = time.perf_counter() - tic
+    ttft, n, total = _stream(client, prompt, tokens)
+    ttft = ttft if ttft is not None else total
     return ttft, (n - 1) / max(total - ttft, 1e-9)
 
 

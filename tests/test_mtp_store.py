@@ -98,14 +98,10 @@ def _generate(model, head, store, prompt, n=6):
                                              runtime=rt, prefill_step_size=STEP)]
 
 
-def test_a_stored_prompt_with_mtp_runs_no_forward_before_its_first_draft(target, tmp_path, monkeypatch):
-    model, head = target
-    tk = test_tokenizer.tokenizer(eos=False)
-    plain = [r.token for r in stream_generate(model, tk, PROMPT, max_tokens=6)]
-    with open_store(tmp_path / "s", page_tokens=P) as st:
-        assert _generate(model, head, st, PROMPT) == plain  # cold: computes and stores the prompt
+def _count_before_first_draft(monkeypatch, calls) -> list:
+    """A list that gets `calls.n` (the model's calls so far) when MTP first drafts; it holds
+    nothing until then, and is cleared to count again."""
     before_draft = []
-    calls = Calls(model)
     draft = MTP.draft
 
     def first_draft(self, states, widths):
@@ -114,6 +110,17 @@ def test_a_stored_prompt_with_mtp_runs_no_forward_before_its_first_draft(target,
         return draft(self, states, widths)
 
     monkeypatch.setattr(MTP, "draft", first_draft)
+    return before_draft
+
+
+def test_a_stored_prompt_with_mtp_runs_no_forward_before_its_first_draft(target, tmp_path, monkeypatch):
+    model, head = target
+    tk = test_tokenizer.tokenizer(eos=False)
+    plain = [r.token for r in stream_generate(model, tk, PROMPT, max_tokens=6)]
+    with open_store(tmp_path / "s", page_tokens=P) as st:
+        assert _generate(model, head, st, PROMPT) == plain  # cold: computes and stores the prompt
+    calls = Calls(model)
+    before_draft = _count_before_first_draft(monkeypatch, calls)
     with open_store(tmp_path / "s", page_tokens=P, ram_bytes=0) as st, calls:
         assert _generate(model, head, st, PROMPT) == plain
     assert before_draft == [0]  # the head's state came from the store with the target's
@@ -189,15 +196,7 @@ def test_a_prompt_the_engine_prefilled_in_a_padded_batch_stores_the_heads_state(
         ends = sorted(e.tokens for e in st.entries() if e.kind == "dckpt")
         assert ends == [len(PROMPT) - 1]
     calls = Calls(model)
-    before_draft = []
-    draft = MTP.draft
-
-    def first_draft(self, states, widths):
-        if not before_draft:
-            before_draft.append(calls.n)
-        return draft(self, states, widths)
-
-    monkeypatch.setattr(MTP, "draft", first_draft)
+    before_draft = _count_before_first_draft(monkeypatch, calls)
     with open_store(tmp_path / "s", page_tokens=P, ram_bytes=0) as st, calls:
         assert _generate(model, head, st, PROMPT) == plain
     assert before_draft == [0]
