@@ -44,18 +44,21 @@ def blocks(ids, start=0, step=STEP):
 
 
 class Calls:
-    """Counts the target backbone's forwards (every model call, and the head's recompute, runs it)."""
+    """Counts the target backbone's forwards (every model call, and the head's recompute, runs it),
+    and keeps the positions each fed (`fed`)."""
 
     def __init__(self, model):
         self.cls = type(_text_parts(model)[1])
         self.n = 0
+        self.fed: list[int] = []
 
     def __enter__(self):
         orig = self.orig = self.cls.__call__
 
-        def counted(module, *args, **kwargs):
+        def counted(module, inputs, *args, **kwargs):
             self.n += 1
-            return orig(module, *args, **kwargs)
+            self.fed.append(inputs.shape[1])
+            return orig(module, inputs, *args, **kwargs)
 
         self.cls.__call__ = counted
         return self
@@ -99,14 +102,14 @@ def _generate(model, head, store, prompt, n=6):
 
 
 def _count_before_first_draft(monkeypatch, calls) -> list:
-    """A list that gets `calls.n` (the model's calls so far) when MTP first drafts; it holds
-    nothing until then, and is cleared to count again."""
+    """A list that gets the positions of the model's calls so far (`calls.fed[-calls.n:]`) when MTP
+    first drafts; it holds nothing until then, and is cleared to count again."""
     before_draft = []
     draft = MTP.draft
 
     def first_draft(self, states, widths):
         if not before_draft:
-            before_draft.append(calls.n)
+            before_draft.append(calls.fed[len(calls.fed) - calls.n:])
         return draft(self, states, widths)
 
     monkeypatch.setattr(MTP, "draft", first_draft)
@@ -123,7 +126,9 @@ def test_a_stored_prompt_with_mtp_runs_no_forward_before_its_first_draft(target,
     before_draft = _count_before_first_draft(monkeypatch, calls)
     with open_store(tmp_path / "s", page_tokens=P, ram_bytes=0) as st, calls:
         assert _generate(model, head, st, PROMPT) == plain
-    assert before_draft == [0]  # the head's state came from the store with the target's
+    # the head's state came from the store with the target's: before the first draft only the
+    # first step's forward of the prompt's last token (which gives the first token), no prefix
+    assert before_draft == [[1]]
 
     # another head: the target's records resume, the head's are other keys (recomputed: the prefix
     # forwarded once more, in the prefill's blocks)
@@ -136,7 +141,7 @@ def test_a_stored_prompt_with_mtp_runs_no_forward_before_its_first_draft(target,
         assert resume.restored == len(PROMPT) - 1 and rt.drafters.get("mtp").stale
         calls.n = 0
         assert _generate(model, other, st, PROMPT) == plain
-    assert before_draft == [len(blocks(PROMPT[:-1]))]
+    assert before_draft == [[len(b) for b in blocks(PROMPT[:-1])] + [1]]
 
 
 def test_a_store_without_drafter_records_resumes_and_recomputes(target, tmp_path):
@@ -199,7 +204,7 @@ def test_a_prompt_the_engine_prefilled_in_a_padded_batch_stores_the_heads_state(
     before_draft = _count_before_first_draft(monkeypatch, calls)
     with open_store(tmp_path / "s", page_tokens=P, ram_bytes=0) as st, calls:
         assert _generate(model, head, st, PROMPT) == plain
-    assert before_draft == [0]
+    assert before_draft == [[1]]
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
