@@ -144,6 +144,35 @@ def test_a_stored_prompt_with_mtp_runs_no_forward_before_its_first_draft(target,
     assert before_draft == [[len(b) for b in blocks(PROMPT[:-1])] + [1]]
 
 
+def test_a_prompt_stored_whole_runs_no_forward_before_its_first_token(target, tmp_path, monkeypatch):
+    """`whole_prompt`: the prompt's end is checkpointed with its logits (and the head's records), so
+    a later generation of it resumes all of it and takes the first token from the stored logits."""
+    model, head = target
+    tk = test_tokenizer.tokenizer(eos=False)
+    plain = [r.token for r in stream_generate(model, tk, PROMPT, max_tokens=6)]
+    calls = Calls(model)
+    before_draft = _count_before_first_draft(monkeypatch, calls)
+    with open_store(tmp_path / "s", page_tokens=P) as st:  # cold: computes the whole prompt
+        for mtp in (head, None):
+            rt = Runtime(model, store=st)
+            gen = stream_generate(model, tk, PROMPT, max_tokens=6, mtp=mtp, num_draft_tokens=2, runtime=rt,
+                                  prefill_step_size=STEP, whole_prompt=True)
+            assert [r.token for r in gen] == plain
+    for mtp in (head, None):
+        before_draft.clear()
+        with open_store(tmp_path / "s", page_tokens=P, ram_bytes=0) as st, calls:  # from disk
+            calls.n = 0
+            rt = Runtime(model, store=st)
+            gen = stream_generate(model, tk, PROMPT, max_tokens=6, mtp=mtp, num_draft_tokens=2, runtime=rt,
+                                  prefill_step_size=STEP, whole_prompt=True)
+            first = next(gen)
+            assert calls.n == 0 and first.token == plain[0]  # the stored logits: no forward
+            assert [first.token] + [r.token for r in gen] == plain
+            assert rt.tokens == PROMPT + plain[:-1] or rt.tokens == PROMPT + plain
+        if mtp is not None:  # the head resumed with the prompt: the next forward is the first token's
+            assert before_draft == [[1]]
+
+
 def test_a_store_without_drafter_records_resumes_and_recomputes(target, tmp_path):
     model, head = target
     tk = test_tokenizer.tokenizer(eos=False)
@@ -199,7 +228,7 @@ def test_a_prompt_the_engine_prefilled_in_a_padded_batch_stores_the_heads_state(
         assert isinstance(events[-1], Finish)
         assert joined == [1]  # it was prefilled as a row of the padded batch
         ends = sorted(e.tokens for e in st.entries() if e.kind == "dckpt")
-        assert ends == [len(PROMPT) - 1]
+        assert ends == [len(PROMPT) - 1, len(PROMPT) + 6 - 1 + 1]  # the prompt's, and the answer's end (6 fed)
     calls = Calls(model)
     before_draft = _count_before_first_draft(monkeypatch, calls)
     with open_store(tmp_path / "s", page_tokens=P, ram_bytes=0) as st, calls:

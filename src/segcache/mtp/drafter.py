@@ -150,6 +150,32 @@ class MTP:
         seg = runtime.drafters.get(HeadSegment.name)
         return seg is not None and seg.offset == n and runtime.depth == 0 and seg.identity == self.segment_identity
 
+    def hand_back(self, row_id, runtime, history: list, keep: int | None = None, fed=None) -> None:
+        """Row `row_id` is released as `runtime`, which holds its len(history) - 1 committed tokens
+        (with `keep`, a round is open: the row keeps that many of its branch's tokens; with `fed`
+        [1, 1, H], the runtime holds the pending token too, fed by a lookahead whose hidden state
+        that is): the runtime gets the row's head state as a live drafter segment, its unfed pairs
+        fed in one head call, so what it publishes carries the head's records and a next turn on it
+        (or resumed from them) runs no head over these tokens again. A state that does not account
+        for what the runtime holds is not handed back (the segment stays stale, as before)."""
+        if row_id not in self.rows.ids or runtime.depth:
+            return
+        more = None
+        if keep is not None and self._ids is not None and self._hidden is not None:
+            more = self._hidden[self._ids.index(row_id)][None, :keep]  # the verify's states of kept tokens
+        keys, values, held, unfed = self.rows.row_state(row_id, more)
+        n = held + (0 if unfed is None else unfed.shape[1])
+        if n != len(history) - 1:
+            return
+        seg = HeadSegment(self.head)
+        seg.load(keys, values, held, None if unfed is None else unfed[:, :1])
+        if n - held > 1:  # the pairs the rounds had not fed yet: one head call
+            seg.extend(unfed[:, 1:], history[held + 1 : n])
+        if fed is not None:
+            seg.extend(fed, history[n:])
+        if seg.offset == runtime.offset:
+            runtime.attach(seg)
+
     def remove(self, row_id):
         self._fresh.discard(row_id)
         if row_id in self.rows.ids:
