@@ -281,7 +281,7 @@ def test_mtp_sampling_matches_target_distribution():
     _, hidden = forward_with_hidden(model, mx.array(prompt[:-1])[None])
     q_logits, _ = head(hidden, mx.array(prompt[1:])[None], head.make_cache())
     q = mx.softmax(q_logits[0, -1] / temp).tolist()
-    rt = Runtime(model)
+    rt = Runtime(model, mtp=head)  # its clones carry the head's state: a row joins with no forward
     rt.forward(prompt[:-1])
     mx.random.seed(3)
     counts, from_draft = {}, 0

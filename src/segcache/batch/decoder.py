@@ -193,6 +193,9 @@ class BatchDecoder:
         # BACKLOG steps, not once per step.
         self._backlog: list = []
         self.last_width = 0  # the width the last step verified (0: a plain step)
+        # Rows whose `first` token a step has not emitted yet (an upper bound: one that left
+        # before it stays counted until the next step), so a step checks one int, not every row.
+        self._firsts = 0
         # The last step's (rows, width, seconds by the gate's clock), not yet recorded: its
         # cost is recorded when the next step has settled its round. None: nothing pending.
         self._unrecorded: tuple | None = None
@@ -262,6 +265,7 @@ class BatchDecoder:
         self.rows[row_id] = state
         if first is not None:  # emitted by the next step: counted as a plain step's token
             state.first = [first]
+            self._firsts += 1
             if processors is not None:
                 processors.advance([pending])
             if state.remaining >= 0:
@@ -431,10 +435,11 @@ class BatchDecoder:
         Raises:
             ValueError: a finished row (one that took fewer tokens than it was given) is still here.
         """
-        ready = {rid: s.first for rid, s in self.rows.items() if s.first is not None}
-        if ready:  # first tokens chosen from the logits their rows joined with: no forward
+        if self._firsts:  # first tokens chosen from the logits their rows joined with: no forward
+            ready = {rid: s.first for rid, s in self.rows.items() if s.first is not None}
             for rid in ready:
                 self.rows[rid].first = None
+            self._firsts = 0
             return ready
         finished = [rid for rid, s in self.rows.items() if s.finished]
         if finished:
