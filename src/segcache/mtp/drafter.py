@@ -168,12 +168,15 @@ class MTP:
         if n != len(history) - 1:
             return
         seg = HeadSegment(self.head)
-        seg.load(keys, values, held, None if unfed is None else unfed[:, :1])
-        if n - held > 1:  # the pairs the rounds had not fed yet: one head call
-            seg.extend(unfed[:, 1:], history[held + 1 : n])
-        if fed is not None:
-            seg.extend(fed, history[n:])
-        if seg.offset == runtime.offset:
+        try:
+            seg.load(keys, values, held, None if unfed is None else unfed[:, :1])
+            if n - held > 1:  # the pairs the rounds had not fed yet: one head call
+                seg.extend(unfed[:, 1:], history[held + 1 : n])
+            if fed is not None:
+                seg.extend(fed, history[n:])
+        except Exception:  # nothing handed back is a stale segment, never a failed release
+            return
+        if seg.offset == runtime.offset:  # else it would not account for what the runtime holds
             runtime.attach(seg)
 
     def remove(self, row_id):
