@@ -1,7 +1,8 @@
 """The MTP head's segment in the prefix store (segcache.store.drafter_records): a prompt's
 drafter pages and boundary state are saved with it and resumed with it (bitwise what a cold
 prefill fed in the same blocks builds, against the head on mlx-lm's KVCache), so a prompt
-resumed from the store with MTP on runs no forward before its first draft; another head's
+resumed from the store with MTP on runs no forward of its prefix before its first draft (the
+first step forwards the prompt's last token alone; a prompt stored whole, none); another head's
 records are other keys (the target still resumes, the head is recomputed); a store written
 without them, or a record that does not fit, resumes the target and recomputes the head."""
 
