@@ -1,6 +1,7 @@
 """Time to first token of a stored prompt after a restart, with MTP and without.
 
     python bench/mtp_resume.py [--tokens 3000] [--repeats 5] [--model DIR] [--configs plain,mtp,...]
+    python bench/mtp_resume.py --in-process N [--configs ...]
 
 A ~3,000-token prompt (held-out stdlib code) is prefilled once with the MTP head on,
 into an on-disk store (the target's records and the head's: store/drafter_records.py).
@@ -21,6 +22,12 @@ The store holds both ends (the prompt but its last token, published by a generat
 the whole prompt with its logits, published by a `whole_prompt` one). Configurations are
 interleaved per repeat; every run's first 8 tokens must equal plain's. Prints the medians
 and the median of each repeat's ratio to plain.
+
+`--in-process N` instead times N samples of each configuration in this process (the model
+and head loaded once, a fresh Runtime per sample on the store opened without a RAM tier,
+so every record is read from disk; mtp-recompute left out), configurations rotated per
+sample: wall clock and CPU time, each sample's ratio to plain's in the same sample. Not a
+restart, but many more samples on a shared machine.
 """
 
 from __future__ import annotations
@@ -71,12 +78,44 @@ def _child(args) -> None:
     print(json.dumps({"ttft": ttft, "tokens": tokens}))
 
 
+def _in_process(model, tokenizer, head, ids, path, configs, n) -> None:
+    """N samples of each configuration in this process (see the module docstring)."""
+    wall = {c: [] for c in configs}
+    cpu = {c: [] for c in configs}
+    want = None
+    with open_store(path, page_tokens=256, ram_bytes=0) as store:
+        for i in range(n + 1):  # the first round warms up (not counted)
+            for c in configs[i % len(configs):] + configs[: i % len(configs)]:
+                rt = Runtime(model, store=store, gdn_prefill="auto")
+                t0, c0 = time.perf_counter(), time.process_time()
+                gen = stream_generate(model, tokenizer, ids, max_tokens=8, runtime=rt,
+                                      mtp=head if c.startswith("mtp") else None, num_draft_tokens=2,
+                                      whole_prompt=c.endswith("-whole"))
+                first = next(gen)
+                w, t = time.perf_counter() - t0, time.process_time() - c0
+                gen.close()
+                want = want or first.token
+                if first.token != want:
+                    raise SystemExit(f"{c}: first token {first.token}, plain's {want}")
+                if i:
+                    wall[c].append(w)
+                    cpu[c].append(t)
+    print(f"time to first token in this process, {n} samples each (median, min-max; ratio: median of each "
+          f"sample's to plain's; the same first token throughout)")
+    for c in configs:
+        rw = statistics.median(a / b for a, b in zip(wall[c], wall["plain"]))
+        rc = statistics.median(a / b for a, b in zip(cpu[c], cpu["plain"]))
+        print(f"  {c:<12} wall {statistics.median(wall[c]) * 1e3:7.1f} ms ({min(wall[c]) * 1e3:.1f}-"
+              f"{max(wall[c]) * 1e3:.1f}) {rw:.2f}x plain   cpu {statistics.median(cpu[c]) * 1e3:7.1f} ms {rc:.2f}x plain")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=str(MODELS_DIR / "target"))
     p.add_argument("--tokens", type=int, default=3000)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--configs", default=",".join(CONFIGS), help="which of " + ", ".join(CONFIGS) + " (plain always)")
+    p.add_argument("--in-process", type=int, default=0, metavar="N")
     p.add_argument("--child", choices=CONFIGS)
     p.add_argument("--store")
     p.add_argument("--prompt")
@@ -111,6 +150,10 @@ def main() -> None:
         print(f"segcache.BLAS: {segcache.BLAS}; prompt {len(ids)} tokens; records {kinds}; "
               f"{args.repeats} repeats, a fresh process per sample, configurations interleaved")
         configs = ["plain"] + [c for c in CONFIGS if c != "plain" and c in args.configs.split(",")]
+        if args.in_process:
+            _in_process(model, tokenizer, head, ids, with_head, [c for c in configs if c != "mtp-recompute"],
+                        args.in_process)
+            return
         stores = {c: without if c == "mtp-recompute" else with_head for c in configs}
         times = {c: [] for c in configs}
         ratios = {c: [] for c in configs}
