@@ -1,19 +1,33 @@
 """Time to first token of a stored prompt after a restart, with MTP and without.
 
-    python bench/mtp_resume.py [--tokens 3000] [--repeats 5] [--model DIR]
+    python bench/mtp_resume.py [--tokens 3000] [--repeats 5] [--model DIR] [--configs plain,mtp,...]
+    python bench/mtp_resume.py --in-process N [--configs ...]
 
 A ~3,000-token prompt (held-out stdlib code) is prefilled once with the MTP head on,
 into an on-disk store (the target's records and the head's: store/drafter_records.py).
 Each sample is a fresh process (a restart: empty RAM tier, the model loaded anew)
 that opens the store and times `stream_generate` from the call to its first token:
 
-    plain        without MTP
+    plain        without MTP: resumed to the prompt's last token but one, which the first
+                 step forwards (mlx-lm's shape: resume-to-prompt-1)
     mtp          with MTP, the head's state resumed from the store
     mtp-recompute with MTP on a copy of the store without the head's records (what a
                  resume cost before them: one forward of the whole restored prefix)
+    plain-whole  without MTP, `whole_prompt=True`: the whole prompt resumed with the boundary
+                 records (its end's checkpoint keeps the last logits), no forward before
+                 the first token
+    mtp-whole    the same with MTP (the head's records at the prompt's end too)
 
-Configurations are interleaved per repeat; every run's first 8 tokens must equal plain's.
-Prints the medians and the median of each repeat's ratio to plain.
+The store holds both ends (the prompt but its last token, published by a generation, and
+the whole prompt with its logits, published by a `whole_prompt` one). Configurations are
+interleaved per repeat; every run's first 8 tokens must equal plain's. Prints the medians
+and the median of each repeat's ratio to plain.
+
+`--in-process N` instead times N samples of each configuration in this process (the model
+and head loaded once, a fresh Runtime per sample on the store opened without a RAM tier,
+so every record is read from disk; mtp-recompute left out), configurations rotated per
+sample: wall clock and CPU time, each sample's ratio to plain's in the same sample. Not a
+restart, but many more samples on a shared machine.
 """
 
 from __future__ import annotations
@@ -37,7 +51,7 @@ from segcache.generation import stream_generate
 from segcache.models import MODELS_DIR
 from segcache.mtp import load_head
 
-CONFIGS = ("plain", "mtp", "mtp-recompute")
+CONFIGS = ("plain", "mtp", "mtp-recompute", "plain-whole", "mtp-whole")
 
 
 def _prompt(tokenizer, n: int) -> list[int]:
@@ -51,16 +65,48 @@ def _prompt(tokenizer, n: int) -> list[int]:
 def _child(args) -> None:
     """One sample: load, open the store, time the first token; print JSON."""
     model, tokenizer = mlx_lm.load(args.model)
-    head = load_head(model, args.model) if args.config != "plain" else None
+    head = load_head(model, args.model) if args.config.startswith("mtp") else None
     ids = json.loads(Path(args.prompt).read_text())
     with open_store(args.store, page_tokens=256) as store:
         rt = Runtime(model, store=store, gdn_prefill="auto")
         tic = time.perf_counter()
-        gen = stream_generate(model, tokenizer, ids, max_tokens=8, runtime=rt, mtp=head, num_draft_tokens=2)
+        gen = stream_generate(model, tokenizer, ids, max_tokens=8, runtime=rt, mtp=head, num_draft_tokens=2,
+                              whole_prompt=args.config.endswith("-whole"))
         first = next(gen)
         ttft = time.perf_counter() - tic
         tokens = [first.token] + [r.token for r in gen]
     print(json.dumps({"ttft": ttft, "tokens": tokens}))
+
+
+def _in_process(model, tokenizer, head, ids, path, configs, n) -> None:
+    """N samples of each configuration in this process (see the module docstring)."""
+    wall = {c: [] for c in configs}
+    cpu = {c: [] for c in configs}
+    want = None
+    with open_store(path, page_tokens=256, ram_bytes=0) as store:
+        for i in range(n + 1):  # the first round warms up (not counted)
+            for c in configs[i % len(configs):] + configs[: i % len(configs)]:
+                rt = Runtime(model, store=store, gdn_prefill="auto")
+                t0, c0 = time.perf_counter(), time.process_time()
+                gen = stream_generate(model, tokenizer, ids, max_tokens=8, runtime=rt,
+                                      mtp=head if c.startswith("mtp") else None, num_draft_tokens=2,
+                                      whole_prompt=c.endswith("-whole"))
+                first = next(gen)
+                w, t = time.perf_counter() - t0, time.process_time() - c0
+                gen.close()
+                want = want or first.token
+                if first.token != want:
+                    raise SystemExit(f"{c}: first token {first.token}, plain's {want}")
+                if i:
+                    wall[c].append(w)
+                    cpu[c].append(t)
+    print(f"time to first token in this process, {n} samples each (median, min-max; ratio: median of each "
+          f"sample's to plain's; the same first token throughout)")
+    for c in configs:
+        rw = statistics.median(a / b for a, b in zip(wall[c], wall["plain"]))
+        rc = statistics.median(a / b for a, b in zip(cpu[c], cpu["plain"]))
+        print(f"  {c:<12} wall {statistics.median(wall[c]) * 1e3:7.1f} ms ({min(wall[c]) * 1e3:.1f}-"
+              f"{max(wall[c]) * 1e3:.1f}) {rw:.2f}x plain   cpu {statistics.median(cpu[c]) * 1e3:7.1f} ms {rc:.2f}x plain")
 
 
 def main() -> None:
@@ -68,6 +114,8 @@ def main() -> None:
     p.add_argument("--model", default=str(MODELS_DIR / "target"))
     p.add_argument("--tokens", type=int, default=3000)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--configs", default=",".join(CONFIGS), help="which of " + ", ".join(CONFIGS) + " (plain always)")
+    p.add_argument("--in-process", type=int, default=0, metavar="N")
     p.add_argument("--child", choices=CONFIGS)
     p.add_argument("--store")
     p.add_argument("--prompt")
@@ -88,6 +136,9 @@ def main() -> None:
             rt = Runtime(model, store=store, gdn_prefill="auto")
             for _ in stream_generate(model, tokenizer, ids, max_tokens=1, runtime=rt, mtp=head):
                 pass
+            rt = Runtime(model, store=store, gdn_prefill="auto")  # ... and whole, with its last logits
+            for _ in stream_generate(model, tokenizer, ids, max_tokens=1, runtime=rt, mtp=head, whole_prompt=True):
+                pass
             store.flush()
         with open_store(with_head, page_tokens=256) as store:
             kinds = sorted({e.kind for e in store.entries()})
@@ -98,12 +149,17 @@ def main() -> None:
                     store.delete(e.key)
         print(f"segcache.BLAS: {segcache.BLAS}; prompt {len(ids)} tokens; records {kinds}; "
               f"{args.repeats} repeats, a fresh process per sample, configurations interleaved")
-        stores = {"plain": with_head, "mtp": with_head, "mtp-recompute": without}
-        times = {c: [] for c in CONFIGS}
-        ratios = {c: [] for c in CONFIGS}
+        configs = ["plain"] + [c for c in CONFIGS if c != "plain" and c in args.configs.split(",")]
+        if args.in_process:
+            _in_process(model, tokenizer, head, ids, with_head, [c for c in configs if c != "mtp-recompute"],
+                        args.in_process)
+            return
+        stores = {c: without if c == "mtp-recompute" else with_head for c in configs}
+        times = {c: [] for c in configs}
+        ratios = {c: [] for c in configs}
         want = None
         for r in range(args.repeats):
-            order = CONFIGS[r % 3:] + CONFIGS[: r % 3]
+            order = configs[r % len(configs):] + configs[: r % len(configs)]
             got = {}
             for c in order:
                 out = subprocess.run([sys.executable, __file__, "--child", c, "--store", str(stores[c]),
@@ -114,12 +170,12 @@ def main() -> None:
                 want = want or res["tokens"]
                 if res["tokens"] != want:
                     raise SystemExit(f"{c}: tokens {res['tokens']} differ from {want}")
-            for c in CONFIGS:
+            for c in configs:
                 times[c].append(got[c])
                 ratios[c].append(got[c] / got["plain"])
-            print(f"  repeat {r + 1}: " + ", ".join(f"{c} {got[c] * 1e3:.0f} ms" for c in CONFIGS), flush=True)
+            print(f"  repeat {r + 1}: " + ", ".join(f"{c} {got[c] * 1e3:.0f} ms" for c in configs), flush=True)
         print("time to first token after a restart (median, min-max; ratio: median of each repeat's to plain)")
-        for c in CONFIGS:
+        for c in configs:
             t = times[c]
             print(f"  {c:<14} {statistics.median(t) * 1e3:8.1f} ms ({min(t) * 1e3:.1f}-{max(t) * 1e3:.1f})"
                   f"   {statistics.median(ratios[c]):.2f}x plain")

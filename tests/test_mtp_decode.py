@@ -20,11 +20,13 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 
+from segcache.acceptors import make_acceptor
+from segcache.batch.decoder import BatchDecoder
 from segcache.drafters import make_decoder
 from segcache.errors import RowError
 from segcache.generation import stream_generate
 from segcache.mtp import MTPHead, forward_with_hidden
-from segcache.mtp.drafter import HiddenStates
+from segcache.mtp.drafter import MTP, HiddenStates
 from segcache.mtp.tap import install, uninstall
 from segcache.runtime import Runtime
 from segcache.sampling import Sampler
@@ -110,7 +112,9 @@ def test_greedy_one_row_and_batched_equal_plain_greedy(family):
     accepted = []
     for one_row in (True, False):
         for gate in (False, True):
-            dec = make_decoder(model, num_draft_tokens=K, mtp=head, one_row=one_row, gate=gate)
+            # batched rows ungated draft K every round (not adaptive), so some round accepts all K
+            dec = make_decoder(model, num_draft_tokens=K, mtp=head, one_row=one_row, gate=gate,
+                               adaptive=one_row or gate)
             if one_row:
                 for i, p in enumerate(PROMPTS):
                     got, stats = run(dec, model, [p])
@@ -277,18 +281,18 @@ def test_mtp_sampling_matches_target_distribution():
     _, hidden = forward_with_hidden(model, mx.array(prompt[:-1])[None])
     q_logits, _ = head(hidden, mx.array(prompt[1:])[None], head.make_cache())
     q = mx.softmax(q_logits[0, -1] / temp).tolist()
-    rt = Runtime(model)
+    rt = Runtime(model, mtp=head)  # its clones carry the head's state: a row joins with no forward
     rt.forward(prompt[:-1])
-    tk = test_tokenizer.tokenizer(eos=False)
     mx.random.seed(3)
     counts, from_draft = {}, 0
+    # the first position drafted (`plain_first=False`): its token is the speculative sampler's
+    dec = BatchDecoder(model, drafter=MTP(head, plain_first=False), num_draft_tokens=2, gate=False, one_row=True)
     for _ in range(RUNS):
-        gen = stream_generate(model, tk, prompt[-1:], runtime=rt.clone(), mtp=head, num_draft_tokens=2,
-                              max_tokens=4, sampler=Sampler(temp))
-        r = next(gen)
-        gen.close()
-        counts[r.token] = counts.get(r.token, 0) + 1
-        from_draft += r.from_draft
+        dec.add(0, rt.clone(), prompt[-1], acceptor=make_acceptor(Sampler(temp)), max_tokens=4)
+        token, _, drafted = dec.step()[0][0]
+        dec.remove(0)
+        counts[token] = counts.get(token, 0) + 1
+        from_draft += drafted
     stat, df = chi2(counts, p, RUNS)
     assert df >= 5
     assert stat < chi2_critical(df), f"chi2 {stat:.1f} at df {df}: not the target's distribution"

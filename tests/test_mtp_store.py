@@ -1,7 +1,8 @@
 """The MTP head's segment in the prefix store (segcache.store.drafter_records): a prompt's
 drafter pages and boundary state are saved with it and resumed with it (bitwise what a cold
 prefill fed in the same blocks builds, against the head on mlx-lm's KVCache), so a prompt
-resumed from the store with MTP on runs no forward before its first draft; another head's
+resumed from the store with MTP on runs no forward of its prefix before its first draft (the
+first step forwards the prompt's last token alone; a prompt stored whole, none); another head's
 records are other keys (the target still resumes, the head is recomputed); a store written
 without them, or a record that does not fit, resumes the target and recomputes the head."""
 
@@ -44,18 +45,21 @@ def blocks(ids, start=0, step=STEP):
 
 
 class Calls:
-    """Counts the target backbone's forwards (every model call, and the head's recompute, runs it)."""
+    """Counts the target backbone's forwards (every model call, and the head's recompute, runs it),
+    and keeps the positions each fed (`fed`)."""
 
     def __init__(self, model):
         self.cls = type(_text_parts(model)[1])
         self.n = 0
+        self.fed: list[int] = []
 
     def __enter__(self):
         orig = self.orig = self.cls.__call__
 
-        def counted(module, *args, **kwargs):
+        def counted(module, inputs, *args, **kwargs):
             self.n += 1
-            return orig(module, *args, **kwargs)
+            self.fed.append(inputs.shape[1])
+            return orig(module, inputs, *args, **kwargs)
 
         self.cls.__call__ = counted
         return self
@@ -99,14 +103,14 @@ def _generate(model, head, store, prompt, n=6):
 
 
 def _count_before_first_draft(monkeypatch, calls) -> list:
-    """A list that gets `calls.n` (the model's calls so far) when MTP first drafts; it holds
-    nothing until then, and is cleared to count again."""
+    """A list that gets the positions of the model's calls so far (`calls.fed[-calls.n:]`) when MTP
+    first drafts; it holds nothing until then, and is cleared to count again."""
     before_draft = []
     draft = MTP.draft
 
     def first_draft(self, states, widths):
         if not before_draft:
-            before_draft.append(calls.n)
+            before_draft.append(calls.fed[len(calls.fed) - calls.n:])
         return draft(self, states, widths)
 
     monkeypatch.setattr(MTP, "draft", first_draft)
@@ -123,7 +127,9 @@ def test_a_stored_prompt_with_mtp_runs_no_forward_before_its_first_draft(target,
     before_draft = _count_before_first_draft(monkeypatch, calls)
     with open_store(tmp_path / "s", page_tokens=P, ram_bytes=0) as st, calls:
         assert _generate(model, head, st, PROMPT) == plain
-    assert before_draft == [0]  # the head's state came from the store with the target's
+    # the head's state came from the store with the target's: before the first draft only the
+    # first step's forward of the prompt's last token (which gives the first token), no prefix
+    assert before_draft == [[1]]
 
     # another head: the target's records resume, the head's are other keys (recomputed: the prefix
     # forwarded once more, in the prefill's blocks)
@@ -136,7 +142,36 @@ def test_a_stored_prompt_with_mtp_runs_no_forward_before_its_first_draft(target,
         assert resume.restored == len(PROMPT) - 1 and rt.drafters.get("mtp").stale
         calls.n = 0
         assert _generate(model, other, st, PROMPT) == plain
-    assert before_draft == [len(blocks(PROMPT[:-1]))]
+    assert before_draft == [[len(b) for b in blocks(PROMPT[:-1])] + [1]]
+
+
+def test_a_prompt_stored_whole_runs_no_forward_before_its_first_token(target, tmp_path, monkeypatch):
+    """`whole_prompt`: the prompt's end is checkpointed with its logits (and the head's records), so
+    a later generation of it resumes all of it and takes the first token from the stored logits."""
+    model, head = target
+    tk = test_tokenizer.tokenizer(eos=False)
+    plain = [r.token for r in stream_generate(model, tk, PROMPT, max_tokens=6)]
+    calls = Calls(model)
+    before_draft = _count_before_first_draft(monkeypatch, calls)
+    with open_store(tmp_path / "s", page_tokens=P) as st:  # cold: computes the whole prompt
+        for mtp in (head, None):
+            rt = Runtime(model, store=st)
+            gen = stream_generate(model, tk, PROMPT, max_tokens=6, mtp=mtp, num_draft_tokens=2, runtime=rt,
+                                  prefill_step_size=STEP, whole_prompt=True)
+            assert [r.token for r in gen] == plain
+    for mtp in (head, None):
+        before_draft.clear()
+        with open_store(tmp_path / "s", page_tokens=P, ram_bytes=0) as st, calls:  # from disk
+            calls.n = 0
+            rt = Runtime(model, store=st)
+            gen = stream_generate(model, tk, PROMPT, max_tokens=6, mtp=mtp, num_draft_tokens=2, runtime=rt,
+                                  prefill_step_size=STEP, whole_prompt=True)
+            first = next(gen)
+            assert calls.n == 0 and first.token == plain[0]  # the stored logits: no forward
+            assert [first.token] + [r.token for r in gen] == plain
+            assert rt.tokens == PROMPT + plain[:-1] or rt.tokens == PROMPT + plain
+        if mtp is not None:  # the head resumed with the prompt: the next forward is the first token's
+            assert before_draft == [[1]]
 
 
 def test_a_store_without_drafter_records_resumes_and_recomputes(target, tmp_path):
@@ -194,12 +229,12 @@ def test_a_prompt_the_engine_prefilled_in_a_padded_batch_stores_the_heads_state(
         assert isinstance(events[-1], Finish)
         assert joined == [1]  # it was prefilled as a row of the padded batch
         ends = sorted(e.tokens for e in st.entries() if e.kind == "dckpt")
-        assert ends == [len(PROMPT) - 1]
+        assert ends == [len(PROMPT) - 1, len(PROMPT) + 6 - 1 + 1]  # the prompt's, and the answer's end (6 fed)
     calls = Calls(model)
     before_draft = _count_before_first_draft(monkeypatch, calls)
     with open_store(tmp_path / "s", page_tokens=P, ram_bytes=0) as st, calls:
         assert _generate(model, head, st, PROMPT) == plain
-    assert before_draft == [0]
+    assert before_draft == [[1]]
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])

@@ -159,6 +159,7 @@ def stream_generate(
     kv_group_size: int = 64,
     quantized_kv_start: int = 5000,
     max_kv_size: Optional[int] = None,
+    whole_prompt: bool = False,
 ) -> Iterator[GenerationResponse]:
     """Generate on segcache runtimes, speculatively with a draft model or prompt lookup.
 
@@ -212,6 +213,11 @@ def stream_generate(
             (`Runtime.quantize_kv`; both target and draft, as mlx-lm does).
         max_kv_size: as mlx-lm's: for a runtime made here, of a model without
             `make_cache`, sliding windows of this many tokens (ignored otherwise).
+        whole_prompt: prefill the whole prompt, its last token too, and take the first token
+            from its last logits: with a store that holds the whole prompt (a checkpoint at its
+            end keeps the logits, as `Runtime.prefill` and a `whole_prompt` generation publish)
+            no forward runs before the first token. False (mlx-lm's shape): all but the last
+            token, which the first decoding step feeds.
 
     Yields:
         GenerationResponse per token; the last one has `finish_reason` set.
@@ -253,7 +259,7 @@ def stream_generate(
         gate=False, one_row=True, adaptive=adaptive, mtp=head, draft_tree=draft_tree,
     )
     session = Session(decoder, runtime, history, draft=draft, checkpoints=prefill_checkpoints,  # checks the draft
-                      prefill_step=prefill_step_size, agree=agreement(runtime.group), keep=True)
+                      prefill_step=prefill_step_size, agree=agreement(runtime.group), keep=True, whole=whole_prompt)
     if quantization is not None:  # both checked before either changes
         for rt in filter(None, (runtime, draft)):
             rt.check_quantize_kv(quantization)

@@ -78,6 +78,9 @@ class RowState:
     # It emitted a stop token or its last token, or took fewer tokens than its last step
     # emitted: it must leave (release or remove) before the next step.
     finished: bool = False
+    # Its first token, chosen from the logits it joined with (`add(logits=)`), in history as its
+    # pending token: the next step emits it with no forward. None once emitted.
+    first: list | None = None
 
     @property
     def drafted(self) -> int:
@@ -190,6 +193,9 @@ class BatchDecoder:
         # BACKLOG steps, not once per step.
         self._backlog: list = []
         self.last_width = 0  # the width the last step verified (0: a plain step)
+        # Rows whose `first` token a step has not emitted yet (an upper bound: one that left
+        # before it stays counted until the next step), so a step checks one int, not every row.
+        self._firsts = 0
         # The last step's (rows, width, seconds by the gate's clock), not yet recorded: its
         # cost is recorded when the next step has settled its round. None: nothing pending.
         self._unrecorded: tuple | None = None
@@ -199,11 +205,16 @@ class BatchDecoder:
 
     # -- rows come and go -------------------------------------------------------------
 
-    def add(self, row_id, runtime: Runtime, pending: int, *, acceptor: Acceptor | None = None,
+    def add(self, row_id, runtime: Runtime, pending: int | None, *, acceptor: Acceptor | None = None,
             max_tokens: int = -1, draft_runtime: Runtime | None = None,
             stats: GenerationStats | None = None, processors: Processors | None = None,
-            stop_tokens=()) -> None:
+            stop_tokens=(), logits: mx.array | None = None) -> None:
         """Add a row whose `runtime` holds its prompt but the last token `pending`.
+
+        With `logits` (and `pending` None) the runtime holds the whole prompt and `logits`
+        [1, V] are its last position's (e.g. restored with it from the prefix store): the
+        row's first token is chosen from them now, as a plain step would, and the next step
+        emits it with no forward (a step with such rows emits only theirs).
 
         With a draft model, `draft_runtime` (of the draft model) holds a prefix
         of those tokens, e.g. resumed from the prefix store; the rest is fed to
@@ -226,6 +237,14 @@ class BatchDecoder:
             raise ValueError(f"add({row_id!r}): the runtime is of another model")
         if draft_runtime is not None and not (self.drafter is not None and self.drafter.draft_runtimes):
             raise ValueError(f"add({row_id!r}): a draft runtime without a draft model")
+        if (logits is None) == (pending is None):
+            raise ValueError(f"add({row_id!r}): give the pending token or the last position's logits, one of them")
+        acceptor = acceptor or GreedyMatch()
+        processors = processors or None
+        first = None
+        if logits is not None:  # the first token, chosen before anything changes
+            first = self._first(row_id, runtime.tokens, logits, acceptor, processors)
+            pending = first[0]
         history = runtime.tokens + [pending]
         self._close()  # a row joins settled rows
         self._hand_over()
@@ -241,11 +260,35 @@ class BatchDecoder:
             raise
         if stats is None:
             stats = GenerationStats(mode=self.mode)
-        state = RowState(row_id, acceptor or GreedyMatch(), history, self.width, max_tokens, stats,
-                         processors=processors or None, stops=frozenset(stop_tokens))
+        state = RowState(row_id, acceptor, history, self.width, max_tokens, stats,
+                         processors=processors, stops=frozenset(stop_tokens))
         self.rows[row_id] = state
+        if first is not None:  # emitted by the next step: counted as a plain step's token
+            state.first = [first]
+            self._firsts += 1
+            if processors is not None:
+                processors.advance([pending])
+            if state.remaining >= 0:
+                state.remaining -= 1
+            stats.rounds += 1
+            if self.drafter is not None:
+                stats.drafted_per_round.append(0)
+                stats.accepted_per_round.append(0)
+            state.finished = pending in state.stops or state.remaining == 0
         if self._ahead is not None:
             self._feed_joiner(row_id, pending)
+
+    @staticmethod
+    def _first(row_id, prompt: list, logits: mx.array, acceptor: Acceptor, processors) -> tuple:
+        """(token, logprobs [V], False): a row's first token from its prompt's last logits, as a plain
+        step chooses it (its processors, then its acceptor's `sample`)."""
+        logits = logits.reshape(1, -1)
+        try:
+            logprobs = normalize(logits) if processors is None else processors.process(logits, prompt)
+            token = int(acceptor.sample(logprobs[0]).item())
+        except Exception as exc:
+            raise RowError(row_id, exc) from exc
+        return token, logprobs[0], False
 
     def _feed_joiner(self, row_id, pending: int) -> None:
         """The other rows fed their pending tokens outside a branch (after a failed step): feed the
@@ -311,6 +354,7 @@ class BatchDecoder:
         """The row's settled state as a Runtime (the decoder's rows unchanged unless a lone
         row's open round is settled in place); fed its pending token if `pending`."""
         history = self.rows[row_id].history
+        keep = None  # a round left open: the tokens of its branch the row keeps
         if self.one_row:
             if self._round is not None:
                 self._close()
@@ -318,13 +362,30 @@ class BatchDecoder:
         else:
             one = self.batch.copy_row(row_id)
             if self._round is not None:
-                one.commit([self._round.keep[row_id]])
+                keep = self._round.keep[row_id]
+                one.commit([keep])
             elif self._ahead is not None and self._ahead[2]:  # the pending token fed in a branch
                 one.commit([1]) if pending else one.rollback()
             rt = one.to_runtime(row_id)
+        # Released (not a copy): a drafter that keeps state over the target's positions (the MTP
+        # head) hands the row's back to its runtime, so it is published and a next turn resumes it.
+        # An optional hook: a drafter without one keeps nothing past the row.
+        hand_back = None if copy or self.drafter is None else getattr(self.drafter, "hand_back", None)
+        if hand_back is not None:
+            self._hand_over()  # the plain steps' states it has not been given yet (none with a round open)
+            hand_back(row_id, rt, history, keep, self._fed_ahead(row_id, rt, history))
         if pending and rt.offset < len(history):
             rt.forward(history[rt.offset:])  # the pending token, never fed by a step
         return rt
+
+    def _fed_ahead(self, row_id, rt: Runtime, history: list):
+        """What the drafter captured of a lookahead that fed `rt` the row's pending token ([1, 1, ...]),
+        None when none did (or the drafter captured nothing)."""
+        if self._ahead is None or self._ahead[3] is None or rt.offset != len(history):
+            return None
+        built_for, kept = self._ahead[1], self._ahead[3]
+        i = built_for.index(row_id)
+        return kept[i : i + 1, -1:]
 
     def _forget_if_empty(self) -> None:
         if not self.rows:
@@ -374,6 +435,12 @@ class BatchDecoder:
         Raises:
             ValueError: a finished row (one that took fewer tokens than it was given) is still here.
         """
+        if self._firsts:  # first tokens chosen from the logits their rows joined with: no forward
+            ready = {rid: s.first for rid, s in self.rows.items() if s.first is not None}
+            for rid in ready:
+                self.rows[rid].first = None
+            self._firsts = 0
+            return ready
         finished = [rid for rid, s in self.rows.items() if s.finished]
         if finished:
             raise ValueError(f"step(): rows {finished} are finished (a stop token, their last token, or fewer "

@@ -68,6 +68,9 @@ class MTP:
         head: the target's `MTPHead` (its module and the target it is bound to).
         prefill_step: positions per head call (and per target forward when a row's
             prompt hidden states must be recomputed) when a row joins.
+        plain_first: a row's first step after it joins drafts nothing, so its first token
+            comes from the forward of its pending token alone, before any head call or
+            verify (False: its first step may draft, delivering the first token with them).
     """
 
     mode = "mtp"
@@ -75,18 +78,24 @@ class MTP:
     draft_runtimes = True  # the prefill's HiddenStates
     offers_rooms = True  # every row has a hidden state to draft from after a plain step
 
-    def __init__(self, head: MTPHead, *, prefill_step: int = 2048):
+    def __init__(self, head: MTPHead, *, prefill_step: int = 2048, plain_first: bool = True):
         head = head.for_drafting()  # float16 weights of a float32 target: a float32 copy (same drafts)
         self.head = head
         self.model = head.model
         self.tap = install(head.model)
         self.prefill_step = prefill_step
+        self.plain_first = plain_first
         self.rows = HeadRows(head)  # every row's head state, in the decoder's row order
         self._identity: bytes | None = None  # the head's, as its drafter segments name it
         # The open round: row ids in the verify's order (None: no round), and the
         # verify's hidden states, taken by fill.
         self._ids: list | None = None
         self._hidden: mx.array | None = None
+        # Rows that joined and have not stepped yet: their first step drafts nothing, so its
+        # forward is the pending token's alone and the first token is delivered before any
+        # head call or verify (a round would deliver it only with its drafts, after the head's
+        # catch-up, its depths and a wider verify). Cleared by the step's close.
+        self._fresh: set = set()
 
     # -- rows -------------------------------------------------------------------------
 
@@ -104,6 +113,7 @@ class MTP:
                              "(ids unknown), which the MTP head needs; use a fresh runtime")
         if self._takes_segment(runtime, n):  # the runtime's head state: no head call, no forward
             self.rows.join_state(row_id, *runtime.drafters.get(HeadSegment.name).lend())
+            self._joined(row_id)
             return
         given = None if draft_runtime is None else draft_runtime.hidden
         if given is not None:
@@ -116,6 +126,11 @@ class MTP:
             parts.append(given)
         hidden = mx.concatenate(parts, axis=0) if len(parts) > 1 else parts[0] if parts else None
         self.rows.join(row_id, hidden, history, self.prefill_step)
+        self._joined(row_id)
+
+    def _joined(self, row_id) -> None:
+        if self.plain_first:
+            self._fresh.add(row_id)
 
     def attach(self, runtime) -> None:
         """Give `runtime` this head's drafter segment (`Runtime(model, mtp=head)`), unless it
@@ -135,7 +150,37 @@ class MTP:
         seg = runtime.drafters.get(HeadSegment.name)
         return seg is not None and seg.offset == n and runtime.depth == 0 and seg.identity == self.segment_identity
 
+    def hand_back(self, row_id, runtime, history: list, keep: int | None = None, fed=None) -> None:
+        """Row `row_id` is released as `runtime`, which holds its len(history) - 1 committed tokens
+        (with `keep`, a round is open: the row keeps that many of its branch's tokens; with `fed`
+        [1, 1, H], the runtime holds the pending token too, fed by a lookahead whose hidden state
+        that is): the runtime gets the row's head state as a live drafter segment, its unfed pairs
+        fed in one head call, so what it publishes carries the head's records and a next turn on it
+        (or resumed from them) runs no head over these tokens again. A state that does not account
+        for what the runtime holds is not handed back (the segment stays stale, as before)."""
+        if row_id not in self.rows.ids or runtime.depth:
+            return
+        more = None
+        if keep is not None and self._ids is not None and self._hidden is not None:
+            more = self._hidden[self._ids.index(row_id)][None, :keep]  # the verify's states of kept tokens
+        keys, values, held, unfed = self.rows.row_state(row_id, more)
+        n = held + (0 if unfed is None else unfed.shape[1])
+        if n != len(history) - 1:
+            return
+        seg = HeadSegment(self.head)
+        try:
+            seg.load(keys, values, held, None if unfed is None else unfed[:, :1])
+            if n - held > 1:  # the pairs the rounds had not fed yet: one head call
+                seg.extend(unfed[:, 1:], history[held + 1 : n])
+            if fed is not None:
+                seg.extend(fed, history[n:])
+        except Exception:  # nothing handed back is a stale segment, never a failed release
+            return
+        if seg.offset == runtime.offset:  # else it would not account for what the runtime holds
+            runtime.attach(seg)
+
     def remove(self, row_id):
+        self._fresh.discard(row_id)
         if row_id in self.rows.ids:
             self.rows.leave(row_id)
 
@@ -154,7 +199,8 @@ class MTP:
 
     def offer(self, states, rooms):
         self.rows.order([s.row_id for s in states])
-        return [room if lag else 0 for lag, room in zip(self.rows.lags, rooms)]
+        fresh = self._fresh
+        return [room if lag and rid not in fresh else 0 for lag, room, rid in zip(self.rows.lags, rooms, self.rows.ids)]
 
     def draft(self, states, widths):
         J = max(widths, default=0)
@@ -219,6 +265,7 @@ class MTP:
         if ids != ids_now:
             hidden = hidden[mx.array([ids.index(r) for r in ids_now], dtype=mx.int32)]
         self.rows.close(hidden, list(keep))
+        self._fresh.difference_update(ids_now)
         self._end()
         self.rows.feed_tails([s.history for s in states], TAIL)
 
@@ -240,5 +287,7 @@ class MTP:
         ids = [s.row_id for s in states]
         if sorted(map(repr, ids)) != sorted(map(repr, self.rows.ids)):
             raise InvariantError(f"MTP head rows {self.rows.ids}, decoder rows {ids}")
+        if not self._fresh <= set(self.rows.ids):
+            raise InvariantError(f"MTP rows not stepped yet {self._fresh}, rows {self.rows.ids}")
         by_id = {s.row_id: len(s.history) - 1 for s in states}
         self.rows.check([by_id[r] for r in self.rows.ids])

@@ -21,6 +21,7 @@ exactly the target's.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
@@ -32,6 +33,7 @@ from mlx_lm.models.qwen3_5 import DecoderLayer
 from mlx_lm.models.qwen3_next import Qwen3NextDecoderLayer
 
 from ..errors import UnsupportedModelError
+from ..store.identity import weights_fingerprint
 
 
 class MTPModule(nn.Module):
@@ -146,6 +148,7 @@ class MTPHead:
         self._embed = text_model.embed_tokens
         self._project = projection
         self._drafting: "MTPHead | None" = None  # for_drafting's copy, made once
+        self._identity: bytes | None = None  # `identity`, computed once
 
     @classmethod
     def build(cls, model: nn.Module, num_layers: int = 1) -> "MTPHead":
@@ -164,6 +167,18 @@ class MTPHead:
             return self._drafting
         self._drafting = self._drafting_copy()
         return self._drafting
+
+    @property
+    def identity(self) -> bytes:
+        """What names the head in the prefix store (its drafter records): its layer count and its
+        weights' fingerprint, so another head is a miss. Computed once (a head's weights are fixed
+        once it drafts; `load_head` computes its drafting copy's at load)."""
+        if self._identity is None:
+            h = hashlib.blake2b(digest_size=32, person=b"segcache.mtp.1")
+            h.update(f"mtp|layers={self.num_layers}|".encode())
+            h.update(weights_fingerprint(self.module))
+            self._identity = h.digest()
+        return self._identity
 
     def _drafting_copy(self) -> "MTPHead":
         params = tree_flatten(self.module.parameters())

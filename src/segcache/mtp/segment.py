@@ -231,6 +231,21 @@ class HeadRows:
         self.held.append(held)
         self.lags.append(0 if row is None else 1)
 
+    def row_state(self, row_id, more: mx.array | None = None) -> tuple:
+        """Row `row_id`'s state alone: (keys [1, h, held, D] or None, values, held, unfed [1, m, H] or
+        None): its exact pairs and its hidden states not fed yet, then `more` [1, k, H] (an open
+        round's kept states, not merged yet). In a round, the catch-up's pairs are its exact ones."""
+        i = self.index(row_id)
+        held, lag = self.held[i], self.lags[i]
+        keys = values = None
+        if held:
+            layer = self.layers[0]
+            keys, values = layer.keys[i : i + 1, :, :held], layer.values[i : i + 1, :, :held]
+        unfed = self.tail[i : i + 1, :lag] if lag else None
+        if more is not None and more.shape[1]:
+            unfed = more if unfed is None else mx.concatenate([unfed, more.astype(unfed.dtype)], axis=1)
+        return keys, values, held, unfed
+
     def leave(self, row_id) -> None:
         """The row goes (with its part of an open round)."""
         i = self.index(row_id)

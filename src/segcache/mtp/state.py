@@ -24,7 +24,6 @@ state (store/drafter_records.py), under an identity naming the head's weights.
 
 from __future__ import annotations
 
-import hashlib
 import weakref
 
 import mlx.core as mx
@@ -289,17 +288,9 @@ def _probe(head: MTPHead) -> tuple:
     return spec_of(kv.export_rows(0, 1)), spec_of({"hidden": hidden})["hidden"]
 
 
-_IDENTITIES: "weakref.WeakKeyDictionary[MTPHead, bytes]" = weakref.WeakKeyDictionary()  # once per head object
-
-
 def head_identity(head: MTPHead) -> bytes:
-    found = _IDENTITIES.get(head)
-    if found is None:
-        h = hashlib.blake2b(digest_size=32, person=b"segcache.mtp.1")
-        h.update(f"mtp|layers={head.num_layers}|".encode())
-        h.update(weights_fingerprint(head.module))
-        found = _IDENTITIES[head] = h.digest()
-    return found
+    """The head's name in the store (`MTPHead.identity`)."""
+    return head.identity
 
 
 def segment(model, value) -> HeadSegment:

@@ -219,6 +219,7 @@ def load_head(model: nn.Module, model_path=None, mtp_weights=None) -> Optional[M
     head = _load_head(model, model_path, mtp_weights)
     if head is not None:
         object.__setattr__(model, _ATTACHED, head)  # a plain attribute: the module tree is unchanged
+        head.for_drafting().identity  # made at load, so no request's first token pays for them
     return head
 
 

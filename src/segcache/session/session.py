@@ -73,6 +73,10 @@ class Session:
         agree: the ranks' `segcache.ranks.Agreement` (None: a process of its own).
         keep: the caller keeps the runtimes afterwards (`stream_generate`'s
             `runtime=`): a row that ends is released fed even without a store.
+        whole: prefill the whole prompt, its last token too, and start the rows from its
+            last position's logits (`BatchDecoder.add(logits=)`): a prompt the store holds
+            whole (its end's checkpoint keeps the logits) runs no forward before its first
+            token. False: all but the last token (the decoder's first step feeds it).
 
     Raises:
         ValueError: the draft runtime holds tokens that are not a prefix of `history`,
@@ -84,9 +88,10 @@ class Session:
     """
 
     def __init__(self, decoder, runtime, history: list, *, draft=None, checkpoints: Iterable[int] = (),
-                 prefill_step: int = 2048, agree=None, keep: bool = False):
+                 prefill_step: int = 2048, agree=None, keep: bool = False, whole: bool = False):
         self.decoder, self.runtime, self.history, self.draft = decoder, runtime, list(history), draft
         self.checkpoints, self.prefill_step, self.agree, self.keep = list(checkpoints), prefill_step, agree, keep
+        self.whole = whole
         self.plan: store_prefill.Prefill | None = None  # the target's prefill, once begun
         self.hidden = Hidden(decoder)  # with MTP: the hidden states of what the prefill fed
         self.rows: dict[Hashable, _Row] = {}
@@ -132,18 +137,19 @@ class Session:
 
     @property
     def prefilled(self) -> bool:
-        """The target's runtime holds the prompt but its last token."""
+        """The target's runtime holds the prompt but its last token (`whole`: all of it)."""
         return self.plan is not None and not self.plan.left
 
     def begin(self) -> store_prefill.Prefill:
-        """Resume the target's prompt (all but its last token) from the store; nothing is fed yet."""
-        ids = self.history[:-1]
+        """Resume the target's prompt (all but its last token; `whole`: all of it, with its last
+        logits) from the store; nothing is fed yet."""
+        ids = self.history if self.whole else self.history[:-1]
         held = self.held = len(self.runtime.tokens)
         if self.decoder.mode == "mtp":  # the head's cache rides with the runtime: fed, stored, resumed
             self.decoder.drafter.attach(self.runtime)
         if held < len(ids):
             self.plan = store_prefill.begin(self.runtime, ids, store_prefill.held_prefix(self.runtime, ids),
-                                            self.checkpoints, self.agree, want_logits=False)
+                                            self.checkpoints, self.agree, want_logits=self.whole)
         else:  # it holds the prompt already (a one-token prompt after its conversation)
             self.plan = store_prefill.Prefill(ids, store_prefill.Resume(held), None, [], None, False)
         return self.plan
@@ -190,7 +196,7 @@ class Session:
         to the target's prompt but its last token (the decoder feeds what it still lacks); with
         MTP the prefill's hidden states. Returns what a row joins with as its draft."""
         if self.hidden.tap is not None:
-            return self.hidden.states(len(self.history) - 1)
+            return self.hidden.states(len(self.plan.ids))
         drt, ids = self.draft, self.history[:-1]
         if drt is not None and drt.store is not None and len(drt.tokens) < len(ids):
             plan = store_prefill.begin(drt, ids, store_prefill.held_prefix(drt, ids), (), self.agree,
@@ -208,7 +214,10 @@ class Session:
         rt = self.runtime if last else self.runtime.clone()
         if not last and draft is not None:
             draft = draft.clone()
-        self.decoder.add(row, rt, self.history[-1], draft_runtime=draft, stats=stats, **options)
+        if self.whole:  # its first token from the prompt's last logits (restored or computed)
+            options["logits"] = self.plan.logits
+        self.decoder.add(row, rt, None if self.whole else self.history[-1], draft_runtime=draft, stats=stats,
+                         **options)
         self.rows[row] = _Row(draft, stats)
         self.joined += 1
 
