@@ -69,9 +69,10 @@ _SYSTEM = ("system", "developer")
 # first shares only its role header (a few tokens) with a rendering without it; a tools block
 # rendered first is the schemas, hundreds of tokens and more.
 MIN_TOOLS_CUT = 64
-# Boundary texts whose ids are kept (least recently used out): the system-and-tools text recurs in
-# every turn of a session and in each of its subagents' requests, the conversation before the last
-# question in every turn of an agent loop; each costs an encode of the whole prefix otherwise.
+# Boundary texts whose ids are kept (least recently used out), for a tokenizer without offsets (with
+# them a chat is encoded once): the system-and-tools text recurs in every turn of a session and in
+# each of its subagents' requests, the conversation before the last question in every turn of an
+# agent loop; each costs an encode of the whole prefix otherwise.
 BOUNDARY_TEXTS = 32
 
 # apply_chat_template's own arguments: a request may not set them as template variables.
