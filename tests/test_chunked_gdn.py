@@ -23,8 +23,9 @@ from mlx_lm.models import gated_delta as gd
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from conftest import tiny
-from helpers import assert_snapshot_equal, assert_states_equal, snapshot
+from helpers import assert_snapshot_equal, assert_states_equal, runtime_state, snapshot
 from segcache import Runtime, open_store
+from segcache import prefill as store_prefill
 from segcache.adapters import chunked, find_recurrent_module
 from segcache.generation import stream_generate
 from segcache.layers import RecurrentLayer
@@ -327,3 +328,32 @@ def test_checkpoints_of_a_chunked_prefill_resume_exactly(tmp_path):
         solo.forward(prompt[:100])
         solo.forward([1, 2])
         assert_states_equal(mid, solo)
+
+
+@pytest.mark.parametrize("family, forwards", [("qwen3_next", 1), ("qwen3_5", 1), ("llama", 1), ("gemma3_text", 4)])
+def test_boundaries_inside_one_forward_checkpoint_what_stopping_there_gives(tmp_path, family, forwards):
+    """A prefill whose stops lie inside one chunk runs one forward where its layers keep their
+    states there (Gated DeltaNet chunked, full attention; a sliding window cannot: it stops at
+    each). Each checkpoint resumes a prompt through it as a runtime fed exactly those tokens
+    continues: states within rounding (the projections ran over more rows), the same logits."""
+    model, prompt = tiny(family), ids(60, seed=5)
+    cuts = [13, 29, 45]
+    with open_store(tmp_path, page_tokens=16, ram_bytes=1 << 26) as store:
+        rt = Runtime(model, store=store, gdn_prefill="chunked")
+        plan = store_prefill.begin(rt, prompt, 0, cuts)
+        fed = [plan.pos for _ in plan.feed(rt, 2048)] + [plan.pos]
+        assert len(fed) == forwards and [s.length for s in plan.snaps] == cuts + [60]
+        plan.check()
+        assert plan.finish(rt) > 0
+        for b in cuts:
+            before = store.stats()["hit_tokens"]
+            mid = Runtime(model, store=store, gdn_prefill="chunked")
+            logits = mid.prefill(prompt[:b] + [1, 2])
+            assert store.stats()["hit_tokens"] - before == b
+            solo = Runtime(model, gdn_prefill="chunked")
+            solo.forward(prompt[:b])
+            alone = solo.forward([1, 2])[:, -1]
+            for la, lb in zip(runtime_state(mid), runtime_state(solo)):
+                for x, y in zip(la, lb):
+                    assert x.shape == y.shape and rel(x, y) <= 1e-4
+            assert rel(logits, alone) <= LOGIT_RTOL and mx.argmax(logits).item() == mx.argmax(alone).item()

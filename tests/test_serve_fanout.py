@@ -12,6 +12,7 @@ import random
 import shutil
 import threading
 import time
+import types
 
 import mlx.core as mx
 import mlx_lm
@@ -23,6 +24,7 @@ from conftest import tiny
 from serve_util import TARGET
 from segcache import Runtime, open_store
 from segcache import prefill as store_prefill
+from segcache.serve import fanout
 from segcache.testing import models as tiny_models
 from segcache.testing.chat import template
 
@@ -173,6 +175,24 @@ def test_a_shared_prefix_is_published_as_soon_as_the_prefill_reaches_it(tmp_path
             pass
         assert not plan.share(35) and plan.finish(rt) > 0
         assert next(Runtime(model, store=store).prefill_steps(a + [1])).restored == 40
+
+
+def test_a_prompt_sharing_no_more_than_the_leaders_resume_looks_nothing_up(monkeypatch):
+    """`Fanout.wait`: a prompt that shares with the one being prefilled little more than what that
+    one restored from the store (a fan-out after the prefix was stored) returns at once, without
+    the store lookup that sizes a wait; one sharing more than that looks it up."""
+    lookups = []
+    monkeypatch.setattr(fanout.store_prefill, "lookahead", lambda rt, ids: lookups.append(len(ids)) or (0, 1.0))
+    engine = types.SimpleNamespace(model=tiny("llama"), store=None, prefill_batch=None)
+    prefix = list(range(300))
+    plan = types.SimpleNamespace(ids=prefix + [1] * 250, resume=store_prefill.Resume(290, 290), pos=290,
+                                 shared=set(), share=lambda position: False)
+    waits = fanout.Fanout(engine, enabled=True)
+    waits.leads["lead"] = fanout.Lead("lead", None, types.SimpleNamespace(plan=plan, in_batch=False, fed=0))
+    for task in ([2] * 40, [1] * 200 + [2] * 10):  # 10 and 210 tokens past the leader's restored 290
+        for _ in waits.wait(types.SimpleNamespace(ids=prefix + task, cache_salt=None)):
+            break
+    assert lookups == [len(prefix) + 209]
 
 
 def _drain(steps):

@@ -72,6 +72,23 @@ def test_prompt_with_tools_is_mlx_lms_rendering(models):
     assert prompt.checkpoints[-1] == len(convo) and prompt.ids[: len(convo)] == convo
 
 
+def test_a_chat_is_encoded_once_and_its_boundaries_are_those_of_encoding_each_rendering(models, monkeypatch):
+    """One encode per chat (a fast tokenizer's offsets place the boundaries), with the boundaries
+    of encoding each partial rendering on its own (the way without offsets)."""
+    _, tok = mlx_lm.load(str(models["tools"]))
+    msgs = template_messages(_history_turn() + [{"role": "user", "content": "And the tests?"}])
+    apart = Prompter(tok)
+    monkeypatch.setattr(apart, "_ids_and_ends", lambda text: (apart._ids(text), None))
+    want = apart.chat(msgs, TOOLS)
+    hf, encoded = type(tok._tokenizer), []
+    call, encode = hf.__call__, hf.encode
+    monkeypatch.setattr(hf, "__call__", lambda self, text, **kw: encoded.append(text) or call(self, text, **kw))
+    monkeypatch.setattr(hf, "encode", lambda self, text, **kw: encoded.append(text) or encode(self, text, **kw))
+    got = Prompter(tok).chat(msgs, TOOLS)
+    assert len(encoded) == 1 and got.ids == want.ids
+    assert got.checkpoints == want.checkpoints and len(want.checkpoints) >= 3
+
+
 def test_tools_are_refused_by_a_model_that_cannot_take_them(models):
     plain = Prompter(mlx_lm.load(str(models["plain"]))[1])  # a template, but no tool parser
     target = Prompter(mlx_lm.load(str(TARGET))[1])  # no template at all

@@ -7,6 +7,8 @@ prefix-cache protocol (`resume`, `snapshot`, `prefilled`, `publish`) outside `st
                   ── drafter segments (the MTP head's) loaded from their records, agreed too
     feed     resume.tokens ──chunk──chunk── stop ──chunk── ... ── L      a Snapshot at each stop
              (on the runtime itself: `Prefill.feed`; a PrefillBatch row: `Prefill.reached`)
+             resume.tokens ──────chunk─┼──┼─────── L                    stops inside one forward, where
+                                      stop stop                         the layers keep their states there
     finish   prefilled(ids, resume, snapshots, seconds): counted, pages and checkpoints published
 
 The cache answers and the runtime computes: nothing here looks at a layer's
@@ -27,6 +29,12 @@ import mlx.core as mx
 from .errors import BranchError, InvariantError, StoreError
 from .store import Resume, drafter_records
 from .tokens import token_ids
+
+# The longest chunk that passes stops inside it (`Prefill.feed`). Passing them saves a forward's
+# fixed cost per stop; a longer chunk costs more per token: the shipped target prefilled ~2,950
+# tok/s in chunks of 128..512 tokens and 1,920 tok/s at 2,048 (serve/engine.py), so a prompt
+# checkpointed every 256 tokens is not fed in 2,048-token forwards.
+PASS_SPAN = 512
 
 
 class Prefill:
@@ -72,33 +80,69 @@ class Prefill:
         return len(self.ids) - self.pos
 
     def feed(self, rt, step_size: int) -> Generator[int, None, mx.array | None]:
-        """Forward the rest on `rt` in chunks of `step_size`, each ending at the next stop at
-        the latest. Yields the position between two forwards (never after the last); returns
-        the last position's logits (None if not wanted)."""
+        """Forward the rest on `rt` in chunks of `step_size`. Yields the position between two
+        forwards (never after the last); returns the last position's logits (None if not wanted).
+
+        A chunk passes the stops inside it where the runtime's layers keep their states there
+        (`PrefixCache.capturing`: a warm turn's new tokens, its message boundaries among them, in
+        one forward); elsewhere it ends at the next stop at the latest."""
         start = self.pos
         while self.stops:
-            stop = self.stops[0]
             if self.pos > start:
                 yield self.pos
             tic = time.perf_counter()
-            end = min(self.pos + step_size, stop)
-            # the head at the last position only (adapters/head.py); where no logits are wanted
-            # it never runs: nothing evaluated below depends on it
-            out = rt.forward(self.ids[self.pos : end], last_only=True)
-            state = [layer.state for layer in rt.cache] + rt.drafters.state
-            if end == stop and self.want_logits:  # logits only where a checkpoint or the caller needs them
-                self.logits = out[:, -1, :] * 1  # own buffer: a model not split slices its [S, vocab] logits
-                mx.eval(self.logits, state)
-            else:
-                mx.eval(state)
-            del out, state
-            if end - self.pos >= step_size:  # a long prompt's chunks would otherwise keep their buffers cached;
-                mx.clear_cache()  # after a short one (a warm turn's rest) mlx-lm keeps them too: the next reuses them
-            self.pos = end
+            cuts, layers, end = self._cuts(rt, step_size)
+            stop = self.stops[len(cuts)]
+            try:
+                # the head at the last position only (adapters/head.py); where no logits are wanted
+                # it never runs: nothing evaluated below depends on it
+                out = rt.forward(self.ids[self.pos : end], last_only=True)
+                state = [layer.state for layer in rt.cache] + rt.drafters.state + [layer.cut_states for layer in layers]
+                if end == stop and self.want_logits:  # logits only where a checkpoint or the caller needs them
+                    self.logits = out[:, -1, :] * 1  # own buffer: a model not split slices its [S, vocab] logits
+                    mx.eval(self.logits, state)
+                else:
+                    mx.eval(state)
+                del out, state
+                if end - self.pos >= step_size:  # a long prompt's chunks would otherwise keep their buffers cached;
+                    mx.clear_cache()  # after a short one (a warm turn's rest) mlx-lm keeps them too: the next reuses them
+                at, self.pos = self.pos, end
+                for position in cuts:
+                    self._passed(rt, position, position - at)
+            finally:
+                for layer in layers:
+                    layer.cuts, layer.cut_states = (), {}
             if end == stop:
                 self._stop(rt, self.logits)
             self.seconds += time.perf_counter() - tic  # not the time the caller spent between steps
         return self.logits
+
+    def _cuts(self, rt, step_size: int) -> tuple[list[int], list, int]:
+        """(the stops the next chunk passes inside it, the layers told to keep their states there,
+        where it ends). It ends at the next stop where it cannot pass one: no store, a layer that
+        cannot keep its state there, or no stop within `PASS_SPAN` tokens; and at the latest at a
+        stop another prompt waits for (`share_at`: published as soon as it is reached)."""
+        nearest = min(self.pos + step_size, self.stops[0])
+        if self.cache is None or len(self.stops) < 2 or self.stops[0] in self.share_at:
+            return [], [], nearest
+        last = next((p for p in self.stops if p in self.share_at), self.stops[-1])
+        end = min(self.pos + min(step_size, PASS_SPAN), last)
+        cuts = [p for p in self.stops if p < end]
+        layers = self.cache.capturing(rt, end - self.pos) if cuts and self._cache_of(rt) is self.cache else None
+        if layers is None:
+            return [], [], nearest
+        for layer in layers:
+            layer.cuts = tuple(p - self.pos for p in cuts)
+        return cuts, layers, end
+
+    def _passed(self, rt, position: int, cut: int) -> None:
+        """The last forward passed the next stop, `cut` tokens into it: its snapshot is the states
+        the layers kept there (never a stop another prompt waits for: those end a chunk)."""
+        self.stops.pop(0)
+        try:
+            self.snaps.append(self.cache.snapshot_cut(rt, position, cut))
+        except KeyError as exc:  # its forward did not run as `captures` said: no checkpoint there
+            self.cache.failed(f"taking the checkpoint at {position} inside a forward", exc)
 
     def reached(self, rt, position: int, logits, seconds: float = 0.0) -> None:
         """A forward elsewhere (a `PrefillBatch` row, fed to these stops) reached `position`, the

@@ -246,6 +246,26 @@ def _shifted_sum(x: mx.array, taps: mx.array) -> mx.array:
     return y
 
 
+def _through_cuts(q, k, v, g, beta, state, mask, conv_input, cuts, n_keep: int, kept: dict):
+    """The chunked recurrence restarted at each cut (positions in (0, T), ascending), as forwards
+    that stopped there run it: the same chunks from the same states. The conv tail and state at
+    each cut go to `kept[cut]`; returns (y over all T, the state after T).
+
+    Only the recurrence is split: every other operation of the layer is per token (projections,
+    the causal conv over [tail | rows], norms), so one forward over T gives each position what
+    the split forwards give, up to the rounding of products over more rows."""
+    T = q.shape[1]
+    ys = []
+    for a, b in zip((0, *cuts), (*cuts, T)):
+        piece = slice(a, b)
+        y, state = chunked_gated_delta(q[:, piece], k[:, piece], v[:, piece], g[:, piece], beta[:, piece], state,
+                                       None if mask is None else mask[:, piece])
+        ys.append(y)
+        if b < T:  # conv_input is [tail | rows]: its rows b .. b+n_keep-1 are the tail after b tokens
+            kept[b] = (mx.contiguous(conv_input[:, b : b + n_keep, :]), state)
+    return mx.concatenate(ys, axis=1), state
+
+
 def chunked_forward(module, project, inputs: mx.array, mask, cache) -> mx.array:
     """mlx-lm's Gated DeltaNet `__call__` with the chunked recurrence in place of its loop.
 
@@ -269,7 +289,10 @@ def chunked_forward(module, project, inputs: mx.array, mask, cache) -> mx.array:
     q, k, v = heads(module, conv_out)
     beta = mx.sigmoid(b)
     g = gd.compute_g(module.A_log, a, module.dt_bias)
-    out, state = chunked_gated_delta(q, k, v, g, beta, cache[1], mask)
+    if cache.cuts and cache.lengths is None:
+        out, state = _through_cuts(q, k, v, g, beta, cache[1], mask, conv_input, cache.cuts, n_keep, cache.cut_states)
+    else:
+        out, state = chunked_gated_delta(q, k, v, g, beta, cache[1], mask)
     cache[1] = state
     cache.advance(S)
 

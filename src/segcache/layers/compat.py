@@ -67,6 +67,12 @@ class MlxCompat:
     # a model with a layer of a kind that does not verifies chains only.
     takes_trees = False
 
+    def captures(self, tokens: int) -> bool:
+        """Whether a forward of `tokens` tokens keeps this layer's state at positions inside it
+        (`cuts`, `export_cut`: a prefill's boundary checkpoints taken from one forward, prefill.py).
+        No kind does but Gated DeltaNet's chunked forward (layers/recurrent.py)."""
+        return False
+
     def kv_form(self) -> tuple[int, int] | None:
         """(group_size, bits) of the quantized K/V this layer holds; None if it holds none."""
         return None

@@ -157,6 +157,27 @@ class RecurrentLayer(MlxCompat, BatchingRefused, KeptStates, SnapshotBranches, A
         # Blocks of at least this many tokens run the chunked recurrence outside
         # branches (adapters.chunked); None: always mlx-lm's path. Set by Runtime.
         self.chunked_from: int | None = None
+        # Positions inside the next forward (tokens from its start, ascending, each in (0, S)) where
+        # the chunked forward keeps the conv tail and state (`captures`), and what it kept there by
+        # position: a prefill's boundary checkpoints taken from one forward (prefill.py). Outside
+        # branches only; the caller sets and clears both around that one forward.
+        self.cuts: tuple[int, ...] = ()
+        self.cut_states: dict[int, tuple] = {}
+
+    def captures(self, tokens: int) -> bool:
+        """True where a forward of `tokens` runs chunked (adapters/chunked.py) on one row outside
+        branches: its recurrence restarts at each of `cuts` and keeps the state there."""
+        return not self.marks and self.lengths is None and self.chunked_from is not None \
+            and tokens >= self.chunked_from
+
+    def export_cut(self, cut: int) -> tuple[dict, dict]:
+        """`export_state` as it stood `cut` tokens into the last forward (kept there: `cuts`).
+
+        Raises:
+            KeyError: that forward kept no state there (it did not run chunked).
+        """
+        conv, state = self.cut_states[cut]
+        return {"conv": conv, "state": state}, {}
 
     # -- tree verify (layers/tree.py) ----------------------------------------------
 
@@ -328,6 +349,9 @@ class BatchRecurrentLayer(StackedRows, RecurrentLayer):
     """
 
     pads_rows = True
+
+    def captures(self, tokens: int) -> bool:
+        return False  # rows fed together (PrefillBatch) stop at their stops
 
     # -- branches --------------------------------------------------------------------
 

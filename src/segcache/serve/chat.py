@@ -34,13 +34,18 @@ hybrid model (which can resume only where a state was kept):
    from how the model wrote it (earlier reasoning dropped, arguments
    re-serialized) resumes here rather than at an earlier checkpoint.
 
-A boundary is the longest common prefix of the prompt's ids and the ids of
-the conversation rendered up to it, so a tokenizer that merges across the
-boundary only moves it earlier.
+A boundary is where the prompt's tokens leave the conversation rendered up to
+it: the tokens of the prompt's one encode that end within the text the two
+renderings share (a fast tokenizer's offsets), else the longest common prefix
+of the prompt's ids and the rendering's own; a tokenizer that merges across
+the boundary only moves it earlier. Either way a checkpoint there holds the
+state of the prompt's own tokens, so the choice decides only what a later
+prompt can reuse.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import importlib
 import json
@@ -64,9 +69,10 @@ _SYSTEM = ("system", "developer")
 # first shares only its role header (a few tokens) with a rendering without it; a tools block
 # rendered first is the schemas, hundreds of tokens and more.
 MIN_TOOLS_CUT = 64
-# Boundary texts whose ids are kept (least recently used out): the system-and-tools text recurs in
-# every turn of a session and in each of its subagents' requests, the conversation before the last
-# question in every turn of an agent loop; each costs an encode of the whole prefix otherwise.
+# Boundary texts whose ids are kept (least recently used out), for a tokenizer without offsets (with
+# them a chat is encoded once): the system-and-tools text recurs in every turn of a session and in
+# each of its subagents' requests, the conversation before the last question in every turn of an
+# agent loop; each costs an encode of the whole prefix otherwise.
 BOUNDARY_TEXTS = 32
 
 # apply_chat_template's own arguments: a request may not set them as template variables.
@@ -75,6 +81,18 @@ RESERVED_KWARGS = frozenset({
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
 })
+
+
+def _common_chars(a: str, b: str) -> int:
+    """The length of the longest common prefix of two strings (slices compared in C, halving)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:
@@ -236,20 +254,23 @@ class Prompter:
                 text += think[1]
             text += self.markup.tool[0]
             start = TOOL
-        ids = self._ids(text)
+        ids, ends = self._ids_and_ends(text)
         cuts = []
+
+        def boundary(before: list[dict]) -> int:
+            return self._boundary(render, before, ids, text, ends)
+
         n_sys = next((i for i, m in enumerate(messages) if m["role"] not in _SYSTEM), len(messages))
         if n_sys < len(messages) and (n_sys or tools):
-            before = messages[:n_sys] + ([{"role": "user", "content": ""}] if self.templated else [])
-            cuts.append(self._boundary(render, before, ids))
+            cuts.append(boundary(messages[:n_sys] + ([{"role": "user", "content": ""}] if self.templated else [])))
         if tools and n_sys and self.templated:  # a template rendering the tools before the system text
-            tools_end = self._boundary(render, [{"role": "user", "content": ""}], ids)
+            tools_end = boundary([{"role": "user", "content": ""}])
             cuts.append(tools_end if tools_end >= MIN_TOOLS_CUT else 0)
         last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=0)
         if last_user > n_sys:
-            cuts.append(self._boundary(render, messages[:last_user], ids))
+            cuts.append(boundary(messages[:last_user]))
         if len(messages) > 1:
-            cuts.append(self._boundary(render, messages, ids))
+            cuts.append(boundary(messages))
         return Prompt(ids, sorted({c for c in cuts if 0 < c < len(ids)}), start)
 
     def _ids(self, text: str) -> list[int]:
@@ -257,11 +278,26 @@ class Prompter:
             return list(self.tokenizer.encode(text, add_special_tokens=False))
         return self.encode(text)
 
-    def _boundary(self, render, before: list[dict], ids: list[int]) -> int:
+    def _ids_and_ends(self, text: str) -> tuple[list[int], Optional[list[int]]]:
+        """The prompt's ids (`_ids`'s) and where each token ends in `text`, from one encode where the
+        tokenizer tells its offsets (a fast tokenizer, a templated chat); else (ids, None)."""
+        hf = getattr(self.tokenizer, "_tokenizer", None)  # mlx-lm's wrapper holds the transformers tokenizer
+        if not self.templated or not getattr(hf, "is_fast", False):
+            return self._ids(text), None
+        # the very call `encode` makes (encode_plus), with the offsets it computes anyway
+        enc = hf(text, add_special_tokens=False, return_offsets_mapping=True)
+        ends = [end for _, end in enc["offset_mapping"]]
+        if ends != sorted(ends):  # offsets that do not follow the text: boundaries by encoding
+            return list(enc["input_ids"]), None
+        return list(enc["input_ids"]), ends
+
+    def _boundary(self, render, before: list[dict], ids: list[int], prompt: str, ends: Optional[list[int]]) -> int:
         try:
             text = render(before, False)
         except Exception:  # a template may refuse a partial conversation: no checkpoint then
             return 0
+        if ends is not None:  # the prompt's tokens that end within the text the two renderings share
+            return bisect.bisect_right(ends, _common_chars(text, prompt))
         known = self._rendered.get(text)
         if known is None:
             known = self._rendered[text] = self._ids(text)

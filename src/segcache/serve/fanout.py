@@ -16,7 +16,10 @@ The bound: the waiter's own cost is its S - R tokens at the pace prompts are com
 the store's learned rate (seconds per computed prompt token, `Layout.learn`), or the pace the
 leader moved at while the waiter watched when that is slower (a loaded machine, a large
 prefill batch: a prompt computed here would go no faster, and would slow the leader down by
-sharing its forwards). It waits only for a leader with at most S - R tokens left before S, so
+sharing its forwards). R is at least what the leader restored from the store when S reaches
+that far (the same first tokens, the same domain), so a waiter with S within MIN_SHARED of it
+returns without looking the store up (a fan-out once the prefix is stored: the lookup cost
+a probe runtime and a walk of the prefix's pages per request). It waits only for a leader with at most S - R tokens left before S, so
 a leader that keeps its pace always arrives within that cost; it gives up once it has waited
 that long (a leader that stalls: the time since it last moved counts against it), or when the
 leader leaves (finished: the store has S; failed or cancelled: the waiter computes). A waiter
@@ -101,6 +104,9 @@ class Fanout:
         shared, lead = max(((common_prefix(ids, lead.session.plan.ids), lead) for lead in self.leads.values()
                             if lead.salt == req.cache_salt), key=lambda t: t[0], default=(0, None))
         if shared < MIN_SHARED:
+            return
+        restored = lead.session.plan.resume.restored  # the store holds these: this prompt's first ones too
+        if restored <= shared < restored + MIN_SHARED:  # too few left to wait for, known without a lookup
             return
         e = self.engine
         probe = Runtime(e.model, store=e.store, cache_salt=req.cache_salt, gdn_prefill="auto")

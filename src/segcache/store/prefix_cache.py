@@ -354,6 +354,28 @@ class PrefixCache:
         return Snapshot(rt.committed_offset, {i: rt.cache[i].export_state() for i in lay.layers(CHECKPOINT)}, logits,
                         drafter_records.boundaries(rt))
 
+    def capturing(self, rt, tokens: int) -> list | None:
+        """The "checkpoint" layers of `rt` if the next forward of `tokens` tokens can keep all
+        their states at positions inside it (their `captures`), so one forward passes several
+        stops of a prefill (prefill.py); else None. None with drafter segments (their boundary
+        states are taken between forwards) and with kv_bits (a layout may change mid-prompt)."""
+        if rt.drafters or rt.kv_quantization is not None:
+            return None
+        layers = [rt.cache[i] for i in self.layout.layers(CHECKPOINT)]
+        return layers if all(layer.captures(tokens) for layer in layers) else None
+
+    def snapshot_cut(self, rt, length: int, cut: int) -> "Snapshot":
+        """The snapshot at `length`, `cut` tokens into the forward that just ran past it (the
+        "checkpoint" layers kept their states there: `captures`). It holds no logits: the head
+        ran at that forward's last position only, and a later prompt whose prefill ends exactly
+        at `length` resumes from an earlier checkpoint rather than one without them.
+
+        Raises:
+            KeyError: a layer kept no state there.
+        """
+        layers = {i: rt.cache[i].export_cut(cut) for i in self.layout.layers(CHECKPOINT)}
+        return Snapshot(length, layers, None, {})
+
     def publish(self, rt, ids: list[int], snaps: list["Snapshot"]) -> int:
         """Store pages, the checkpoints in `snaps` and the node updates for committed tokens `ids`.
 
