@@ -27,11 +27,10 @@ from segcache.mtp import MTPHead, forward_with_hidden
 from segcache.mtp.drafter import HiddenStates
 from segcache.mtp.tap import install, uninstall
 from segcache.runtime import Runtime
-from segcache.sampling import Sampler
 from segcache.testing import models
 from segcache.testing import tokenizer as test_tokenizer
 from test_batch_decode import MAX, PROMPTS
-from test_generate_sampling import chi2, chi2_critical
+from test_generate_sampling import TEMP, chi2, chi2_critical, first_tokens
 
 FAMILIES = ("qwen3_next", "qwen3_5")
 K = 3
@@ -272,23 +271,12 @@ RUNS = 1000
 def test_mtp_sampling_matches_target_distribution():
     model, head = fitted("qwen3_5")
     prompt = [5, 17, 33, 2, 40, 11, 9]
-    temp = 1.0
+    temp = TEMP  # the temperature first_tokens samples at
     p = mx.softmax(model(mx.array(prompt)[None])[0, -1] / temp).tolist()
     _, hidden = forward_with_hidden(model, mx.array(prompt[:-1])[None])
     q_logits, _ = head(hidden, mx.array(prompt[1:])[None], head.make_cache())
     q = mx.softmax(q_logits[0, -1] / temp).tolist()
-    rt = Runtime(model)
-    rt.forward(prompt[:-1])
-    tk = test_tokenizer.tokenizer(eos=False)
-    mx.random.seed(3)
-    counts, from_draft = {}, 0
-    for _ in range(RUNS):
-        gen = stream_generate(model, tk, prompt[-1:], runtime=rt.clone(), mtp=head, num_draft_tokens=2,
-                              max_tokens=4, sampler=Sampler(temp))
-        r = next(gen)
-        gen.close()
-        counts[r.token] = counts.get(r.token, 0) + 1
-        from_draft += r.from_draft
+    counts, from_draft = first_tokens(model, prompt, RUNS, seed=3, mtp=head)
     stat, df = chi2(counts, p, RUNS)
     assert df >= 5
     assert stat < chi2_critical(df), f"chi2 {stat:.1f} at df {df}: not the target's distribution"
