@@ -9,12 +9,13 @@ from segcache import Runtime
 from segcache.acceptors import make_acceptor
 from segcache.batch.gate import DRAFT_MIN_PROB
 from segcache.drafters import make_decoder
+from segcache.generation import stream_generate
 from segcache.lookup import PromptLookup
 from segcache.mtp import forward_with_hidden
 from segcache.mtp.drafter import HiddenStates
 from segcache.sampling import Sampler, match_accept, speculative_accept
 from segcache.testing import models
-from test_generate import model, prompt_ids
+from test_generate import model, prompt_ids, tok
 
 RUNS = 1000
 ROWS = 50  # generations per decoder step (one batched verify forward)
@@ -75,7 +76,7 @@ class Biased:
         return self.inner(inputs, cache=cache, **kwargs) + self.bias
 
 
-def first_tokens(target, prompt, runs, seed, *, rows=ROWS, draft_model=None, mtp=None):
+def batched_first_tokens(target, prompt, runs, seed, *, rows=ROWS, draft_model=None, mtp=None):
     """The first generated token of `runs` sampled generations, and how many came from a draft.
 
     Each generation is a row of one decoder (the speculative round `stream_generate` runs on a
@@ -110,6 +111,29 @@ def first_tokens(target, prompt, runs, seed, *, rows=ROWS, draft_model=None, mtp
     return counts, from_draft
 
 
+def first_tokens(prompt, runs, seed, **kwargs):
+    """The first generated token of `runs` seeded generations (prefill shared via clones)."""
+    target = model("qwen3_5")
+    rt = Runtime(target)
+    rt.forward(prompt[:-1])
+    drt = None
+    if "draft_model" in kwargs:
+        drt = Runtime(kwargs.pop("draft_model"))
+        drt.forward(prompt[:-1])
+    mx.random.seed(seed)
+    counts, from_draft = {}, 0
+    for _ in range(runs):
+        gen = stream_generate(
+            target, tok(), prompt[-1:], runtime=rt.clone(), draft_runtime=drt.clone() if drt else None,
+            num_draft_tokens=2, max_tokens=4, sampler=Sampler(TEMP), **kwargs,
+        )
+        r = next(gen)
+        gen.close()
+        counts[r.token] = counts.get(r.token, 0) + 1
+        from_draft += r.from_draft
+    return counts, from_draft
+
+
 def dist(m, prompt):
     return mx.softmax(m(mx.array(prompt)[None])[0, -1].astype(mx.float32) / TEMP).tolist()
 
@@ -118,7 +142,7 @@ def test_draft_model_sampling_matches_target_distribution():
     prompt = prompt_ids()
     draft = Biased(model("qwen3_5"))
     p, q = dist(model("qwen3_5"), prompt), dist(draft, prompt)
-    counts, from_draft = first_tokens(model("qwen3_5"), prompt, RUNS, seed=1, draft_model=draft)
+    counts, from_draft = batched_first_tokens(model("qwen3_5"), prompt, RUNS, seed=1, draft_model=draft)
     stat, df = chi2(counts, p, RUNS)
     assert df >= 8
     assert stat < chi2_critical(df), f"chi2 {stat:.1f} at df {df}: not the target's distribution"
@@ -148,7 +172,7 @@ def test_prompt_lookup_sampling_matches_target_distribution():
     lookup = PromptLookup()
     lookup.extend(prompt)
     assert lookup.draft(2)[0] == d
-    counts, from_draft = first_tokens(target, prompt, RUNS, seed=2)
+    counts, from_draft = batched_first_tokens(target, prompt, RUNS, seed=2)
     stat, df = chi2(counts, p, RUNS)
     assert stat < chi2_critical(df), f"chi2 {stat:.1f} at df {df}: not the target's distribution"
     sigma = math.sqrt(RUNS * p[d] * (1 - p[d]))

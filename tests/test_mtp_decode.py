@@ -30,7 +30,7 @@ from segcache.runtime import Runtime
 from segcache.testing import models
 from segcache.testing import tokenizer as test_tokenizer
 from test_batch_decode import MAX, PROMPTS
-from test_generate_sampling import TEMP, chi2, chi2_critical, first_tokens
+from test_generate_sampling import TEMP, batched_first_tokens, chi2, chi2_critical
 
 FAMILIES = ("qwen3_next", "qwen3_5")
 K = 3
@@ -276,7 +276,7 @@ def test_mtp_sampling_matches_target_distribution():
     _, hidden = forward_with_hidden(model, mx.array(prompt[:-1])[None])
     q_logits, _ = head(hidden, mx.array(prompt[1:])[None], head.make_cache())
     q = mx.softmax(q_logits[0, -1] / temp).tolist()
-    counts, from_draft = first_tokens(model, prompt, RUNS, seed=3, mtp=head)
+    counts, from_draft = batched_first_tokens(model, prompt, RUNS, seed=3, mtp=head)
     stat, df = chi2(counts, p, RUNS)
     assert df >= 5
     assert stat < chi2_critical(df), f"chi2 {stat:.1f} at df {df}: not the target's distribution"
