@@ -34,10 +34,11 @@ def _stream(client, prompt, n, out, i):
 
 def test_eight_concurrent_streams_and_a_client_leaving(tmp_path, ref):
     srv = Server(tmp_path / "store", "--ram-bytes", "2M", "--disk-bytes", "256M", "--max-queue", "16",
-                 log_path=tmp_path / "serve.log").start()
+                 log_path=tmp_path / "serve.log").launch()
     try:
         n = 40
-        want = [mlx_lm.generate(*ref, prompt=ref[1].encode(p), max_tokens=n) for p in PROMPTS]
+        want = [mlx_lm.generate(*ref, prompt=ref[1].encode(p), max_tokens=n) for p in PROMPTS]  # while it starts up
+        srv.wait_ready()
         out = [None] * len(PROMPTS)
         left = {}
 
@@ -177,12 +178,14 @@ def test_cors_is_off_by_default(tmp_path):
 def test_a_store_that_cannot_open_is_served_without(tmp_path, ref):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the store directory should be")
-    srv = Server(blocker, log_path=tmp_path / "serve.log").start()
+    srv = Server(blocker, log_path=tmp_path / "serve.log").launch()
     try:
         ids = ref[1].encode("def f(x):")
+        want = mlx_lm.generate(*ref, prompt=ids, max_tokens=8)  # while it starts up
+        srv.wait_ready()
         for _ in range(2):
             r = srv.client().completions.create(model="target", prompt="def f(x):", max_tokens=8)
-            assert r.choices[0].text == mlx_lm.generate(*ref, prompt=ids, max_tokens=8)
+            assert r.choices[0].text == want
             assert r.usage.prompt_tokens_details.cached_tokens == 0
         assert "serving without it" in srv.log()
         assert httpx.get(srv.url + "/stats", timeout=10).json()["store"] is None
