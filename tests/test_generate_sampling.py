@@ -76,7 +76,7 @@ class Biased:
         return self.inner(inputs, cache=cache, **kwargs) + self.bias
 
 
-def batched_first_tokens(target, prompt, runs, seed, *, rows=ROWS, draft_model=None, mtp=None):
+def batched_first_tokens(target, prompt, runs, seed, *, rows=ROWS, draft_model=None, mtp=None, decoder=None):
     """The first generated token of `runs` sampled generations, and how many came from a draft.
 
     Each generation is a row of one decoder (the speculative round `stream_generate` runs on a
@@ -84,7 +84,8 @@ def batched_first_tokens(target, prompt, runs, seed, *, rows=ROWS, draft_model=N
     the one `stream_generate` makes for a `Sampler` (exact speculative sampling on mlx's global
     state), 2 drafts a round by `draft_model`, else the MTP head `mtp`, else prompt lookup. The
     prompt is prefilled once and shared by clones (a draft model's too; the MTP head's rows take
-    the prompt's hidden states, as a prefill collects them)."""
+    the prompt's hidden states, as a prefill collects them). `decoder`: a batched decoder of
+    that drafter made by the caller instead."""
     rt = Runtime(target)
     rt.forward(prompt[:-1])
     drt = None
@@ -93,8 +94,8 @@ def batched_first_tokens(target, prompt, runs, seed, *, rows=ROWS, draft_model=N
         drt.forward(prompt[:-1])
     elif mtp is not None:
         drt = HiddenStates(forward_with_hidden(target, mx.array(prompt[:-1])[None])[1])
-    dec = make_decoder(target, num_draft_tokens=2, draft_model=draft_model, mtp=mtp, gate=False,
-                       draft_min_prob=DRAFT_MIN_PROB if draft_model is not None else 0.0)
+    dec = decoder or make_decoder(target, num_draft_tokens=2, draft_model=draft_model, mtp=mtp, gate=False,
+                                  draft_min_prob=DRAFT_MIN_PROB if draft_model is not None else 0.0)
     mx.random.seed(seed)
     counts, from_draft = {}, 0
     for start in range(0, runs, rows):
