@@ -141,7 +141,7 @@ class MlxLmServer:
                     return self
             except httpx.HTTPError:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)  # a start-up takes seconds: ask often, so a ready server waits little
         self.__exit__()
         raise RuntimeError("mlx_lm.server did not answer /health in 90 s")
 

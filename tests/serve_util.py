@@ -71,7 +71,7 @@ class Server:
                     return self
             except httpx.HTTPError:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)  # a start-up takes seconds: ask often, so a ready server waits little
         self.stop(signal.SIGKILL)
         raise RuntimeError(f"segcache serve did not answer /health in {START_TIMEOUT} s:\n{self.log()}")
 

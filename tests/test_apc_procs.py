@@ -1,5 +1,6 @@
 import segcache  # noqa: F401  (first: binds the system BLAS before mlx loads)
 
+import select
 import subprocess
 import sys
 
@@ -44,15 +45,16 @@ def test_a_second_process_hits_what_the_first_published(tmp_path):
 
 
 NODE_CHILD = r"""
-import segcache, sys, time
+import segcache, sys
 from segcache import Runtime, open_store
 from segcache.testing import models
-path, k, start_at = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+path, k = sys.argv[1], int(sys.argv[2])
 model = models.build("llama")
 shared = list(range(3, 19))  # one whole page of 16
 own = [(7 * k + 5 * i + 1) % models.VOCAB for i in range(8)]  # k-th continuation past the page
 with open_store(path, ram_bytes=1 << 26, disk_bytes=1 << 28, page_tokens=16) as store:
-    time.sleep(max(0.0, start_at - time.time()))  # all four extend node 1 at once
+    print("ready", flush=True)
+    sys.stdin.readline()  # "go", once all four are ready: they extend node 1 at once
     Runtime(model, store=store).prefill(shared + own)
 print("ok")
 """
@@ -61,15 +63,18 @@ print("ok")
 def test_four_processes_extending_one_node_keep_every_continuation(tmp_path):
     """Issue 9, defect 4: four processes publish past the same page boundary at once; afterwards
     every continuation hits (a dense prompt resumes inside the page only through the node)."""
-    import time
-
-    start_at = time.time() + 6  # after the children's imports and model builds
     procs = [
-        subprocess.Popen([sys.executable, "-c", NODE_CHILD, str(tmp_path), str(k), str(start_at)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen([sys.executable, "-c", NODE_CHILD, str(tmp_path), str(k)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for k in range(4)
     ]
     try:
+        for p in procs:  # after their imports and model builds (a child that dies reads as "")
+            assert select.select([p.stdout], [], [], 300)[0], "a child was not ready in 300 s"
+            assert p.stdout.readline().strip() == "ready", p.communicate(timeout=300)[1]
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
         for p in procs:
             out, err = p.communicate(timeout=300)
             assert p.returncode == 0 and out.strip() == "ok", err

@@ -310,10 +310,24 @@ def test_shard_of_a_pipelined_model():
     assert shard_of(model) == Shard("pipeline", 1, 2, (0, 2, 4))
 
 
-def test_store_per_rank_resumes_after_a_restart(model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def written(model_dir, tmp_path_factory):
+    """(store folder, ranks) of a launch that published into empty stores per rank: the first
+    launch of the three tests below, run once; each works on a copy of its stores (`copied`)."""
+    store = tmp_path_factory.mktemp("written") / "store"
+    return store, ok(launch("store", model_dir, store, "write"))
+
+
+def copied(written, store: Path) -> list[ranks.Rank]:
+    """The written stores copied to `store` (no rank has them open); returns that launch's ranks."""
+    shutil.copytree(written[0], store)
+    return written[1]
+
+
+def test_store_per_rank_resumes_after_a_restart(model_dir, written, tmp_path):
     """Both ranks publish into their own stores and stop; started again, they resume the prompt."""
     store = tmp_path / "store"
-    first = ok(launch("store", model_dir, store, "write"))
+    first = copied(written, store)
     again = ok(launch("store", model_dir, store, "read"))
     for r in (0, 1):
         for w, rd in zip(first[r].json(), again[r].json()):
@@ -324,12 +338,12 @@ def test_store_per_rank_resumes_after_a_restart(model_dir, tmp_path):
             assert rd["dirs"] == ["rank-0-of-2", "rank-1-of-2"]
 
 
-def test_a_prefix_is_a_hit_only_if_every_rank_holds_it(model_dir, tmp_path):
+def test_a_prefix_is_a_hit_only_if_every_rank_holds_it(model_dir, written, tmp_path):
     """Rank 1's store is lost between two launches: rank 0 still holds the prompt, but every
     rank computes it (the ranks agree before resuming), with the same logits, and both
     stores hold it again afterwards."""
     store = tmp_path / "store"
-    first = ok(launch("store", model_dir, store, "write"))
+    first = copied(written, store)
     for family_mode in ("qwen3_5-tensor", "qwen3_next-pipeline"):
         shutil.rmtree(store / family_mode / "rank-1-of-2")
     again = ok(launch("store", model_dir, store, "read"))
@@ -341,7 +355,7 @@ def test_a_prefix_is_a_hit_only_if_every_rank_holds_it(model_dir, tmp_path):
             assert h["stats"]["hit_tokens"] > 0 and h["logits"] == w["logits"]
 
 
-def test_stores_of_one_process_and_of_the_ranks_are_refused_both_ways(model_dir, tmp_path):
+def test_stores_of_one_process_and_of_the_ranks_are_refused_both_ways(model_dir, written, tmp_path):
     """A deployment refuses a one-process store and a process the deployment's; a rank's own
     store, opened directly by one process, serves it no record (the identities differ)."""
     single = tmp_path / "single"
@@ -355,7 +369,7 @@ def test_stores_of_one_process_and_of_the_ranks_are_refused_both_ways(model_dir,
             assert res["refused"] and "single-process prefix store" in res["refused"], res
 
     ranked = tmp_path / "ranked"
-    ok(launch("store", model_dir, ranked, "write"))
+    copied(written, ranked)
     with pytest.raises(StoreError, match="not empty"):
         open_store(ranked / "qwen3_5-tensor")
     whole, _, _ = load(model_dir / "qwen3_5")

@@ -72,7 +72,7 @@ class Deployment:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)  # a start-up takes seconds: ask often, so a ready deployment waits little
         raise RuntimeError(f"the deployment did not answer /health in {START_TIMEOUT} s:\n{self.ranks.log(0)[-3000:]}")
 
     def client(self):

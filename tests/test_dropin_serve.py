@@ -48,7 +48,7 @@ class MlxServer:
                     return self
             except httpx.HTTPError:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)  # a start-up takes seconds: ask often, so a ready server waits little
         raise RuntimeError(f"mlx_lm.server did not answer in {START_TIMEOUT} s:\n{open(self.log_path).read()}")
 
     def __exit__(self, *exc):
@@ -73,32 +73,34 @@ def _last_tier(srv) -> str:
 
 def test_kv_bits_text_of_mlx_lm_server_and_a_restart_resumes_quantized_pages(tmp_path):
     store = tmp_path / "store"
-    srv = Server(store, *KV, log_path=tmp_path / "serve.log").launch()  # starts up beside mlx_lm.server
-    try:
-        with MlxServer(*KV, log_path=tmp_path / "mlx.log") as ref:
-            want = complete(f"http://127.0.0.1:{ref.port}")["choices"][0]["text"]
-        model, tok = mlx_lm.load(str(TARGET))  # the flags matter here: unquantized, the text differs
-        assert mlx_lm.generate(model, tok, tok.encode(PROMPT), max_tokens=32) != want
-        first = complete(srv.wait_ready().url)
-        assert first["choices"][0]["text"] == want
-    finally:
-        assert srv.stop() in (0, -signal.SIGTERM)  # flushes the store
-    srv = Server(store, *KV, log_path=tmp_path / "serve.log").start()
-    try:
-        again = complete(srv.url)
-        assert again["choices"][0]["text"] == want
-        cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
-        assert cached >= again["usage"]["prompt_tokens"] - 1 and "disk" in _last_tier(srv)
-    finally:
-        srv.stop()
-
-    # the same prompt without --kv-bits in another store: the quantized records are at most 0.35x its bytes
+    # the same prompt without --kv-bits in another store, for its bytes at the end: that server
+    # starts up beside the others
     plain_store = tmp_path / "plain"
-    srv = Server(plain_store, log_path=tmp_path / "serve.log").start()
+    plain = Server(plain_store, log_path=tmp_path / "plain.log").launch()
     try:
-        complete(srv.url)
+        srv = Server(store, *KV, log_path=tmp_path / "serve.log").launch()  # starts up beside mlx_lm.server
+        try:
+            with MlxServer(*KV, log_path=tmp_path / "mlx.log") as ref:
+                want = complete(f"http://127.0.0.1:{ref.port}")["choices"][0]["text"]
+            model, tok = mlx_lm.load(str(TARGET))  # the flags matter here: unquantized, the text differs
+            assert mlx_lm.generate(model, tok, tok.encode(PROMPT), max_tokens=32) != want
+            first = complete(srv.wait_ready().url)
+            assert first["choices"][0]["text"] == want
+        finally:
+            assert srv.stop() in (0, -signal.SIGTERM)  # flushes the store
+        srv = Server(store, *KV, log_path=tmp_path / "serve.log").start()
+        try:
+            again = complete(srv.url)
+            assert again["choices"][0]["text"] == want
+            cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached >= again["usage"]["prompt_tokens"] - 1 and "disk" in _last_tier(srv)
+        finally:
+            srv.stop()
+        complete(plain.wait_ready().url)
     finally:
-        srv.stop()
+        plain.stop()  # flushes its store
+
+    # the quantized records are at most 0.35x the plain ones' bytes
     from segcache import open_store
 
     with open_store(store) as q, open_store(plain_store) as p:

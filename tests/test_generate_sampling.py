@@ -6,13 +6,19 @@ import mlx.core as mx
 import pytest
 
 from segcache import Runtime
+from segcache.acceptors import make_acceptor
+from segcache.batch.gate import DRAFT_MIN_PROB
+from segcache.drafters import make_decoder
 from segcache.generation import stream_generate
 from segcache.lookup import PromptLookup
+from segcache.mtp import forward_with_hidden
+from segcache.mtp.drafter import HiddenStates
 from segcache.sampling import Sampler, match_accept, speculative_accept
 from segcache.testing import models
 from test_generate import model, prompt_ids, tok
 
 RUNS = 1000
+ROWS = 50  # generations per decoder step (one batched verify forward)
 TEMP = 1.0
 ALPHA = 1e-3
 
@@ -70,6 +76,46 @@ class Biased:
         return self.inner(inputs, cache=cache, **kwargs) + self.bias
 
 
+def batched_first_tokens(target, prompt, runs, seed, *, rows=ROWS, draft_model=None, mtp=None, decoder=None,
+                         runtime=None):
+    """The first generated token of `runs` sampled generations, and how many came from a draft.
+
+    Each generation is a row of one decoder (the speculative round `stream_generate` runs on a
+    lone row), `rows` at a time, so one batched forward verifies all of them: its acceptor is
+    the one `stream_generate` makes for a `Sampler` (exact speculative sampling on mlx's global
+    state), 2 drafts a round by `draft_model`, else the MTP head `mtp`, else prompt lookup. The
+    prompt is prefilled once and shared by clones (a draft model's too; the MTP head's rows take
+    the prompt's hidden states, as a prefill collects them). `decoder`: a batched decoder of
+    that drafter made by the caller instead. `runtime`: the prompt but its last token prefilled
+    by the caller (one made with `mtp=` carries the head's state in its clones)."""
+    rt = runtime
+    if rt is None:
+        rt = Runtime(target)
+        rt.forward(prompt[:-1])
+    drt = None
+    if draft_model is not None:
+        drt = Runtime(draft_model)
+        drt.forward(prompt[:-1])
+    elif mtp is not None and runtime is None:
+        drt = HiddenStates(forward_with_hidden(target, mx.array(prompt[:-1])[None])[1])
+    dec = decoder if decoder is not None else make_decoder(target, num_draft_tokens=2, draft_model=draft_model, mtp=mtp, gate=False,
+                                                              draft_min_prob=DRAFT_MIN_PROB if draft_model is not None else 0.0)
+    mx.random.seed(seed)
+    counts, from_draft = {}, 0
+    for start in range(0, runs, rows):
+        for i in range(start, min(runs, start + rows)):
+            dec.add(i, rt.clone(), prompt[-1], acceptor=make_acceptor(Sampler(TEMP)), max_tokens=4,
+                    draft_runtime=drt.clone() if drt is not None else None)
+        for i, emitted in dec.step().items():
+            token, _, drafted = emitted[0]
+            counts[token] = counts.get(token, 0) + 1
+            from_draft += drafted
+            dec.remove(i)
+        dec.check()
+    assert sum(counts.values()) == runs
+    return counts, from_draft
+
+
 def first_tokens(prompt, runs, seed, **kwargs):
     """The first generated token of `runs` seeded generations (prefill shared via clones)."""
     target = model("qwen3_5")
@@ -101,7 +147,7 @@ def test_draft_model_sampling_matches_target_distribution():
     prompt = prompt_ids()
     draft = Biased(model("qwen3_5"))
     p, q = dist(model("qwen3_5"), prompt), dist(draft, prompt)
-    counts, from_draft = first_tokens(prompt, RUNS, seed=1, draft_model=draft)
+    counts, from_draft = batched_first_tokens(model("qwen3_5"), prompt, RUNS, seed=1, draft_model=draft)
     stat, df = chi2(counts, p, RUNS)
     assert df >= 8
     assert stat < chi2_critical(df), f"chi2 {stat:.1f} at df {df}: not the target's distribution"
@@ -120,7 +166,8 @@ def test_prompt_lookup_sampling_matches_target_distribution():
     # Pick d among likely tokens so that it is accepted sometimes, not always.
     base = prompt_ids()
     target = model("qwen3_5")
-    for d in sorted(range(2, 64), key=lambda t: -dist(target, base)[t]):
+    p_base = dist(target, base)
+    for d in sorted(range(2, 64), key=lambda t: -p_base[t]):
         prompt = base + [d] + base[-3:]
         p = dist(target, prompt)
         if 0.15 < p[d] < 0.7:
@@ -130,7 +177,7 @@ def test_prompt_lookup_sampling_matches_target_distribution():
     lookup = PromptLookup()
     lookup.extend(prompt)
     assert lookup.draft(2)[0] == d
-    counts, from_draft = first_tokens(prompt, RUNS, seed=2, prompt_lookup=True)
+    counts, from_draft = batched_first_tokens(target, prompt, RUNS, seed=2)
     stat, df = chi2(counts, p, RUNS)
     assert stat < chi2_critical(df), f"chi2 {stat:.1f} at df {df}: not the target's distribution"
     sigma = math.sqrt(RUNS * p[d] * (1 - p[d]))

@@ -29,11 +29,10 @@ from segcache.mtp import MTPHead, forward_with_hidden
 from segcache.mtp.drafter import MTP, HiddenStates
 from segcache.mtp.tap import install, uninstall
 from segcache.runtime import Runtime
-from segcache.sampling import Sampler
 from segcache.testing import models
 from segcache.testing import tokenizer as test_tokenizer
 from test_batch_decode import MAX, PROMPTS
-from test_generate_sampling import chi2, chi2_critical
+from test_generate_sampling import TEMP, batched_first_tokens, chi2, chi2_critical
 
 FAMILIES = ("qwen3_next", "qwen3_5")
 K = 3
@@ -276,23 +275,16 @@ RUNS = 1000
 def test_mtp_sampling_matches_target_distribution():
     model, head = fitted("qwen3_5")
     prompt = [5, 17, 33, 2, 40, 11, 9]
-    temp = 1.0
+    temp = TEMP  # the temperature first_tokens samples at
     p = mx.softmax(model(mx.array(prompt)[None])[0, -1] / temp).tolist()
     _, hidden = forward_with_hidden(model, mx.array(prompt[:-1])[None])
     q_logits, _ = head(hidden, mx.array(prompt[1:])[None], head.make_cache())
     q = mx.softmax(q_logits[0, -1] / temp).tolist()
     rt = Runtime(model, mtp=head)  # its clones carry the head's state: a row joins with no forward
     rt.forward(prompt[:-1])
-    mx.random.seed(3)
-    counts, from_draft = {}, 0
     # the first position drafted (`plain_first=False`): its token is the speculative sampler's
-    dec = BatchDecoder(model, drafter=MTP(head, plain_first=False), num_draft_tokens=2, gate=False, one_row=True)
-    for _ in range(RUNS):
-        dec.add(0, rt.clone(), prompt[-1], acceptor=make_acceptor(Sampler(temp)), max_tokens=4)
-        token, _, drafted = dec.step()[0][0]
-        dec.remove(0)
-        counts[token] = counts.get(token, 0) + 1
-        from_draft += drafted
+    dec = BatchDecoder(model, drafter=MTP(head, plain_first=False), num_draft_tokens=2, gate=False)
+    counts, from_draft = batched_first_tokens(model, prompt, RUNS, seed=3, mtp=head, decoder=dec, runtime=rt)
     stat, df = chi2(counts, p, RUNS)
     assert df >= 5
     assert stat < chi2_critical(df), f"chi2 {stat:.1f} at df {df}: not the target's distribution"

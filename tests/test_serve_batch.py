@@ -25,10 +25,29 @@ def ref():
     return [mlx_lm.generate(model, tok, prompt=tok.encode(p), max_tokens=N) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("drafting", ([], ["--prompt-lookup"], ["--draft-model", DRAFT]), ids=("plain", "lookup", "draft"))
-def test_eight_clients_in_one_batch_each_as_alone(tmp_path, ref, drafting):
-    srv = Server(tmp_path / "store", "--decode-concurrency", "8", "--prompt-concurrency", "2", *drafting,
-                 log_path=tmp_path / "serve.log").start()
+DRAFTING = ([], ["--prompt-lookup"], ["--draft-model", DRAFT])
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """One server per entry of DRAFTING, each with a store of its own, launched together (ready:
+    `wait_ready`), so that their start-ups share the cores with each other and with the
+    references computed here; each test talks to its own server only."""
+    started = []
+    try:
+        for i, drafting in enumerate(DRAFTING):
+            d = tmp_path_factory.mktemp(f"batch{i}")
+            started.append(Server(d / "store", "--decode-concurrency", "8", "--prompt-concurrency", "2", *drafting,
+                                  log_path=d / "serve.log").launch())
+        yield started
+    finally:
+        for srv in started:
+            srv.stop()
+
+
+@pytest.mark.parametrize("drafting", DRAFTING, ids=("plain", "lookup", "draft"))
+def test_eight_clients_in_one_batch_each_as_alone(servers, ref, drafting):
+    srv = servers[DRAFTING.index(drafting)].wait_ready()
     try:
         assert httpx.get(srv.url + "/stats", timeout=30).json()["max_running"] == 8  # batched, not one at a time
         out = [None] * len(PROMPTS)

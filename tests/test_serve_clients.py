@@ -34,10 +34,11 @@ def _stream(client, prompt, n, out, i):
 
 def test_eight_concurrent_streams_and_a_client_leaving(tmp_path, ref):
     srv = Server(tmp_path / "store", "--ram-bytes", "2M", "--disk-bytes", "256M", "--max-queue", "16",
-                 log_path=tmp_path / "serve.log").start()
+                 log_path=tmp_path / "serve.log").launch()
     try:
         n = 40
-        want = [mlx_lm.generate(*ref, prompt=ref[1].encode(p), max_tokens=n) for p in PROMPTS]
+        want = [mlx_lm.generate(*ref, prompt=ref[1].encode(p), max_tokens=n) for p in PROMPTS]  # while it starts up
+        srv.wait_ready()
         out = [None] * len(PROMPTS)
         left = {}
 
@@ -102,11 +103,35 @@ def eos_model(tmp_path_factory, ref):
     return d
 
 
-def test_api_key_cors_queue_and_eos(tmp_path, eos_model):
-    key = "s3cret-key"
-    # one request running at a time (the queue test below counts on it), one waiting at most
-    srv = Server(tmp_path / "store", "--api-key", key, "--max-queue", "1", "--allowed-origins", "http://ok.example",
-                 "--decode-concurrency", "1", model=eos_model, log_path=tmp_path / "serve.log").start()
+KEY = "s3cret-key"
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, eos_model):
+    """The servers of the tests below, each with a store (or a blocked store path) of its own,
+    launched together (ready: `wait_ready`) so that their start-ups share the cores; each
+    test talks to its own. (The test above runs alone: its client that leaves after 0.5 s
+    must have been admitted by then.)"""
+    d = tmp_path_factory.mktemp("clients")
+    blocker = d / "not-a-dir"
+    blocker.write_text("a file where the store directory should be")
+    started = {}
+    try:
+        # one request running at a time (the queue test counts on it), one waiting at most
+        started["guarded"] = Server(d / "guarded", "--api-key", KEY, "--max-queue", "1", "--allowed-origins",
+                                    "http://ok.example", "--decode-concurrency", "1", model=eos_model,
+                                    log_path=d / "guarded.log").launch()
+        started["plain"] = Server(d / "plain", log_path=d / "plain.log").launch()
+        started["blocked"] = Server(blocker, log_path=d / "blocked.log").launch()
+        yield started
+    finally:
+        for srv in started.values():
+            srv.stop()
+
+
+def test_api_key_cors_queue_and_eos(servers, eos_model):
+    key = KEY
+    srv = servers["guarded"].wait_ready()
     try:
         url = srv.url
         assert httpx.get(url + "/health", timeout=10).status_code == 200
@@ -162,27 +187,27 @@ def test_api_key_cors_queue_and_eos(tmp_path, eos_model):
         srv.stop()
 
 
-def test_cors_is_off_by_default(tmp_path):
-    srv = Server(tmp_path / "store", log_path=tmp_path / "serve.log").start()
+def test_cors_is_off_by_default(servers):
+    srv = servers["plain"].wait_ready()
     try:
         r = httpx.get(srv.url + "/v1/models", headers={"Origin": "http://any.example"}, timeout=10)
         assert r.status_code == 403 and "access-control-allow-origin" not in r.headers  # cross-origin: refused
         r = httpx.get(srv.url + "/v1/models", timeout=10)
         assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
-        assert oct((tmp_path / "store").stat().st_mode & 0o777) == oct(0o700)
+        assert oct(srv.cache_dir.stat().st_mode & 0o777) == oct(0o700)
     finally:
         srv.stop()
 
 
-def test_a_store_that_cannot_open_is_served_without(tmp_path, ref):
-    blocker = tmp_path / "not-a-dir"
-    blocker.write_text("a file where the store directory should be")
-    srv = Server(blocker, log_path=tmp_path / "serve.log").start()
+def test_a_store_that_cannot_open_is_served_without(servers, ref):
+    srv = servers["blocked"]
     try:
         ids = ref[1].encode("def f(x):")
+        want = mlx_lm.generate(*ref, prompt=ids, max_tokens=8)
+        srv.wait_ready()
         for _ in range(2):
             r = srv.client().completions.create(model="target", prompt="def f(x):", max_tokens=8)
-            assert r.choices[0].text == mlx_lm.generate(*ref, prompt=ids, max_tokens=8)
+            assert r.choices[0].text == want
             assert r.usage.prompt_tokens_details.cached_tokens == 0
         assert "serving without it" in srv.log()
         assert httpx.get(srv.url + "/stats", timeout=10).json()["store"] is None

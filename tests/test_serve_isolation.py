@@ -32,13 +32,27 @@ def cached(srv, key=None, **body):
     return 200, usage["prompt_tokens_details"]["cached_tokens"]
 
 
-def test_per_key_isolation_keeps_each_keys_prefixes_to_itself(tmp_path):
-    keys_file = tmp_path / "keys.txt"
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """The two tests' servers, each with a store of its own, launched together (ready:
+    `wait_ready`) so that their start-ups share the cores."""
+    d = tmp_path_factory.mktemp("isolation")
+    keys_file = d / "keys.txt"
     keys_file.write_text("# one key per line\nbob-key\n\ncarol-key\n")
-    srv = Server(tmp_path / "store", "--api-key", "alice-key", "--api-key-file", keys_file,
-                 "--prompt-cache-isolation", "per-key")
+    per_key = Server(d / "per-key", "--api-key", "alice-key", "--api-key-file", keys_file,
+                     "--prompt-cache-isolation", "per-key", log_path=d / "per-key.log")
+    salted = Server(d / "salted", log_path=d / "salted.log")
     try:
-        srv.start()
+        yield {"per-key": per_key.launch(), "salted": salted.launch()}
+    finally:
+        per_key.stop()
+        salted.stop()
+
+
+def test_per_key_isolation_keeps_each_keys_prefixes_to_itself(servers):
+    srv = servers["per-key"]
+    try:
+        srv.wait_ready()
         assert cached(srv, "alice-key") == (200, 0)
         status, got = cached(srv, "alice-key")
         assert status == 200 and got > 10  # the same key shares its own prefix
@@ -55,10 +69,10 @@ def test_per_key_isolation_keeps_each_keys_prefixes_to_itself(tmp_path):
         srv.stop()
 
 
-def test_cache_salt_separates_requests_and_the_same_salt_shares(tmp_path):
-    srv = Server(tmp_path / "store")
+def test_cache_salt_separates_requests_and_the_same_salt_shares(servers):
+    srv = servers["salted"]
     try:
-        srv.start()
+        srv.wait_ready()
         assert cached(srv, cache_salt="tenant-a") == (200, 0)
         assert cached(srv, cache_salt="tenant-b") == (200, 0)  # another salt never shares
         assert cached(srv) == (200, 0)  # nor does no salt

@@ -77,7 +77,7 @@ def _ckpts_on_disk(path) -> int:
 def test_kill_9_mid_stream_loses_no_prompt(tmp_path):
     store = tmp_path / "store"
     prompts = _prompts(8)
-    srv = Server(store, "--decode-concurrency", 8, "--flush-interval", 2, log_path=tmp_path / "serve.log").start()
+    srv = Server(store, "--decode-concurrency", 8, "--flush-interval", 1, log_path=tmp_path / "serve.log").start()
     seen, done = [0] * 8, [False] * 8
     threads = [threading.Thread(target=_stream, args=(srv.url, p, seen, i, done), daemon=True)
                for i, p in enumerate(prompts)]
@@ -89,7 +89,7 @@ def test_kill_9_mid_stream_loses_no_prompt(tmp_path):
         # A prompt holds a checkpoint on the 256-token grid and one at its end, so a count alone
         # can be reached by half the prompts: wait until the count has stopped growing for more
         # than two flush intervals (nothing is published while the answers run)
-        _wait("the prompts' checkpoints on disk, no more coming", _settled(store, 8, quiet=5.0), 90)
+        _wait("the prompts' checkpoints on disk, no more coming", _settled(store, 8, quiet=2.5), 90)
         assert not any(done), "a stream ended: the answers must still be running at the kill"
         srv.stop(signal.SIGKILL)
     finally:

@@ -29,25 +29,41 @@ def greedy(ref):
     return text
 
 
-@pytest.mark.parametrize("flags, mode", [(("--draft-model", DRAFT), "draft"), (("--prompt-lookup",), "lookup"),
-                                         (("--prompt-lookup", "--draft-tree", "8"), "lookup"),
-                                         (("--draft-model", DRAFT, "--draft-tree", "12"), "draft")])
-def test_speculative_serving_is_identical_to_plain(tmp_path, ref, greedy, flags, mode):
-    srv = Server(tmp_path / "store", *flags, "--num-draft-tokens", "4", log_path=tmp_path / "serve.log").start()
+FLAGS = [(("--draft-model", DRAFT), "draft"), (("--prompt-lookup",), "lookup"),
+         (("--prompt-lookup", "--draft-tree", "8"), "lookup"),
+         (("--draft-model", DRAFT, "--draft-tree", "12"), "draft")]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """One server per entry of FLAGS, each with a store of its own, launched together (ready:
+    `wait_ready`), so that their start-ups share the cores with each other and with the
+    reference loading here; each test talks to its own server only."""
+    started = []
     try:
-        client = srv.client()
-        ids = ref[1].encode(CODE)
-        want = greedy(tuple(ids), 64)
-        for _ in range(2):  # cold, then resumed from the prefix cache
-            r = client.completions.create(model="target", prompt=CODE, max_tokens=64)
-            assert r.choices[0].text == want
-        assert r.usage.prompt_tokens_details.cached_tokens == len(ids) - 1
-        msgs = [{"role": "user", "content": CODE[:400]}]
-        for q in ("def close(self):", "def flush(self):"):
-            r = client.chat.completions.create(model="target", messages=msgs, max_tokens=48)
-            got = r.choices[0].message.content
-            assert got == greedy(tuple(ref[1].encode(convert_chat(msgs))), 48)
-            msgs = msgs + [{"role": "assistant", "content": got}, {"role": "user", "content": q}]
-        assert f"{mode} accepted" in srv.log()
+        for i, (flags, _) in enumerate(FLAGS):
+            d = tmp_path_factory.mktemp(f"spec{i}")
+            started.append(Server(d / "store", *flags, "--num-draft-tokens", "4", log_path=d / "serve.log").launch())
+        yield started
     finally:
-        srv.stop()
+        for srv in started:
+            srv.stop()
+
+
+@pytest.mark.parametrize("flags, mode", FLAGS)
+def test_speculative_serving_is_identical_to_plain(servers, ref, greedy, flags, mode):
+    srv = servers[FLAGS.index((flags, mode))].wait_ready()
+    client = srv.client()
+    ids = ref[1].encode(CODE)
+    want = greedy(tuple(ids), 64)
+    for _ in range(2):  # cold, then resumed from the prefix cache
+        r = client.completions.create(model="target", prompt=CODE, max_tokens=64)
+        assert r.choices[0].text == want
+    assert r.usage.prompt_tokens_details.cached_tokens == len(ids) - 1
+    msgs = [{"role": "user", "content": CODE[:400]}]
+    for q in ("def close(self):", "def flush(self):"):
+        r = client.chat.completions.create(model="target", messages=msgs, max_tokens=48)
+        got = r.choices[0].message.content
+        assert got == greedy(tuple(ref[1].encode(convert_chat(msgs))), 48)
+        msgs = msgs + [{"role": "assistant", "content": got}, {"role": "user", "content": q}]
+    assert f"{mode} accepted" in srv.log()

@@ -28,12 +28,12 @@ def _settled(srv, timeout=30.0) -> int:
 
 
 def test_a_conversation_started_on_one_server_continues_on_another(tmp_path, redis_server):
-    ref = mlx_lm.load(str(TARGET))
     flags = ["--prompt-cache-remote", redis_server.url]
     one = Server(tmp_path / "one", *flags, log_path=tmp_path / "one.log")
     two = Server(tmp_path / "two", *flags, log_path=tmp_path / "two.log")
     try:
-        one.launch(), two.launch()  # both start up at once
+        one.launch(), two.launch()  # both start up at once, while the reference loads here
+        ref = mlx_lm.load(str(TARGET))
         one.wait_ready(), two.wait_ready()
         msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "def load(path):"}]
         r1 = one.client().chat.completions.create(model="target", messages=msgs, max_tokens=16)

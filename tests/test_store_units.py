@@ -84,6 +84,9 @@ def steady_rate(monkeypatch):
 def run_past_budgets(model, path, n: int, length: int):
     """Prefill n distinct prompts through a store far smaller than they need; return them.
 
+    The disk budget keeps 7 (hybrid) to 10 (dense) of the tests' 160-token prompts and RAM one
+    or two, so 20 prompts pass both at least twice over (asserted); 40 leave the same entries.
+
     Each prompt also checkpoints at every page (as `segcache serve --checkpoint-interval`
     does): those checkpoints share the prompt's pages with its last one, and must not
     keep old prompts' pages while the newest prompts go."""
@@ -117,7 +120,7 @@ def check_newest_resume(model, path, ps, newest: int, short: int = 0):
 
 def test_hybrid_keeps_checkpoints_with_their_pages(tmp_path):
     model = tiny("qwen3_next")
-    ps = run_past_budgets(model, tmp_path, 40, 160)
+    ps = run_past_budgets(model, tmp_path, 20, 160)
     with open_store(tmp_path, ram_bytes=0, disk_bytes=2_500_000, page_tokens=P) as s:
         entries = s.entries()
     pages = [e for e in entries if e.kind == "page"]
@@ -138,7 +141,7 @@ def test_hybrid_keeps_checkpoints_with_their_pages(tmp_path):
 
 def test_dense_keeps_whole_chains(tmp_path):
     model = tiny("llama")
-    ps = run_past_budgets(model, tmp_path, 40, 160)
+    ps = run_past_budgets(model, tmp_path, 20, 160)
     check_newest_resume(model, tmp_path, ps, 5, short=1)
 
 
@@ -202,13 +205,16 @@ def test_pages_written_before_this_change_still_resume(tmp_path):
 
 def test_ram_entries_stay_bounded_by_what_they_cost(tmp_path):
     """Index nodes are a few hundred bytes of arrays; what RAM holds of one costs far more
-    (objects, dicts, an MLX array): the budget counts it, so entries stop growing."""
-    budget = 1 << 20
+    (objects, dicts, an MLX array): the budget counts it, so entries stop growing.
+
+    The budget holds about 75 entries (the count scales with it; each put past it costs an
+    eviction and a disk write), and 6 rounds of 125 puts sample the count once it is full."""
+    budget = 1 << 17
     with open_store(tmp_path, ram_bytes=budget, disk_bytes=1 << 28) as s:
         counts = []
-        for i in range(6000):
+        for i in range(750):
             s.put(b"node-%d" % i, Record("node", 0, {"seqs": mx.full((40,), i, dtype=mx.uint32)}, cost=1.0))
-            if i % 1000 == 999:
+            if i % 125 == 124:
                 counts.append(s.stats()["ram_entries"])
         rec = Record("node", 0, {"seqs": mx.zeros((40,), dtype=mx.uint32)})
         most = budget // footprint(b"node-0000", rec)

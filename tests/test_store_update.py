@@ -29,7 +29,7 @@ def append(item: str):
 
 def _worker(path: str, who: int, start) -> None:
     with open_store(path, ram_bytes=1 << 20, disk_bytes=1 << 26) as s:
-        start.wait(timeout=60)
+        start.wait(timeout=120)  # every process opened its store: they all go at once
         for i in range(PER_PROC):
             s.update(NODE, append(f"{who}:{i}"))
 
@@ -37,12 +37,11 @@ def _worker(path: str, who: int, start) -> None:
 def test_four_processes_appending_to_one_node_lose_nothing(tmp_path):
     open_store(tmp_path, ram_bytes=0, disk_bytes=1 << 26).close()
     ctx = mp.get_context("spawn")
-    start = ctx.Event()
+    start = ctx.Barrier(5)  # the four workers and this process
     procs = [ctx.Process(target=_worker, args=(str(tmp_path), who, start)) for who in range(4)]
     for p in procs:
         p.start()
-    time.sleep(0.5)
-    start.set()
+    start.wait(timeout=120)
     for p in procs:
         p.join(timeout=300)
     for p in procs:
