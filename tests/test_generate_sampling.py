@@ -98,8 +98,10 @@ def batched_first_tokens(target, prompt, runs, seed, *, rows=ROWS, draft_model=N
         drt.forward(prompt[:-1])
     elif mtp is not None and runtime is None:
         drt = HiddenStates(forward_with_hidden(target, mx.array(prompt[:-1])[None])[1])
-    dec = decoder if decoder is not None else make_decoder(target, num_draft_tokens=2, draft_model=draft_model, mtp=mtp, gate=False,
-                                                              draft_min_prob=DRAFT_MIN_PROB if draft_model is not None else 0.0)
+    dec = decoder
+    if dec is None:  # not `decoder or ...`: a decoder with no rows is falsy
+        dec = make_decoder(target, num_draft_tokens=2, draft_model=draft_model, mtp=mtp, gate=False,
+                           draft_min_prob=DRAFT_MIN_PROB if draft_model is not None else 0.0)
     mx.random.seed(seed)
     counts, from_draft = {}, 0
     for start in range(0, runs, rows):
