@@ -1,8 +1,9 @@
 """Prompts prefilled together: one forward over every joining row per step.
 
                 forward 1      forward 2      forward 3
-    row A   held | c            | c            | a · · · ·     c = max(1, budget // rows), a forward's width
-    row B   held | c            | c            | c             n_i = min(c, row i's distance to its next stop)
+    row A   held | c            | c            | a · · · ·     c = max(1, budget // rows), the widest forward
+    row B   held | c            | c            | c             n_i = min(w, row i's distance to its next stop),
+                                                               w = c or narrower (`width`, below)
     row C   held | s · · · · · ·| c            | c · ·         · pads: shorter rows right-padded to max n_i
 
 Every row feeds its own n_i in one model call (`BatchRuntime.forward_padded`:
@@ -24,9 +25,11 @@ less than c when that feeds fewer tokens, pads included, counting each
 forward as `FORWARD_TOKENS` more (`width`). The rows that end within w leave,
 and the next forward pads the rest to their own longest:
 
-    left   117 121 138 162 164 196 197 219      one forward of 219: 8 x 219 = 1,752 fed
-    w=164  117 121 138 162 164 164 164 164      8 x 164 = 1,312; five rows leave
-    w=55                       32  33  55       3 x 55 = 165: 1,477 fed in two forwards
+    left   116 120 137 161 163 195 196 218      one forward of 218: 8 x 218 = 1,744 fed
+    w=120  116 120 120 120 120 120 120 120      8 x 120 = 960; two rows leave
+    w=43            17  41  43  43  43  43      6 x 43 = 258; three more leave
+    w=55                        32  33  55      3 x 55 = 165: 1,383 fed in three forwards
+
 Padding never reaches a row's state: KV and window rows advance by their
 real count (pads lie past the row's end, where no real query looks), and a
 recurrent row's state and conv tail pass through its pads unchanged. A
@@ -39,9 +42,11 @@ one-row path `Runtime.prefill` runs, so a request alone pays no copy into the
 batch and out of it; its `Reached` hands back that Runtime itself. A second
 prompt joining moves it into the batch first (one copy, as any join).
 
-Why it pays on a CPU: a forward of a few hundred tokens of a small model is
-dominated by per-operation overhead, which one forward over B rows pays once
-(measured in bench/serve.py --cold; docs/batching.md).
+What it buys on a CPU: one forward's fixed cost (graph, launches, sync) for
+B rows, and wider products; on the shipped target a prefill of 256-token
+chunks is already compute, so 8 rows cost about what they cost alone (the 8
+cold prompts alone took 1.07-1.2x the batch's CPU time) and the pads are the
+loss to avoid (docs/batching.md, "Where the cold mix's time goes").
 """
 
 from __future__ import annotations
