@@ -20,6 +20,7 @@ from segcache.batch import BatchRuntime
 from segcache.batch.prefill import PrefillBatch, width as prefill_width
 from segcache.errors import UnsupportedOperationError
 from segcache.layers import KVLayer, WindowLayer
+from segcache.layers.kv import BatchKVLayer
 from segcache.layers.recurrent import RecurrentLayer
 from segcache.layers.window import temporal_window
 from segcache.runtime import Runtime
@@ -258,3 +259,22 @@ def test_a_lone_prompt_is_fed_on_its_own_runtime_until_another_joins():
         want = ref.forward(p)
         assert all(mx.abs(x - y).max().item() <= TOL for x, y in zip(held(got.runtime), held(ref)))
         assert mx.abs(got.logits[0] - want[0, -1]).max().item() <= TOL
+
+
+def test_one_token_rows_at_one_length_attend_unmasked_and_as_alone():
+    """A one-token step of rows at one length needs no mask (each query sees every key the layer
+    returns, as mlx-lm's KVCache gives None): the KV layers give none, rows at different lengths
+    still get theirs, and the step's logits are each row's own forward's (TOL)."""
+    model = model_of("qwen3_5")
+    ids = seqs(11, [9, 9, 6])
+    br = BatchRuntime(model)
+    for i, p in enumerate(ids[:2]):
+        br.join(i, alone(model, [p])[0])
+    kv = [layer for layer in br.cache if isinstance(layer, BatchKVLayer)]
+    assert kv and all(layer.make_mask(1) is None for layer in kv)
+    got = br.forward([[3], [4]])
+    for i, (p, t) in enumerate(zip(ids[:2], (3, 4))):
+        want = alone(model, [p, [t]])[1]
+        assert mx.abs(got[i, -1] - want[-1][-1]).max().item() <= TOL
+    br.join(2, alone(model, [ids[2]])[0])
+    assert all(layer.make_mask(1) is not None for layer in kv)
