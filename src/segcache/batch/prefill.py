@@ -150,7 +150,9 @@ class PrefillBatch:
         positions to stop at (the last one, len(ids), is added if missing).
 
         Raises:
-            ValueError: the runtime does not hold a strict prefix of `ids`; nothing changed.
+            ValueError: the runtime does not hold a strict prefix of `ids`, is of another model,
+                or the id is taken; nothing changed.
+            BranchError: the runtime has an open branch; nothing changed.
         """
         held = runtime.tokens
         if len(held) >= len(ids) or held != ids[: len(held)]:
@@ -158,9 +160,10 @@ class PrefillBatch:
                              f"of the {len(ids)} to prefill")
         if row_id in self.prompts:
             raise ValueError(f"add({row_id!r}): a row with that id is already in the batch")
-        if not self.prompts and (runtime.model is not self.batch.model or runtime.depth):  # as join's checks
-            raise (ValueError("add(): the runtime is of another model") if runtime.model is not self.batch.model
-                   else BranchError(f"add({row_id!r}): the runtime has {runtime.depth} open branch(es)"))
+        if runtime.model is not self.batch.model:  # join's checks, for a row fed alone too
+            raise ValueError(f"add({row_id!r}): the runtime is of another model")
+        if runtime.depth:
+            raise BranchError(f"add({row_id!r}): the runtime has {runtime.depth} open branch(es)")
         stops = sorted({p for p in stops if len(held) < p < len(ids)} | {len(ids)})
         if not self.prompts:
             self.solo = (row_id, runtime)  # alone: fed on its own Runtime until another joins
