@@ -1,7 +1,7 @@
 """Replay an agent-style trace against `segcache serve` and `mlx_lm.server`; TTFT per phase.
 
     python bench/serve.py [--model DIR] [--tokens 24] [--mlx-blas same|wheel]
-    python bench/serve.py --sweep [--sweep-tokens 64] [--streams 1,2,4,8]
+    python bench/serve.py --sweep [--sweep-tokens 64] [--streams 1,2,4,8] [--base SRC]
     python bench/serve.py --join [--join-chars 7000] [--sweep-tokens 64]
     python bench/serve.py --cold [--rounds 5] [--cold-chars 1000] [--sweep-tokens 64] [--vllm-mlx PATH] [--base SRC]
     python bench/serve.py --lone [--rounds 5] [--cold-chars 1000] [--sweep-tokens 64] [--base SRC]
@@ -29,7 +29,9 @@ server started with `--decode-concurrency N --prompt-concurrency N`:
 segcache plain, segcache with prompt lookup, segcache with the draft model
 (both batched speculative rounds), mlx_lm.server; and segcache one at a time
 (--decode-concurrency 1) as the baseline. Reports aggregate generated tok/s
-(completion tokens over the wall time) and mean TTFT.
+(completion tokens over the wall time) and mean TTFT. `--base SRC` adds
+plain segcache served from another tree's sources; at each N the servers
+run one after another.
 
 `--cold`: 8 clients at once, each a distinct cold prompt of --cold-chars
 characters of Python and a --sweep-tokens answer, against fresh servers:
@@ -321,9 +323,11 @@ def sweep(args, env, mlx_env, work: Path) -> int:
         "mlx_lm.server": ([sys.executable, "-m", "mlx_lm.server", "--model", args.model, "--log-level", "WARNING"],
                           mlx_env),
     }
+    if args.base:  # another tree's sources, plain: before and after in the same run
+        configs["segcache base"] = (ours, base_env(env, args.base))
     rows = {}
-    for name, (cmd, e) in configs.items():
-        for n in streams:
+    for n in streams:  # at each N every server in turn: before and after a change in the same minutes
+        for name, (cmd, e) in configs.items():
             port = _port()
             full = cmd + ["--port", str(port), "--decode-concurrency", str(n), "--prompt-concurrency", str(n)]
             if name.startswith("segcache"):
@@ -344,6 +348,9 @@ def sweep(args, env, mlx_env, work: Path) -> int:
     top = max(streams)
     print(f"segcache one at a time, N={top}: {base[0]:.1f} tok/s; batched N={top}: "
           f"{rows[('segcache', top)][0] / base[0]:.2f}x of it")
+    if args.base:
+        print("segcache / segcache base: " + ", ".join(
+            f"N={n} {rows[('segcache', n)][0] / rows[('segcache base', n)][0]:.2f}x" for n in streams))
     return 0
 
 
@@ -463,7 +470,7 @@ def main() -> int:
     ap.add_argument("--lone", action="store_true",
                     help="one request alone: the default --decode-concurrency against 1 (TTFT, decode tok/s)")
     ap.add_argument("--base", default="",
-                    help="--cold / --lone: also serve another tree's src/ (e.g. a checkout of the commit "
+                    help="--cold / --lone / --sweep: also serve another tree's src/ (e.g. a checkout of the commit "
                          "before a change), interleaved with this one")
     args = ap.parse_args()
     context = (MODELS / "heldout_other.txt").read_text()[: args.context_chars]

@@ -17,9 +17,10 @@ import pytest
 
 from conftest import tiny
 from segcache.batch import BatchRuntime
-from segcache.batch.prefill import PrefillBatch
+from segcache.batch.prefill import PrefillBatch, width as prefill_width
 from segcache.errors import UnsupportedOperationError
 from segcache.layers import KVLayer, WindowLayer
+from segcache.layers.kv import BatchKVLayer
 from segcache.layers.recurrent import RecurrentLayer
 from segcache.layers.window import temporal_window
 from segcache.runtime import Runtime
@@ -199,3 +200,81 @@ def test_rows_stop_at_each_of_their_stops_in_shared_padded_forwards(family):
             assert mx.abs(logits[0] - want[0][-1]).max().item() <= TOL
     # row 0 needs the most at width 16: 7 (to its stop), 13 (to 20), 16, 4 (to 40), 10; no more in all
     assert forwards == 5
+
+
+def _fewest(left: tuple, fixed: int) -> int:
+    """Row-tokens (pads included, `fixed` per forward) of the best plan of any widths, by brute force."""
+    if not left:
+        return 0
+    return min(fixed + len(left) * w + _fewest(tuple(sorted(r - w for r in left if r > w)), fixed)
+               for w in range(1, max(left) + 1))
+
+
+def test_a_forward_is_narrower_only_where_that_feeds_fewer_tokens():
+    """`width` starts a plan that feeds the rows in the fewest row-tokens, pads and each forward's
+    fixed cost counted, as the best of every sequence of widths found by brute force; with a
+    margin, one forward of the widest row unless that plan saves the margin of it."""
+    rnd = random.Random(7)
+    cases = [[5, 5, 5], [1, 9], [2, 3, 11, 12], [12, 1, 1, 1]] + [
+        [rnd.randrange(1, 13) for _ in range(rnd.randrange(1, 5))] for _ in range(12)]
+    for left in cases:
+        for fixed in (0, 3, 8):
+            w = prefill_width(left, fixed, margin=0)
+            rest = tuple(sorted(r - w for r in left if r > w))
+            best = _fewest(tuple(sorted(left)), fixed)
+            assert fixed + len(left) * w + _fewest(rest, fixed) == best, (left, fixed)
+            one = fixed + len(left) * max(left)
+            assert prefill_width(left, fixed, margin=0.1) == (w if best <= 0.9 * one else max(left)), (left, fixed)
+    assert prefill_width([5, 5, 5], 8) == 5 and prefill_width([12, 1, 1, 1], 0, margin=0) == 1
+
+
+def test_a_lone_prompt_is_fed_on_its_own_runtime_until_another_joins():
+    """Alone in the batch, a prompt is fed on the Runtime it joined with (no copy in or out): its
+    stops hand that Runtime back, bit for bit what `Runtime.forward` in the same chunks leaves. A
+    second prompt joining moves it into the batch; both end as their own prefills (TOL)."""
+    model = model_of("qwen3_5")
+    a, b = seqs(9, [40, 25])
+    rt = Runtime(model)
+    pb = PrefillBatch(model, gdn_prefill="chunked")
+    pb.add("a", rt, a, [10])
+    (r,) = pb.step(16)
+    pb.check()
+    assert (r.row_id, r.position, r.done) == ("a", 10, False) and r.runtime is rt and not len(pb.batch)
+    want = Runtime(model)
+    mx.eval(want.forward(a[:10], last_only=True))
+    assert rt.tokens == a[:10] and all(mx.array_equal(x, y).item() for x, y in zip(held(rt), held(want)))
+    assert pb.step(6) == [] and pb.fed == {"a": 6}
+    pb.add("b", Runtime(model), b, [])
+    assert pb.solo is None and pb.ids == ["a", "b"]
+    pb.check()
+    reached = {}
+    while len(pb):
+        for r in pb.step(32):
+            reached[r.row_id] = r
+        pb.check()
+    for rid, p in (("a", a), ("b", b)):
+        got = reached[rid]
+        assert got.done and got.runtime.tokens == p
+        ref = Runtime(model)
+        want = ref.forward(p)
+        assert all(mx.abs(x - y).max().item() <= TOL for x, y in zip(held(got.runtime), held(ref)))
+        assert mx.abs(got.logits[0] - want[0, -1]).max().item() <= TOL
+
+
+def test_one_token_rows_at_one_length_attend_unmasked_and_as_alone():
+    """A one-token step of rows at one length needs no mask (each query sees every key the layer
+    returns, as mlx-lm's KVCache gives None): the KV layers give none, rows at different lengths
+    still get theirs, and the step's logits are each row's own forward's (TOL)."""
+    model = model_of("qwen3_5")
+    ids = seqs(11, [9, 9, 6])
+    br = BatchRuntime(model)
+    for i, p in enumerate(ids[:2]):
+        br.join(i, alone(model, [p])[0])
+    kv = [layer for layer in br.cache if isinstance(layer, BatchKVLayer)]
+    assert kv and all(layer.make_mask(1) is None for layer in kv)
+    got = br.forward([[3], [4]])
+    for i, (p, t) in enumerate(zip(ids[:2], (3, 4))):
+        want = alone(model, [p, [t]])[1]
+        assert mx.abs(got[i, -1] - want[-1][-1]).max().item() <= TOL
+    br.join(2, alone(model, [ids[2]])[0])
+    assert all(layer.make_mask(1) is not None for layer in kv)

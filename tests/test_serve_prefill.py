@@ -261,3 +261,24 @@ def test_a_prefill_forward_stalls_decoding_rows_one_chunk_per_joining_prompt_at_
     assert any(n > CHUNK for rows, joining, n in fed if rows)  # several joining: more than one chunk
     for rid, p in (("long", prompts["long"]), ("c", prompts["c"]), ("d", prompts["a"][:150])):
         assert h.text(rid) == _alone(loaded, p, 6), rid
+
+
+def test_a_lone_prompt_is_fed_on_its_own_runtime_and_publishes_as_runtime_prefill(loaded, prompts, tmp_path):
+    """Alone at a decode concurrency above 1, a prompt is fed on its own Runtime: the prefill
+    batch's rows never hold it (nothing copied into the batch or out of it at its stops), and it
+    answers and publishes what its own `Runtime.prefill` would."""
+    model, tok = loaded
+    p = prompts["long"][:300]  # a checkpoint at 256 on the way
+    with open_store(tmp_path / "served") as served, open_store(tmp_path / "alone") as alone:
+        h = Harness(loaded, store=served)
+        batch, copies = h.engine.prefill_batch.batch, []
+        for name in ("join", "to_runtime"):
+            setattr(batch, name, lambda *a, f=getattr(batch, name), name=name: (copies.append(name), f(*a))[1])
+        h.submit("a", p, 6)
+        h.run()
+        req = GenRequest("a", p, 1)
+        assert len(h.engine._checkpoints(req)) >= 1 and h.engine.prefill_chunks >= 2  # it stopped on its way
+        assert copies == [] and h.text("a") == _alone(loaded, p, 6)
+        Runtime(model, store=alone).prefill(p[:-1], checkpoints=h.engine._checkpoints(req))
+        assert {(e.key, e.kind, e.tokens) for e in alone.entries() if e.kind != "node"} <= {
+            (e.key, e.kind, e.tokens) for e in served.entries()}

@@ -301,7 +301,7 @@ class Engine:
         if self._prefilled or not len(batch):
             return
         self._prefilled = True
-        ids = batch.batch.ids
+        ids = batch.ids
         sessions = [self._joining[rid] for rid in ids]
         budget = min(self.prefill_step, self.prefill_chunk * len(ids)) if len(self.decoder) else self.prefill_step
         tic = time.perf_counter()

@@ -53,11 +53,11 @@ def carry_head(before, after, hidden: Hidden, ids: list) -> None:
     if seg is None or seg.stale or not hidden.parts or after.offset != len(ids):
         return
     states = hidden.states(len(ids))
-    start = seg.offset
-    if states is None or start + states.hidden.shape[0] != len(ids):
+    start = seg.offset  # past the resume where the row was fed alone first (batch/prefill.py's lone row)
+    if states is None or not start < len(ids) or start + states.hidden.shape[0] < len(ids):
         return
     carried = seg.clone()
-    carried.extend(states.hidden[None], ids[start:])
+    carried.extend(states.hidden[None, start - len(ids):], ids[start:])
     after.attach(carried)
 
 

@@ -184,8 +184,8 @@ class Session:
         plan = self.plan
         self.fed, plan.seconds = fed, plan.seconds + seconds
         if stop is not None:
-            if stop.position == len(plan.ids):  # the head's segment goes on with it (and its checkpoint)
-                carry_head(self.runtime, stop.runtime, self.hidden, plan.ids)
+            if stop.position == len(plan.ids) and stop.runtime is not self.runtime:  # fed elsewhere: the
+                carry_head(self.runtime, stop.runtime, self.hidden, plan.ids)  # head's segment goes on with it
             plan.reached(stop.runtime, stop.position, stop.logits)
             if not plan.left:
                 self.runtime, self.in_batch = stop.runtime, False
