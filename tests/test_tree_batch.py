@@ -23,10 +23,13 @@ from segcache.errors import BranchError, UnsupportedOperationError
 from segcache.layers.protocol import PAGES
 from segcache.layers.tree import Tree
 from segcache.testing.statemachine import assert_logits_close
+from test_batch_decode import PROMPTS
 from test_generate_sampling import Biased
+from test_mtp_batched import _run_batched
+from test_mtp_decode import fitted, reference
 from test_tree_generate import _prompt
 
-PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8], [2, 7, 1, 8], []]  # the last row joins empty
+ROWS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8], [2, 7, 1, 8], []]  # the last row joins empty
 TREES = [([7, 8, 9, 10, 11, 12], [-1, 0, 0, 1, 3, 2]), ([5, 6], [-1, 0]), ([9, 4, 4, 2], [-1, 0, 1, 1])]
 CASES = {"llama": "auto", "qwen3_next": "states", "qwen3_5": "replay", "gemma3_text": "auto"}  # gemma3: window 8
 
@@ -34,7 +37,7 @@ CASES = {"llama": "auto", "qwen3_next": "states", "qwen3_5": "replay", "gemma3_t
 def _batch(family):
     model = tiny(family)
     br = BatchRuntime(model, recurrent_strategy=CASES[family])
-    for i, prompt in enumerate(PROMPTS):
+    for i, prompt in enumerate(ROWS):
         rt = None
         if prompt:
             rt = Runtime(model, recurrent_strategy=CASES[family])
@@ -70,7 +73,7 @@ def test_each_rows_path_commits_as_the_chain_forward_of_it(family):
         tree = Tree(parents)
         for leaf in sorted(set(range(tree.size)) - set(parents)):
             nodes = tree.path(leaf)
-            want = _alone(model, family, PROMPTS[i]).forward([tokens[j] for j in nodes])
+            want = _alone(model, family, ROWS[i]).forward([tokens[j] for j in nodes])
             assert_logits_close(logits[i : i + 1, mx.array(nodes)], want, f"row {i}, the path to node {leaf}")
     with pytest.raises(BranchError):  # not a root path: nothing changes
         br.keep_paths([[0, 2, 4], [1], [0]])
@@ -82,7 +85,7 @@ def test_each_rows_path_commits_as_the_chain_forward_of_it(family):
     probe = [[1], [2], [3]]
     after = br.forward(probe)
     for i, (tokens, _) in enumerate(TREES):
-        held = PROMPTS[i] + [tokens[j] for j in paths[i][: keep[i]]]
+        held = ROWS[i] + [tokens[j] for j in paths[i][: keep[i]]]
         assert br.tokens(i) == held + probe[i]
         ref = _alone(model, family, held)
         assert_logits_close(after[i : i + 1, :1], ref.forward(probe[i]), f"row {i} after keeping {keep[i]}")
@@ -98,7 +101,7 @@ def test_a_kept_path_is_the_state_of_its_chain_and_a_rejected_tree_a_rollback(fa
     br.commit([len(p) for p in paths])
     br.check()
     for i, (tokens, _) in enumerate(TREES):
-        held = PROMPTS[i] + [tokens[j] for j in paths[i]]
+        held = ROWS[i] + [tokens[j] for j in paths[i]]
         got, want = br.to_runtime(i), _alone(model, family, held)
         assert got.tokens == want.tokens
         if family == "gemma3_text":  # a ring's layout follows how its tokens came: the forward after shows it
@@ -108,12 +111,12 @@ def test_a_kept_path_is_the_state_of_its_chain_and_a_rejected_tree_a_rollback(fa
             assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item(), f"row {i}: committed state after path {paths[i]}"
     # a rejected tree leaves exactly the bits of the batch before the fork
     model, before = _batch(family)
-    states = [_state(before.to_runtime(i)) for i in range(len(PROMPTS))]
+    states = [_state(before.to_runtime(i)) for i in range(len(ROWS))]
     before.fork()
     before.forward_trees([t for t, _ in TREES], [p for _, p in TREES])
     before.keep_paths([[], [], []])
     before.commit([0, 0, 0])
-    for i in range(len(PROMPTS)):
+    for i in range(len(ROWS)):
         for a, b in zip(_state(before.to_runtime(i)), states[i], strict=True):
             assert mx.array_equal(a, b).item(), f"row {i}: a rejected tree changed its state"
 
@@ -215,3 +218,31 @@ def test_rows_of_a_model_without_tree_layers_verify_chains():
         while not decoder.rows[0].finished:
             got += [t for t, _, _ in decoder.step()[0]]
     assert got == _plain(model, prompt, 24)
+
+
+@pytest.mark.parametrize("one_row", [True, False])
+def test_mtp_trees_are_plain_greedy_one_row_and_batched_with_late_joins(one_row):
+    """The MTP head's trees (its next likeliest tokens at each depth beside its chain): plain
+    greedy's tokens; the head's rows keep the target states of each kept path (check())."""
+    model, head = fitted("qwen3_5")
+    want = {i: reference(model, p, 16) for i, p in enumerate(PROMPTS)}
+    off_chain = []
+    target = Runtime if one_row else BatchRuntime
+    keep = target.keep_path if one_row else target.keep_paths
+
+    def spy(rt, paths):
+        off_chain.extend(p for p in ([paths] if one_row else paths) if p != list(range(len(p))))
+        return keep(rt, paths)
+
+    def decoder():
+        return make_decoder(model, num_draft_tokens=3, mtp=head, gate=False, adaptive=False, draft_tree=8,
+                            one_row=one_row)
+
+    with mock.patch.object(target, "keep_path" if one_row else "keep_paths", spy):
+        if one_row:
+            got = {i: _run_batched(decoder(), model, [p], late=(), n=16)[0][0] for i, p in enumerate(PROMPTS[:3])}
+            want = {i: want[i] for i in got}
+        else:
+            got, _ = _run_batched(decoder(), model, PROMPTS, late=(1, 3), n=16)
+    assert got == want
+    assert off_chain, "no accepted path left the head's chain"

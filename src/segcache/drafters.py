@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from .acceptors import GreedyMatch
 from .batch.decoder import BatchDecoder
-from .batch.drafting import Draft, Drafter, each_row, no_draft
+from .batch.drafting import TOP, Draft, Drafter, each_row, no_draft, tree_of_leaves
 from .batch.rows import OneRow
 from .batch.runtime import BatchRuntime
 from .errors import InvariantError
@@ -188,7 +188,6 @@ class DraftModel:
         kept = [0] * len(states)
         chain, qs, tops = [], [[] for _ in states], []
         branching = self.tree > 0 and greedy
-        TOP = 4  # alternatives per position a tree may take
         processed = any(s.processors is not None for s in states)
         for j in range(J):
             raw = self.rows.forward(step)[:, -1]  # [B, V]
@@ -232,7 +231,7 @@ class DraftModel:
         tokens = mx.stack(chain, axis=1)  # [B, J']
         if branching:
             mx.eval(tokens, tops)
-            trees = [_leaves(tokens[i, : kept[i]].tolist(), [(o[i], lp[i]) for o, lp in tops], self.tree)
+            trees = [tree_of_leaves(tokens[i, : kept[i]].tolist(), [(o[i], lp[i]) for o, lp in tops], self.tree)
                      if kept[i] else None for i in range(len(states))]
             return Draft(tokens, kept, [None] * len(states), trees)
         mx.async_eval(tokens)  # start on the drafts not read yet while the verify graph is built
@@ -312,23 +311,6 @@ def _agree(kept: list, proposals: list) -> int:
     return n
 
 
-def _leaves(chain: list[int], tops: list, budget: int) -> tuple[list[int], list[int]]:
-    """A tree of the `chain` and, up to `budget` nodes in all, leaves beside its tokens: at position
-    j the draft's next likeliest tokens (`tops[j]`: tokens, logprobs), best first by the draft's
-    probability of the chain reaching j and then taking the leaf."""
-    mx.eval(tops)
-    reach, scored = 0.0, []  # reach: the draft's logprob of the chain up to position j
-    for j, (order, logp) in enumerate(tops[: len(chain)]):
-        ranked = dict(zip(order.tolist(), logp.tolist()))
-        scored += [(reach + lp, j, tok) for tok, lp in ranked.items() if tok != chain[j]]
-        reach += ranked.get(chain[j], float("-inf"))
-    tokens, parents = list(chain), list(range(len(chain)))
-    for _, j, tok in sorted(scored, reverse=True)[: max(0, budget - len(chain))]:
-        tokens.append(tok)
-        parents.append(j)  # node j: the chain's token before position j (0: the pending one)
-    return tokens, parents
-
-
 def make_drafter(model, *, draft_model=None, mtp=None, prompt_lookup: bool = False, draft_min_prob: float = 0.0,
                  prefill_step: int = 2048, one_row: bool = False, recurrent_strategy: str = "auto",
                  draft_tree: int = 0) -> Drafter | None:
@@ -345,20 +327,17 @@ def make_drafter(model, *, draft_model=None, mtp=None, prompt_lookup: bool = Fal
             model gives less than this (that draft is still verified).
         prefill_step: tokens per forward when a joining row's draft state is brought up to
             the target's tokens.
-        draft_tree: with prompt lookup or a draft model, draft nodes per round of each row's
+        draft_tree: with prompt lookup, a draft model or the MTP head, draft nodes per round of each row's
             tree (docs/tree.md); 0: chains only.
 
     Raises:
         ValueError: two drafters asked for, a `draft_min_prob` outside [0, 1], a head of
-            another model, or `draft_tree` with a drafter that proposes chains only.
+            another model, or `draft_tree` without a drafter.
     """
     if draft_model is not None and mtp is not None:
         raise ValueError("choose one drafter: a draft model or the MTP head, not both")
     if draft_tree and not (prompt_lookup or draft_model is not None or mtp is not None):
         raise ValueError(f"draft_tree={draft_tree} without a drafter: a tree is of prompt lookup's drafts")
-    if draft_tree and mtp is not None:
-        raise ValueError(f"draft_tree={draft_tree}: the MTP head proposes chains only so far "
-                         "(docs/tree.md); use prompt lookup or a draft model, or draft_tree=0")
     if not 0.0 <= draft_min_prob <= 1.0:
         raise ValueError(f"draft_min_prob must be a probability in [0, 1], got {draft_min_prob}")
     if draft_model is not None:
@@ -367,7 +346,7 @@ def make_drafter(model, *, draft_model=None, mtp=None, prompt_lookup: bool = Fal
     if mtp is not None:
         if mtp.model is not model:
             raise ValueError("the MTP head is bound to another model than this decoder's target")
-        return MTP(mtp, prefill_step=prefill_step)
+        return MTP(mtp, prefill_step=prefill_step, tree=draft_tree)
     return Lookup(tree=draft_tree) if prompt_lookup else None
 
 
