@@ -1,7 +1,8 @@
-"""Tree speculation vs chains (issue 31, docs/tree.md): prompt lookup and a draft model, one row, held-out code.
+"""Tree speculation vs chains (issue 31, docs/tree.md): prompt lookup, a draft model and the MTP head, one row, held-out code.
 
-On the shipped hybrid demo target (Gated DeltaNet + attention) and its draft,
-for held-out code prompts (mlx-lm's sources, outside the training corpus):
+On the shipped hybrid demo target (Gated DeltaNet + attention), its draft and
+its MTP head, for held-out code prompts (mlx-lm's sources, outside the training
+corpus):
 
   * verify cost: a forward of N positions (a chain, and a tree of N nodes) in a
     branch, in one-token forwards (c(N) = time(N) / time(1)), fastest samples;
@@ -11,10 +12,15 @@ for held-out code prompts (mlx-lm's sources, outside the training corpus):
     width, the tree's depth): one untimed pass (the figure is deterministic),
     every output checked token for token against plain greedy;
   * end-to-end decode tok/s of plain greedy, each drafter's chain and its best
-    tree (most tokens per round), ungated and gated, timed interleaved in one run.
+    tree (most tokens per round), ungated and gated (the cost gate choosing
+    the width, the tree gate choosing trees or chains: batch/tree_gate.py),
+    timed interleaved in one run; per prompt, gated tree against gated chain;
+  * the cost model: per drafter, the best tree's tokens per round and seconds
+    per round against its chain's (ungated), so end to end = tokens ratio /
+    seconds ratio, and the tokens-per-round gain a 1.15x needs at that cost.
 
     python bench/tree.py [--quick] [--repeats N] [--max-tokens N] [--prompts N]
-                         [--num-draft-tokens K] [--nodes 4,8,12,16]
+                         [--num-draft-tokens K] [--nodes 4,8,12,16] [--drafters lookup,draft,mtp]
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import segcache  # noqa: E402
 from segcache import Runtime  # noqa: E402
 from segcache.drafters import make_decoder  # noqa: E402
 from segcache.lookup import PromptLookup  # noqa: E402
+from segcache.mtp import load_head  # noqa: E402
 
 MODELS_DIR = Path(segcache.__file__).resolve().parent / "models"
 
@@ -51,7 +58,7 @@ def heldout_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
 
 
 def decode(model, prompt: list[int], max_tokens: int, *, k: int = 0, nodes: int = 0, gate: bool = False,
-           draft=None):
+           draft=None, mtp=None):
     """One generation on the decoder, timed from after the prefill(s): (tokens, rounds, seconds)."""
     rt = Runtime(model)
     rt.forward(prompt[:-1])
@@ -61,7 +68,8 @@ def decode(model, prompt: list[int], max_tokens: int, *, k: int = 0, nodes: int 
         drt = Runtime(draft)
         drt.forward(prompt[:-1])
         mx.eval([layer.state for layer in drt.cache])
-    decoder = make_decoder(model, num_draft_tokens=k, draft_model=draft, draft_tree=nodes, one_row=True, gate=gate)
+    decoder = make_decoder(model, num_draft_tokens=k, draft_model=draft, mtp=mtp if k else None, draft_tree=nodes,
+                           one_row=True, gate=gate)
     decoder.add(0, rt, prompt[-1], max_tokens=max_tokens, draft_runtime=drt)
     out = []
     tic = time.perf_counter()
@@ -109,6 +117,7 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=400)
     parser.add_argument("--num-draft-tokens", type=int, default=4, help="the chain's (and the trees' depth) K")
     parser.add_argument("--nodes", default="4,8,12,16", help="tree budgets (draft nodes per round)")
+    parser.add_argument("--drafters", default="lookup,draft,mtp", help="of lookup, draft (the draft model), mtp")
     args = parser.parse_args()
     repeats = args.repeats or (2 if args.quick else 3)
     max_tokens = args.max_tokens or (48 if args.quick else 128)
@@ -118,8 +127,9 @@ def main() -> int:
 
     model, tokenizer = mlx_lm.load(str(MODELS_DIR / "target"))
     draft, _ = mlx_lm.load(str(MODELS_DIR / "draft"))
+    head = load_head(model, MODELS_DIR / "target")
     params = lambda m: sum(v.size for _, v in tree_flatten(m.parameters()))  # noqa: E731
-    header("tree speculation: chains vs trees, prompt lookup and a draft model, one row, held-out code",
+    header("tree speculation: chains vs trees, prompt lookup, a draft model and the MTP head, one row, held-out code",
            [("target", {"family": "qwen3_5 (demo)"}, params(model)),
             ("draft", {"family": "llama (demo)"}, params(draft))])
     prompts = heldout_prompts(tokenizer, count, args.prompt_tokens)
@@ -127,15 +137,17 @@ def main() -> int:
           "(+1 warm-up); medians; the machine is shared (2 cores), ratios are paired per round\n")
 
     costs = verify_costs(model, prompts[0], sorted({1, 2, 4, 5, 8, 9, 12, 13, 16, 17}), max(5, repeats * 3))
-    print(table([[str(n), f"{c:.2f}", f"{t:.2f}"] for n, (c, t) in costs.items()],
-                ["N positions", "c(N) chain", "c(N) tree"]))
+    print(table([[str(n), f"{c:.2f}", f"{t:.2f}", f"{t / c:.2f}"] for n, (c, t) in costs.items()],
+                ["N positions", "c(N) chain", "c(N) tree", "tree / chain"]))
     print()
 
-    drafters = {"lookup": {}, "draft model": {"draft": draft}}
+    every = {"lookup": {}, "draft model": {"draft": draft}, "mtp": {"mtp": head}}
+    short = {"lookup": "lookup", "draft": "draft model", "mtp": "mtp"}
+    drafters = {short[d]: every[short[d]] for d in args.drafters.split(",")}
     expected = [decode(model, p, max_tokens)[0] for p in prompts]
     n = sum(len(e) for e in expected)
     per_round, identical, best = {}, {}, {}
-    for drafter, extra in drafters.items():  # untimed: tokens per round is deterministic
+    for drafter, extra in drafters.items():  # untimed: tokens per round is deterministic ungated
         for gate in (False, True):
             g = " gated" if gate else ""
             for b in [0] + budgets:
@@ -143,8 +155,8 @@ def main() -> int:
                 outs = [decode(model, p, max_tokens, k=k, nodes=b, gate=gate, **extra) for p in prompts]
                 per_round[name] = n / sum(r for _, r, _ in outs)
                 identical[name] = [o for o, _, _ in outs] == expected
-            trees = [f"{drafter} tree {b}{g}" for b in budgets]
-            best[(drafter, gate)] = max(trees, key=lambda t: per_round[t])
+        trees = [f"{drafter} tree {b}" for b in budgets]
+        best[drafter] = int(max(trees, key=lambda t: per_round[t]).split()[-1])
         print(f"{drafter}: tokens per round done", flush=True)
     rows = []
     for drafter in drafters:
@@ -157,36 +169,62 @@ def main() -> int:
                              "yes" if identical[name] else "NO"])
     print()
     print(table(rows, ["side", "tokens/round", "vs its chain", "identical"]))
+    print("(gated: the width the cost gate chose and, for trees, the tree gate's choice of trees or chains "
+          "each round, both from this run's wall-clock-free CPU times)")
 
     sides = {"plain": dict()}
-    for drafter, extra in drafters.items():
+    for drafter, extra in drafters.items():  # the best tree (most tokens per round ungated), ungated and gated
         for gate in (False, True):
             g = " gated" if gate else ""
             sides[f"{drafter} chain{g}"] = dict(k=k, gate=gate, **extra)
-            tree = best[(drafter, gate)]
-            sides[tree] = dict(k=k, nodes=int(tree.split()[-2 if gate else -1]), gate=gate, **extra)
+            sides[f"{drafter} tree {best[drafter]}{g}"] = dict(k=k, nodes=best[drafter], gate=gate, **extra)
     times = {name: Stats() for name in sides}
+    rounds = {name: 0 for name in sides}
+    per_prompt = {name: [Stats() for _ in prompts] for name in sides}
     for r in range(repeats + 1):
         for name in rotated(list(sides), r):
             total = 0.0
-            for p, want in zip(prompts, expected):
-                out, _, seconds = decode(model, p, max_tokens, **sides[name])
+            for j, (p, want) in enumerate(zip(prompts, expected)):
+                out, used, seconds = decode(model, p, max_tokens, **sides[name])
                 total += seconds
                 identical[name] = identical.get(name, True) and out == want
+                if r:
+                    per_prompt[name][j].samples.append(seconds)
+                    rounds[name] += used
             if r:
                 times[name].samples.append(total)
         print(f"timed round {r} done", flush=True)
+
+    def chain_of(name):
+        return name.split(" tree ")[0] + " chain" + (" gated" if name.endswith("gated") else "")
+
     rows = []
     for name in sides:
-        base = next((c for c in sides if c.endswith("gated") == name.endswith("gated") and " chain" in c
-                     and name.startswith(c.split(" chain")[0])), name)
+        base = chain_of(name) if " tree " in name else None
+        worst = ""
+        if base is not None:
+            worst = f"{min(paired_ratio(per_prompt[base][j], per_prompt[name][j]).median for j in range(count)):.3f}"
         rows.append([name, f"{n / times[name].median:.1f}", fmt_ratio(paired_ratio(times["plain"], times[name])),
-                     "" if name == "plain" or base == name else fmt_ratio(paired_ratio(times[base], times[name])),
+                     "" if base is None else fmt_ratio(paired_ratio(times[base], times[name])), worst,
                      "yes" if identical[name] else "NO"])
     print()
-    print(table(rows, ["side", "tok/s", "vs plain", "vs its chain", "identical"]))
+    print(table(rows, ["side", "tok/s", "vs plain", "vs its chain", "worst prompt vs chain", "identical"]))
     print("\ntok/s: generated tokens / decode seconds (after the prefill) over all prompts; vs = paired "
-          "time ratio (>1: faster), median [min-max]")
+          "time ratio (>1: faster), median [min-max]; worst prompt: the lowest per-prompt median ratio")
+
+    rows = []  # the cost model: end to end = (tokens per round ratio) / (seconds per round ratio)
+    for drafter in drafters:
+        chain, tree = f"{drafter} chain", f"{drafter} tree {best[drafter]}"
+        spr = lambda s: times[s].median * repeats / rounds[s]  # noqa: E731  seconds per round (median run)
+        tokens_ratio = per_round[tree] / per_round[chain]
+        seconds_ratio = spr(tree) / spr(chain)
+        rows.append([drafter, f"{best[drafter]}", f"{per_round[chain]:.2f}", f"{per_round[tree]:.2f}",
+                     f"{tokens_ratio:.2f}x", f"{seconds_ratio:.2f}x", f"{tokens_ratio / seconds_ratio:.2f}x",
+                     f"{1.15 * seconds_ratio:.2f}x"])
+    print()
+    print(table(rows, ["drafter", "tree", "chain tok/round", "tree tok/round", "tokens ratio", "s/round ratio",
+                       "model e2e", "tokens ratio for 1.15x"]))
+    print("(ungated; s/round: decode seconds / rounds of the timed runs; model e2e = tokens ratio / s/round ratio)")
     print(f"load avg after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0 if all(identical.values()) else 1
 

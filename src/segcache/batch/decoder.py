@@ -165,11 +165,12 @@ class BatchDecoder:
         self.policy = DraftPolicy(num_draft_tokens, gate=self.gate,
                                   min_prob=drafter.min_prob if drafter is not None else 0.0, adaptive=adaptive)
         self.width = num_draft_tokens
-        # A gated decoder whose drafter proposes trees measures trees against chains (tree_gate.py)
-        # and sets the drafter's budget each speculative round; (budget, tokens emitted) of the
-        # last such round, recorded with its cost.
+        # A gated decoder whose drafter proposes trees measures trees against chains (tree_gate.py:
+        # the model's gate for this drafter and shape, kept for the process) and sets the drafter's
+        # budget each speculative round; (budget, tokens emitted) of the last such round, recorded
+        # with its cost.
         budget = getattr(drafter, "tree", 0)  # the drafters that propose trees take a budget
-        self.trees = TreeGate(budget) if self.gate is not None and budget else None
+        self.trees = TreeGate.of(model, (drafter.mode, one_row), budget) if self.gate is not None and budget else None
         self._tree_round: tuple | None = None
         self.rows: dict[Hashable, RowState] = {}
         self.pipeline = pipeline and not num_draft_tokens

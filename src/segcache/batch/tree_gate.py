@@ -14,11 +14,22 @@ shape runs one round in every `probe`, so a machine whose load changes is
 followed. Seconds are the cost gate's clock (CPU time where MLX computes on the
 CPU). The gate sets the drafter's budget for the next round; what a row emits
 is the same either way (batch/tree.py).
+
+What a gate measured outlives its decoder: `TreeGate.of(model, key)` is one
+gate per model (held weakly) and key (the drafter's mode, the budget, one row or
+a batch), so a process that generates many times (`stream_generate` per call, a
+server's decoder) pays the trial rounds once, not once per generation. Only
+speed depends on it, never a token.
 """
 
 from __future__ import annotations
 
+import weakref
+
 from ..errors import InvariantError
+
+# model -> {key: TreeGate}: what each model's tree gates measured, for the process (see above)
+_GATES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class TreeGate:
@@ -35,7 +46,15 @@ class TreeGate:
     seconds[b] > 0 where rounds[b] > 0.
     """
 
-    def __init__(self, budget: int, *, trial: int = 2, probe: int = 32, decay: float = 0.8, margin: float = 0.03):
+    @classmethod
+    def of(cls, model, key: tuple, budget: int) -> "TreeGate":
+        """The process's tree gate of `model` for `key` (a new one the first time)."""
+        gates = _GATES.setdefault(model, {})
+        if (key, budget) not in gates:
+            gates[key, budget] = cls(budget)
+        return gates[key, budget]
+
+    def __init__(self, budget: int, *, trial: int = 2, probe: int = 64, decay: float = 0.8, margin: float = 0.03):
         if budget < 1:
             raise ValueError(f"a tree gate needs a budget >= 1, got {budget}")
         self.budget, self.trial, self.probe, self.decay, self.margin = budget, trial, probe, decay, margin
