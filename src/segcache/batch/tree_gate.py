@@ -24,12 +24,11 @@ speed depends on it, never a token.
 
 from __future__ import annotations
 
-import weakref
-
 from ..errors import InvariantError
 
-# model -> {key: TreeGate}: what each model's tree gates measured, for the process (see above)
-_GATES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# A model's tree gates, {(key, budget): TreeGate}: a plain attribute of the model (an nn.Module is a
+# dict, unhashable; a plain attribute leaves its module tree unchanged and goes with it)
+_GATES = "_segcache_tree_gates"
 
 
 class TreeGate:
@@ -49,7 +48,10 @@ class TreeGate:
     @classmethod
     def of(cls, model, key: tuple, budget: int) -> "TreeGate":
         """The process's tree gate of `model` for `key` (a new one the first time)."""
-        gates = _GATES.setdefault(model, {})
+        gates = vars(model).get(_GATES)
+        if gates is None:
+            gates = {}
+            object.__setattr__(model, _GATES, gates)
         if (key, budget) not in gates:
             gates[key, budget] = cls(budget)
         return gates[key, budget]
