@@ -5,7 +5,8 @@ its MTP head, for held-out code prompts (mlx-lm's sources, outside the training
 corpus):
 
   * verify cost: a forward of N positions (a chain, and a tree of N nodes) in a
-    branch, in one-token forwards (c(N) = time(N) / time(1)), fastest samples;
+    branch, in one-token forwards (c(N) = time(N) / time(1)), medians of ratios
+    to a one-token forward timed next to each sample;
   * tokens per round of chains and of trees of 4, 8, 12, 16 draft nodes, per
     drafter, ungated (every round drafts, the width adapting as
     `stream_generate`'s) and gated (the decoder's cost gate choosing the
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -42,7 +44,6 @@ from mlx.utils import tree_flatten  # noqa: E402
 import segcache  # noqa: E402
 from segcache import Runtime  # noqa: E402
 from segcache.drafters import make_decoder  # noqa: E402
-from segcache.lookup import PromptLookup  # noqa: E402
 from segcache.mtp import load_head  # noqa: E402
 
 MODELS_DIR = Path(segcache.__file__).resolve().parent / "models"
@@ -80,32 +81,37 @@ def decode(model, prompt: list[int], max_tokens: int, *, k: int = 0, nodes: int 
 
 
 def verify_costs(model, prompt: list[int], sizes: list[int], repeats: int) -> dict:
-    """{N: (chain c(N), tree c(N))}: forwards of N positions in a branch, in one-token forwards."""
+    """{N: (chain c(N), tree c(N))}: forwards of N positions in a branch, in one-token forwards:
+    each sample timed next to a one-token forward (round robin over the shapes), the median of
+    those paired ratios (a loaded machine moves both alike)."""
     rt = Runtime(model)
     rt.forward(prompt)
     mx.eval([layer.state for layer in rt.cache])
-    lookup = PromptLookup()
-    lookup.extend(prompt)
     rng = random.Random(0)
 
     def timed_forward(tokens, parents=None):
-        samples = []
-        for _ in range(repeats + 1):
-            branch = rt.fork()
-            tic = time.perf_counter()
-            out = rt.forward(tokens) if parents is None else rt.forward_tree(tokens, parents)
-            mx.eval(out, [layer.state for layer in rt.cache])
-            samples.append(time.perf_counter() - tic)
-            branch.rollback()
-        return Stats(samples[1:]).lo  # load from other processes only adds time: the fastest is the cost
+        branch = rt.fork()
+        tic = time.perf_counter()
+        out = rt.forward(tokens) if parents is None else rt.forward_tree(tokens, parents)
+        mx.eval(out, [layer.state for layer in rt.cache])
+        seconds = time.perf_counter() - tic
+        branch.rollback()
+        return seconds
 
-    one = timed_forward(prompt[-1:])
-    out = {}
+    shapes = {}
     for n in sizes:
         tokens = [rng.randrange(64) for _ in range(n)]
         parents = [-1] + [rng.randrange(max(0, i - 3), i) for i in range(1, n)]  # bushy, a few deep
-        out[n] = (timed_forward(tokens) / one, timed_forward(tokens, parents) / one if n > 1 else 1.0)
-    return out
+        shapes[n] = (tokens, parents)
+    ratios = {(n, kind): [] for n in sizes for kind in ("chain", "tree")}
+    for r in range(repeats + 1):
+        for n, (tokens, parents) in shapes.items():
+            for kind in ("chain", "tree"):
+                one = timed_forward(prompt[-1:])
+                t = timed_forward(tokens, parents if kind == "tree" and n > 1 else None)
+                if r:
+                    ratios[n, kind].append(t / one)
+    return {n: (statistics.median(ratios[n, "chain"]), statistics.median(ratios[n, "tree"])) for n in sizes}
 
 
 def main() -> int:
