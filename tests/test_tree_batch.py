@@ -12,17 +12,22 @@ import segcache  # noqa: F401
 from unittest import mock
 
 import mlx.core as mx
+import mlx_lm
 import pytest
 
 from conftest import tiny
 from segcache import Runtime
 from segcache.batch import BatchRuntime
+from segcache.batch.gate import Gate
 from segcache.batch.tree_gate import TreeGate
 from segcache.drafters import make_decoder
 from segcache.errors import BranchError, UnsupportedOperationError
 from segcache.layers.protocol import PAGES
 from segcache.layers.tree import Tree
+from segcache.serve.engine import Chunk, Engine, GenRequest
+from segcache.serve.worker import Job, Scheduler
 from segcache.testing.statemachine import assert_logits_close
+from serve_util import TARGET
 from test_batch_decode import PROMPTS
 from test_generate_sampling import Biased
 from test_mtp_batched import _run_batched
@@ -246,3 +251,35 @@ def test_mtp_trees_are_plain_greedy_one_row_and_batched_with_late_joins(one_row)
             got, _ = _run_batched(decoder(), model, PROMPTS, late=(1, 3), n=16)
     assert got == want
     assert off_chain, "no accepted path left the head's chain"
+
+
+def test_the_servers_engine_decodes_batched_trees_with_late_joins_as_plain_greedy(monkeypatch):
+    """`segcache serve --prompt-lookup --draft-tree 8` at --decode-concurrency 4 (the engine through its
+    scheduler, requests arriving while others decode), every step drafting and every round a tree:
+    each request's text is mlx-lm's greedy text."""
+    model, tok = mlx_lm.load(str(TARGET))
+    monkeypatch.setattr(Gate, "choose", lambda self, avail, rows: max(avail))  # every step drafts
+    monkeypatch.setattr(TreeGate, "choose", lambda self: self.budget)  # every round a tree
+    text = open(TARGET.parent / "heldout_stdlib.txt").read()
+    prompts = [tok.encode(text[i : i + 300]) for i in (0, 900, 1800)]
+    want = [mlx_lm.generate(model, tok, prompt=p, max_tokens=24) for p in prompts]
+    engine = Engine(model, tok, decode_concurrency=4, prompt_lookup=True, draft_tree=8)
+    sched = Scheduler(engine, max_queue=4, max_running=4, begin_step=engine.begin_step)
+    events = [[] for _ in prompts]
+    rows_per_tree = []
+    keep_paths = BatchRuntime.keep_paths
+
+    def spy(br, paths):
+        rows_per_tree.append(len(paths))
+        return keep_paths(br, paths)
+
+    with mock.patch.object(BatchRuntime, "keep_paths", spy):
+        for step in range(2000):
+            if step in (0, 3, 6):
+                i = (0, 3, 6).index(step)
+                sched.submit(Job(GenRequest(f"r{i}", prompts[i], 24), events[i].append))
+            if not sched.step() and step > 6:
+                break
+    got = ["".join(e.text for e in ev if isinstance(e, Chunk)) for ev in events]
+    assert got == want
+    assert max(rows_per_tree, default=0) > 1, "no tree round verified several rows"
