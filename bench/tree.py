@@ -60,7 +60,7 @@ def heldout_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
 
 def decode(model, prompt: list[int], max_tokens: int, *, k: int = 0, nodes: int = 0, gate: bool = False,
            draft=None, mtp=None):
-    """One generation on the decoder, timed from after the prefill(s): (tokens, rounds, seconds)."""
+    """One generation on the decoder, timed from after the prefill(s): (tokens, rounds, seconds, CPU seconds)."""
     rt = Runtime(model)
     rt.forward(prompt[:-1])
     mx.eval([layer.state for layer in rt.cache])
@@ -73,11 +73,11 @@ def decode(model, prompt: list[int], max_tokens: int, *, k: int = 0, nodes: int 
                            one_row=True, gate=gate)
     decoder.add(0, rt, prompt[-1], max_tokens=max_tokens, draft_runtime=drt)
     out = []
-    tic = time.perf_counter()
+    tic, cpu = time.perf_counter(), time.process_time()
     while not decoder.rows[0].finished:
         out += [t for t, _, _ in decoder.step()[0]]
-    seconds = time.perf_counter() - tic
-    return out, decoder.rows[0].stats.rounds, seconds
+    seconds, cpu = time.perf_counter() - tic, time.process_time() - cpu
+    return out, decoder.rows[0].stats.rounds, seconds, cpu
 
 
 def verify_costs(model, prompt: list[int], sizes: list[int], repeats: int) -> dict:
@@ -159,8 +159,8 @@ def main() -> int:
             for b in [0] + budgets:
                 name = f"{drafter} {'chain' if not b else f'tree {b}'}{g}"
                 outs = [decode(model, p, max_tokens, k=k, nodes=b, gate=gate, **extra) for p in prompts]
-                per_round[name] = n / sum(r for _, r, _ in outs)
-                identical[name] = [o for o, _, _ in outs] == expected
+                per_round[name] = n / sum(r for _, r, _, _ in outs)
+                identical[name] = [o for o, _, _, _ in outs] == expected
         trees = [f"{drafter} tree {b}" for b in budgets]
         best[drafter] = int(max(trees, key=lambda t: per_round[t]).split()[-1])
         print(f"{drafter}: tokens per round done", flush=True)
@@ -176,7 +176,7 @@ def main() -> int:
     print()
     print(table(rows, ["side", "tokens/round", "vs its chain", "identical"]))
     print("(gated: the width the cost gate chose and, for trees, the tree gate's choice of trees or chains "
-          "each round, both from this run's wall-clock-free CPU times)")
+          "each round, both from CPU times measured in this run: the gate's clock; a gated round that drafts nothing counts as a round)")
 
     sides = {"plain": dict()}
     for drafter, extra in drafters.items():  # the best tree (most tokens per round ungated), ungated and gated
@@ -185,20 +185,23 @@ def main() -> int:
             sides[f"{drafter} chain{g}"] = dict(k=k, gate=gate, **extra)
             sides[f"{drafter} tree {best[drafter]}{g}"] = dict(k=k, nodes=best[drafter], gate=gate, **extra)
     times = {name: Stats() for name in sides}
+    cpus = {name: Stats() for name in sides}
     rounds = {name: 0 for name in sides}
-    per_prompt = {name: [Stats() for _ in prompts] for name in sides}
+    per_prompt = {name: [Stats() for _ in prompts] for name in sides}  # CPU seconds
     for r in range(repeats + 1):
         for name in rotated(list(sides), r):
-            total = 0.0
+            total = total_cpu = 0.0
             for j, (p, want) in enumerate(zip(prompts, expected)):
-                out, used, seconds = decode(model, p, max_tokens, **sides[name])
+                out, used, seconds, cpu = decode(model, p, max_tokens, **sides[name])
                 total += seconds
+                total_cpu += cpu
                 identical[name] = identical.get(name, True) and out == want
                 if r:
-                    per_prompt[name][j].samples.append(seconds)
+                    per_prompt[name][j].samples.append(cpu)
                     rounds[name] += used
             if r:
                 times[name].samples.append(total)
+                cpus[name].samples.append(total_cpu)
         print(f"timed round {r} done", flush=True)
 
     def chain_of(name):
@@ -211,17 +214,21 @@ def main() -> int:
         if base is not None:
             worst = f"{min(paired_ratio(per_prompt[base][j], per_prompt[name][j]).median for j in range(count)):.3f}"
         rows.append([name, f"{n / times[name].median:.1f}", fmt_ratio(paired_ratio(times["plain"], times[name])),
-                     "" if base is None else fmt_ratio(paired_ratio(times[base], times[name])), worst,
+                     "" if base is None else fmt_ratio(paired_ratio(times[base], times[name])),
+                     f"{n / cpus[name].median:.1f}", fmt_ratio(paired_ratio(cpus["plain"], cpus[name])),
+                     "" if base is None else fmt_ratio(paired_ratio(cpus[base], cpus[name])), worst,
                      "yes" if identical[name] else "NO"])
     print()
-    print(table(rows, ["side", "tok/s", "vs plain", "vs its chain", "worst prompt vs chain", "identical"]))
-    print("\ntok/s: generated tokens / decode seconds (after the prefill) over all prompts; vs = paired "
-          "time ratio (>1: faster), median [min-max]; worst prompt: the lowest per-prompt median ratio")
+    print(table(rows, ["side", "tok/s", "vs plain", "vs its chain", "tok/CPU s", "CPU vs plain", "CPU vs its chain",
+                       "worst prompt vs chain (CPU)", "identical"]))
+    print("\ntok/s: generated tokens / decode seconds (after the prefill) over all prompts; tok/CPU s: the same "
+          "over the process's CPU seconds (steadier on a loaded machine: other processes barely move it); vs = "
+          "paired ratio (>1: faster), median [min-max]; worst prompt: the lowest per-prompt median CPU ratio")
 
     rows = []  # the cost model: end to end = (tokens per round ratio) / (seconds per round ratio)
     for drafter in drafters:
         chain, tree = f"{drafter} chain", f"{drafter} tree {best[drafter]}"
-        spr = lambda s: times[s].median * repeats / rounds[s]  # noqa: E731  seconds per round (median run)
+        spr = lambda s: cpus[s].median * repeats / rounds[s]  # noqa: E731  CPU seconds per round (median run)
         tokens_ratio = per_round[tree] / per_round[chain]
         seconds_ratio = spr(tree) / spr(chain)
         rows.append([drafter, f"{best[drafter]}", f"{per_round[chain]:.2f}", f"{per_round[tree]:.2f}",
@@ -230,7 +237,7 @@ def main() -> int:
     print()
     print(table(rows, ["drafter", "tree", "chain tok/round", "tree tok/round", "tokens ratio", "s/round ratio",
                        "model e2e", "tokens ratio for 1.15x"]))
-    print("(ungated; s/round: decode seconds / rounds of the timed runs; model e2e = tokens ratio / s/round ratio)")
+    print("(ungated; s/round: decode CPU seconds / rounds of the timed runs; model e2e = tokens ratio / s/round ratio)")
     print(f"load avg after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0 if all(identical.values()) else 1
 
