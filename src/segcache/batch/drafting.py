@@ -125,6 +125,9 @@ class Drafter(Protocol):
             (a draft model, the MTP head; not prompt lookup, whose offer is the match of
             the token just emitted), so a gated decoder can choose the next step's width
             before that token is read and pipeline its plain steps.
+        tree: (optional: the drafters that propose trees) draft nodes per round of a row's
+            tree (`Draft.trees`; 0: chains); a gated decoder's tree gate sets it before each
+            speculative round (batch/tree_gate.py).
     """
 
     mode: str
