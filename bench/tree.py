@@ -58,6 +58,9 @@ def heldout_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
     return [tokenizer.encode("\n".join(lines[max(0, i - 120) : i + 1]))[-length:] for i in picks]
 
 
+SHAPES = [0, 0]  # speculative rounds the tree gates ran as chains and as trees (gated tree sides)
+
+
 def decode(model, prompt: list[int], max_tokens: int, *, k: int = 0, nodes: int = 0, gate: bool = False,
            draft=None, mtp=None):
     """One generation on the decoder, timed from after the prefill(s): (tokens, rounds, seconds, CPU seconds)."""
@@ -72,11 +75,16 @@ def decode(model, prompt: list[int], max_tokens: int, *, k: int = 0, nodes: int 
     decoder = make_decoder(model, num_draft_tokens=k, draft_model=draft, mtp=mtp if k else None, draft_tree=nodes,
                            one_row=True, gate=gate)
     decoder.add(0, rt, prompt[-1], max_tokens=max_tokens, draft_runtime=drt)
+    gate = decoder.trees  # the model's tree gate (kept for the process): its rounds of each shape, counted
+    before = dict(gate.rounds) if gate is not None else {}
     out = []
     tic, cpu = time.perf_counter(), time.process_time()
     while not decoder.rows[0].finished:
         out += [t for t, _, _ in decoder.step()[0]]
     seconds, cpu = time.perf_counter() - tic, time.process_time() - cpu
+    if gate is not None:
+        SHAPES[0] += gate.rounds[0] - before[0]
+        SHAPES[1] += gate.rounds[gate.budget] - before[gate.budget]
     return out, decoder.rows[0].stats.rounds, seconds, cpu
 
 
@@ -188,9 +196,11 @@ def main() -> int:
     cpus = {name: Stats() for name in sides}
     rounds = {name: 0 for name in sides}
     per_prompt = {name: [Stats() for _ in prompts] for name in sides}  # CPU seconds
+    shapes = {name: [0, 0] for name in sides}
     for r in range(repeats + 1):
         for name in rotated(list(sides), r):
             total = total_cpu = 0.0
+            SHAPES[:] = [0, 0]
             for j, (p, want) in enumerate(zip(prompts, expected)):
                 out, used, seconds, cpu = decode(model, p, max_tokens, **sides[name])
                 total += seconds
@@ -202,6 +212,7 @@ def main() -> int:
             if r:
                 times[name].samples.append(total)
                 cpus[name].samples.append(total_cpu)
+                shapes[name] = [a + b for a, b in zip(shapes[name], SHAPES)]
         print(f"timed round {r} done", flush=True)
 
     def chain_of(name):
@@ -221,6 +232,10 @@ def main() -> int:
     print()
     print(table(rows, ["side", "tok/s", "vs plain", "vs its chain", "tok/CPU s", "CPU vs plain", "CPU vs its chain",
                        "worst prompt vs chain (CPU)", "identical"]))
+    for name in sides:
+        if name.endswith("gated") and " tree " in name:
+            print(f"{name}: the tree gate ran {shapes[name][1]} tree rounds and {shapes[name][0]} chain rounds "
+                  "(the timed runs)")
     print("\ntok/s: generated tokens / decode seconds (after the prefill) over all prompts; tok/CPU s: the same "
           "over the process's CPU seconds (steadier on a loaded machine: other processes barely move it); vs = "
           "paired ratio (>1: faster), median [min-max]; worst prompt: the lowest per-prompt median CPU ratio")
