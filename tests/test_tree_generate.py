@@ -64,8 +64,6 @@ def test_generate_takes_draft_tree_and_refuses_it_without_lookup():
     with pytest.raises(ValueError, match="draft_tree"):
         generate(model, tok, prompt, draft_tree=4, max_tokens=4)
     with pytest.raises(ValueError, match="draft_tree"):
-        make_drafter(model, mtp=object(), draft_tree=4)
-    with pytest.raises(ValueError, match="draft_tree"):
         make_drafter(model, prompt_lookup=True, draft_tree=-1)
 
 

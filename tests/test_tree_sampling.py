@@ -2,8 +2,8 @@
 and seeded rows emit plain seeded decoding's tokens.
 
 Chi-square tests (helpers of tests/test_generate_sampling.py) of the tokens emitted against the
-target's own distribution, with power against the drafts' distribution, end to end through
-`stream_generate(prompt_lookup=True, draft_tree=N, sampler=Sampler(...))` and on the math alone.
+target's own distribution, with power against the drafts' distribution, through the decoder's
+tree round (prompt lookup's trees, the exact acceptor) and on the math alone.
 """
 
 import segcache  # noqa: F401
@@ -14,12 +14,33 @@ from unittest import mock
 import mlx.core as mx
 
 from segcache import Runtime
+from segcache.acceptors import ExactSpeculative
+from segcache.drafters import make_decoder
 from segcache.generation import stream_generate
 from segcache.lookup import PromptLookup
 from segcache.sampling import Sampler, tree_speculative_accept
 from test_generate import model, prompt_ids, tok
-from test_generate_sampling import RUNS, chi2, chi2_critical, dist, first_tokens
+from test_generate_sampling import RUNS, TEMP, chi2, chi2_critical, dist
 from test_tree_generate import _prompt
+
+
+def _first_tokens(target, prompt, runs, seed):
+    """The first token of `runs` sampled generations (temperature 1) on the decoder stream_generate
+    runs (a lone row, prompt lookup's trees of up to 8 nodes, 2 deep), each on a clone of one
+    prefill: (counts, how many came from a draft). The decoder itself, not stream_generate around
+    it, so a sample costs its round only (half the time; the same round, acceptor and draws)."""
+    rt = Runtime(target)
+    rt.forward(prompt[:-1])
+    decoder = make_decoder(target, num_draft_tokens=2, draft_tree=8, gate=False, one_row=True, adaptive=False)
+    mx.random.seed(seed)
+    counts, from_draft = {}, 0
+    for i in range(runs):
+        decoder.add(i, rt.clone(), prompt[-1], acceptor=ExactSpeculative(Sampler(TEMP)), max_tokens=4)
+        token, _, drafted = decoder.step()[i][0]
+        decoder.remove(i)
+        counts[token] = counts.get(token, 0) + 1
+        from_draft += drafted
+    return counts, from_draft
 
 
 def test_tree_sampling_matches_target_distribution():
@@ -44,7 +65,7 @@ def test_tree_sampling_matches_target_distribution():
         return forward_tree(rt, toks, pars)
 
     with mock.patch.object(Runtime, "forward_tree", spy):
-        counts, from_draft = first_tokens(prompt, RUNS, seed=3, prompt_lookup=True, draft_tree=8)
+        counts, from_draft = _first_tokens(target, prompt, RUNS, seed=3)
     assert len(trees) >= RUNS  # every first round verified a tree
     stat, df = chi2(counts, p, RUNS)
     assert df >= 5

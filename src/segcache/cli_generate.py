@@ -107,8 +107,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--num-draft-tokens", type=int, default=NUM_DRAFT_TOKENS,
                    help=f"drafts per round, at most (default {NUM_DRAFT_TOKENS}; mlx-lm's is 3)")
     p.add_argument("--draft-tree", type=int, default=0, metavar="N",
-                   help="with --prompt-lookup or --draft-model: verify up to N draft nodes per round as a tree "
-                        "(several matches; the draft's likeliest alternatives) (docs/tree.md; 0 = chains, the default)")
+                   help="with --prompt-lookup, --draft-model or --mtp: verify up to N draft nodes per round as a tree "
+                        "(several matches; the draft's or the head's likeliest alternatives) (docs/tree.md; 0 = chains, "
+                        "the default)")
     p.add_argument("--draft-min-prob", type=float, default=None,
                    help="with --draft-model: stop a round's drafting after a draft the draft model gives "
                         "less than this (default: stream_generate's; 0 = always draft --num-draft-tokens)")
@@ -124,8 +125,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--max-tokens must be non-zero (-1: until EOS)")
     if args.num_draft_tokens < 1:
         raise ValueError("--num-draft-tokens must be >= 1")
-    if args.draft_tree < 0 or (args.draft_tree and not (args.prompt_lookup or args.draft_model)):
-        raise ValueError("--draft-tree N takes N >= 0, and N > 0 only with --prompt-lookup or --draft-model "
+    if args.draft_tree < 0 or (args.draft_tree and not (args.prompt_lookup or args.draft_model or args.mtp)):
+        raise ValueError("--draft-tree N takes N >= 0, and N > 0 only with --prompt-lookup, --draft-model or --mtp "
                          "(docs/tree.md)")
     if args.prefill_step_size < 1:
         raise ValueError("--prefill-step-size must be >= 1")

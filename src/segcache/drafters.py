@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from .acceptors import GreedyMatch
 from .batch.decoder import BatchDecoder
-from .batch.drafting import Draft, Drafter, each_row, no_draft
+from .batch.drafting import TOP, Draft, Drafter, each_row, no_draft, tree_of_leaves
 from .batch.rows import OneRow
 from .batch.runtime import BatchRuntime
 from .errors import InvariantError
@@ -36,9 +36,10 @@ GAP_IN_FORK = 8
 class Lookup:
     """Prompt lookup: each row's drafts copied from the last earlier match of its history's suffix.
 
-    With `tree` > 0 a lone row also gets a tree of up to `tree` draft nodes, the
+    With `tree` > 0 every drafting row also gets a tree of up to `tree` draft nodes, the
     continuations of several earlier matches (`PromptLookup.draft_tree`), as deep as its
-    width; its chain is the tree's first branch (docs/tree.md).
+    width; its chain is the tree's first branch (docs/tree.md). The decoder's tree gate may
+    lower `tree` for a step (0: chains), within the budget it was built with.
     """
 
     mode = "lookup"
@@ -70,8 +71,8 @@ class Lookup:
 
     def draft(self, states, widths):
         trees = None
-        if self.tree and len(states) == 1 and widths[0]:
-            trees = [self.index[states[0].row_id].draft_tree(widths[0], self.tree)]
+        if self.tree and any(widths):
+            trees = [self.index[s.row_id].draft_tree(w, self.tree) if w else None for s, w in zip(states, widths)]
         return Draft([d[:w] for d, w in zip(self._offered, widths)], list(widths), [None] * len(states), trees)
 
     def fill(self, proposals):
@@ -116,7 +117,7 @@ class DraftModel:
     per `prefill_step` tokens (`forward_padded`), or, where some row lags
     nothing, in a ragged forward in a branch, each committing what it lacked.
 
-    With `tree` > 0 a lone greedy row also gets a tree (docs/tree.md): its chain, and
+    With `tree` > 0 greedy rows also get a tree each (docs/tree.md): its chain, and
     up to `tree` nodes in all, the draft's next most likely tokens at its uncertain
     positions as leaves beside the chain's (best first by the draft's probability of
     reaching them), at no extra draft forward. A round whose accepted path leaves the
@@ -127,7 +128,8 @@ class DraftModel:
         min_prob: see above (0: every row drafts its full width).
         prefill_step: tokens per row per forward when lagging draft rows are brought up
             to the target's tokens.
-        tree: draft nodes per round of a lone greedy row's tree (0: chains).
+        tree: draft nodes per round of a greedy row's tree (0: chains; the decoder's tree gate
+            may lower it for a step).
     """
 
     mode = "draft"
@@ -185,8 +187,7 @@ class DraftModel:
         live = [w > 0 for w in widths]
         kept = [0] * len(states)
         chain, qs, tops = [], [[] for _ in states], []
-        branching = self.tree > 0 and greedy and len(states) == 1
-        TOP = 4  # alternatives per position a tree may take
+        branching = self.tree > 0 and greedy
         processed = any(s.processors is not None for s in states)
         for j in range(J):
             raw = self.rows.forward(step)[:, -1]  # [B, V]
@@ -206,8 +207,8 @@ class DraftModel:
                 dists = [q for _, q in props]
             chain.append(toks)
             if branching:  # the draft's TOP most likely tokens here and their logprobs, read with the chain
-                order = mx.argsort(-lp[0])[:TOP]
-                tops.append((order, lp[0][order]))
+                order = mx.argsort(-lp, axis=-1)[:, :TOP]
+                tops.append((order, mx.take_along_axis(lp, order, axis=-1)))
             for i in range(len(states)):
                 if live[i]:
                     kept[i] += 1
@@ -229,7 +230,10 @@ class DraftModel:
         self._round = ([len(lag) for lag in lags], len(chain))
         tokens = mx.stack(chain, axis=1)  # [B, J']
         if branching:
-            return Draft(tokens, kept, [None], [_leaves(tokens[0, : kept[0]].tolist(), tops, self.tree)])
+            mx.eval(tokens, tops)
+            trees = [tree_of_leaves(tokens[i, : kept[i]].tolist(), [(o[i], lp[i]) for o, lp in tops], self.tree)
+                     if kept[i] else None for i in range(len(states))]
+            return Draft(tokens, kept, [None] * len(states), trees)
         mx.async_eval(tokens)  # start on the drafts not read yet while the verify graph is built
         return Draft(tokens, kept, [mx.stack(q) if q else None for q in qs])
 
@@ -307,23 +311,6 @@ def _agree(kept: list, proposals: list) -> int:
     return n
 
 
-def _leaves(chain: list[int], tops: list, budget: int) -> tuple[list[int], list[int]]:
-    """A tree of the `chain` and, up to `budget` nodes in all, leaves beside its tokens: at position
-    j the draft's next likeliest tokens (`tops[j]`: tokens, logprobs), best first by the draft's
-    probability of the chain reaching j and then taking the leaf."""
-    mx.eval(tops)
-    reach, scored = 0.0, []  # reach: the draft's logprob of the chain up to position j
-    for j, (order, logp) in enumerate(tops[: len(chain)]):
-        ranked = dict(zip(order.tolist(), logp.tolist()))
-        scored += [(reach + lp, j, tok) for tok, lp in ranked.items() if tok != chain[j]]
-        reach += ranked.get(chain[j], float("-inf"))
-    tokens, parents = list(chain), list(range(len(chain)))
-    for _, j, tok in sorted(scored, reverse=True)[: max(0, budget - len(chain))]:
-        tokens.append(tok)
-        parents.append(j)  # node j: the chain's token before position j (0: the pending one)
-    return tokens, parents
-
-
 def make_drafter(model, *, draft_model=None, mtp=None, prompt_lookup: bool = False, draft_min_prob: float = 0.0,
                  prefill_step: int = 2048, one_row: bool = False, recurrent_strategy: str = "auto",
                  draft_tree: int = 0) -> Drafter | None:
@@ -340,29 +327,26 @@ def make_drafter(model, *, draft_model=None, mtp=None, prompt_lookup: bool = Fal
             model gives less than this (that draft is still verified).
         prefill_step: tokens per forward when a joining row's draft state is brought up to
             the target's tokens.
-        draft_tree: with prompt lookup or a draft model, draft nodes per round of a lone row's
+        draft_tree: with prompt lookup, a draft model or the MTP head, draft nodes per round of each row's
             tree (docs/tree.md); 0: chains only.
 
     Raises:
         ValueError: two drafters asked for, a `draft_min_prob` outside [0, 1], a head of
-            another model, or `draft_tree` with a drafter that proposes chains only.
+            another model, or `draft_tree` without a drafter.
     """
     if draft_model is not None and mtp is not None:
         raise ValueError("choose one drafter: a draft model or the MTP head, not both")
     if draft_tree and not (prompt_lookup or draft_model is not None or mtp is not None):
         raise ValueError(f"draft_tree={draft_tree} without a drafter: a tree is of prompt lookup's drafts")
-    if draft_tree and mtp is not None:
-        raise ValueError(f"draft_tree={draft_tree}: the MTP head proposes chains only so far "
-                         "(docs/tree.md); use prompt lookup or a draft model, or draft_tree=0")
     if not 0.0 <= draft_min_prob <= 1.0:
         raise ValueError(f"draft_min_prob must be a probability in [0, 1], got {draft_min_prob}")
     if draft_model is not None:
         rows = OneRow(draft_model) if one_row else BatchRuntime(draft_model, recurrent_strategy=recurrent_strategy)
-        return DraftModel(rows, min_prob=draft_min_prob, prefill_step=prefill_step, tree=draft_tree if one_row else 0)
+        return DraftModel(rows, min_prob=draft_min_prob, prefill_step=prefill_step, tree=draft_tree)
     if mtp is not None:
         if mtp.model is not model:
             raise ValueError("the MTP head is bound to another model than this decoder's target")
-        return MTP(mtp, prefill_step=prefill_step)
+        return MTP(mtp, prefill_step=prefill_step, tree=draft_tree)
     return Lookup(tree=draft_tree) if prompt_lookup else None
 
 
@@ -371,7 +355,7 @@ def make_decoder(model, *, num_draft_tokens: int = 0, draft_model=None, mtp=None
                  draft_tree: int = 0, **options) -> BatchDecoder:
     """A `BatchDecoder` with the drafter `make_drafter` makes: `num_draft_tokens` drafts per row per
     round by `draft_model`, else by `mtp`, else by prompt lookup (0: plain decoding); `draft_tree`:
-    a lone row's tree budget (docs/tree.md). `options`: the decoder's own (`gate`, `pipeline`,
+    each row's tree budget (docs/tree.md). `options`: the decoder's own (`gate`, `pipeline`,
     `adaptive`).
 
     Raises:

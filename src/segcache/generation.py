@@ -188,8 +188,9 @@ def stream_generate(
             whose probability under the draft model is below `draft_min_prob`; with prompt lookup
             (or draft_min_prob=0) the width halves after a round that accepted nothing and doubles
             after one that accepted all. Never changes the output, only the speed.
-        draft_tree: with prompt lookup or a draft model, verify up to this many draft nodes per round
-            as a tree (several matches; the draft's likeliest alternatives) (docs/tree.md); 0: chains.
+        draft_tree: with prompt lookup, a draft model or the MTP head, verify up to this many draft nodes
+            per round as a tree (several matches; the draft's or the head's likeliest alternatives)
+            (docs/tree.md); 0: chains.
         draft_min_prob: the draft model's own probability below which a round drafts no further
             (its low-probability draft is still verified).
         prefill_checkpoints: with a store-backed `runtime`, more positions (in

@@ -45,6 +45,8 @@ class TreeRounds:
         if not self.takes_trees:
             raise UnsupportedOperationError("forward_tree(): a layer of this model verifies no trees; verify chains")
         logits = verify_tree(self.model, self._ropes, self.cache, tree, self.offset, ids)
+        if self.drafters:
+            self.drafters.invalidate()  # a drafter segment (the MTP head's) is fed chains only: it never saw the tree
         self._ledger.append(ids)
         self._branches[-1].tree = tree
         return logits

@@ -136,42 +136,49 @@ def branch_forward(module, project, inputs: mx.array, mask, cache: RecurrentLaye
 
 
 def tree_forward(module, project, inputs: mx.array, mask, cache: RecurrentLayer) -> mx.array:
-    """A tree of N nodes in one forward (layers/tree.py): node i's conv reads its ancestors' rows
-    and its recurrence starts from its parent's state: one step per depth, the nodes of a depth
-    as rows of it (the function `gated_delta_update` would dispatch to, T = 1 per call: the ops
-    path on CPU, the kernel on Metal; rows never mix). Records one `Steps` with the tree's
-    parents; `take_path` makes it a chain."""
-    tree = cache.tree
+    """A tree of N nodes per row in one forward (layers/tree.py; one row's `Tree`, or a list of
+    one per row): node i's conv reads its ancestors' rows and its recurrence starts from its
+    parent's state: one step per depth, the nodes of that depth (of every row) as rows of it
+    (the function `gated_delta_update` would dispatch to, T = 1 per call: the ops path on CPU,
+    the kernel on Metal; rows never mix). Records one `Steps` with the trees' parents;
+    `take_path` / `take_paths` make it a chain."""
+    trees = cache.tree if isinstance(cache.tree, list) else [cache.tree]
     B, N, _ = inputs.shape
-    if B != 1 or mask is not None:
-        raise BranchError("a tree forward takes one unpadded row")
+    if B != len(trees) or mask is not None:
+        raise BranchError(f"a tree forward takes one unpadded row per tree ({B} rows, {len(trees)} trees)")
     width = module.conv_kernel_size
     qkv, z, b, a, conv_input = conv_inputs(module, project, inputs, None, cache)
-    windows = conv_input[0][mx.array(tree.conv_windows(width), dtype=mx.int32)]  # [N, width, C]
-    conv_out = nn.silu(module.conv1d(windows)).reshape(1, N, -1)
+    batch = mx.arange(B)[:, None, None]
+    windows = conv_input[batch, mx.array([t.conv_windows(width) for t in trees], dtype=mx.int32)]  # [B, N, width, C]
+    conv_out = nn.silu(module.conv1d(windows.reshape(B * N, width, -1))).reshape(B, N, -1)
     q, k, v = heads(module, conv_out)
     beta = mx.sigmoid(b)
     g = gd.compute_g(module.A_log, a, module.dt_bias)
     before = cache[1]
     if before is None:
-        before = mx.zeros((1, module.num_v_heads, module.head_v_dim, module.head_k_dim), dtype=mx.float32)
+        before = mx.zeros((B, module.num_v_heads, module.head_v_dim, module.head_k_dim), dtype=mx.float32)
     recurrence = _recurrence(module, k)
-    outs, states = [None] * N, [None] * N
-    for level in tree.levels():  # the nodes of one depth as rows of one step (their parents are done)
-        idx = mx.array(level, dtype=mx.int32)
-        rows = lambda a: a[0][idx][:, None]  # [1, N, ...] -> [m, 1, ...]: node j of the level is row j
-        start = mx.concatenate([before if tree.parents[i] < 0 else states[tree.parents[i]] for i in level])
+    outs = [[None] * N for _ in range(B)]
+    states = [[None] * B for _ in range(N)]  # node i: each row's state after it
+    levels = [t.levels() for t in trees]
+    for depth in range(max(len(lv) for lv in levels)):  # the nodes of one depth as rows of one step
+        nodes = [(r, i) for r, lv in enumerate(levels) if depth < len(lv) for i in lv[depth]]
+        at = mx.array([r for r, _ in nodes], dtype=mx.int32), mx.array([i for _, i in nodes], dtype=mx.int32)
+        rows = lambda x: x[at][:, None]  # [B, N, ...] -> [m, 1, ...]: node j of the level is row j
+        start = mx.concatenate([before[r : r + 1] if trees[r].parents[i] < 0 else states[trees[r].parents[i]][r]
+                                for r, i in nodes])
         y, state = recurrence(rows(q), rows(k), rows(v), rows(g), rows(beta), start, None)
-        for j, i in enumerate(level):
-            outs[i], states[i] = y[j : j + 1], state[j : j + 1]
+        for j, (r, i) in enumerate(nodes):
+            outs[r][i], states[i][r] = y[j : j + 1], state[j : j + 1]
     keep = cache.keeps_states(N, before.nbytes)
     recorded = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "mask": None}
-    cache.record(Steps(qkv, recorded, partial(_replay, recurrence), states if keep else None, tree.parents))
-    # the live slots as after the last node's path (take_path sets the kept path's)
-    last = tree.path(N - 1)
-    rows = (list(range(width - 1)) + [width - 1 + i for i in last])[-(width - 1) :]
-    cache[0] = mx.contiguous(conv_input[:, mx.array(rows, dtype=mx.int32)])
-    cache[1] = states[-1]
+    cache.record(Steps(qkv, recorded, partial(_replay, recurrence), states if keep else None,
+                       tuple(t.parents for t in trees)))
+    # the live slots as after each row's last node's path (take_path / take_paths set the kept paths')
+    tails = [(list(range(width - 1)) + [width - 1 + i for i in t.path(N - 1)])[-(width - 1):] for t in trees]
+    cache[0] = mx.contiguous(conv_input[mx.arange(B)[:, None], mx.array(tails, dtype=mx.int32)])
+    cache[1] = mx.concatenate(states[-1])
     cache.advance(N)
-    out = module.norm(mx.concatenate(outs, axis=1), z)
+    out = mx.concatenate([mx.concatenate(row, axis=1) for row in outs])
+    out = module.norm(out, z)
     return reduce_shards(module, module.out_proj(out.reshape(B, N, -1)))

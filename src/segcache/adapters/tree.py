@@ -20,7 +20,8 @@ from ..layers.tree import Tree
 
 
 class TreeRope(nn.Module):
-    """Stands in for a rope module: x [1, H, N, D] rotated node by node at `positions` [N]."""
+    """Stands in for a rope module: x [B, H, N, D] rotated node by node, row b's node i at
+    `positions`[b * N + i]."""
 
     def __init__(self, rope: nn.Module, positions: mx.array):
         super().__init__()
@@ -28,7 +29,12 @@ class TreeRope(nn.Module):
         self.positions = positions
 
     def __call__(self, x: mx.array, offset=0) -> mx.array:
-        return self.inner(x.transpose(2, 1, 0, 3), offset=self.positions).transpose(2, 1, 0, 3)
+        B, H, N, D = x.shape
+        if B == 1:
+            return self.inner(x.transpose(2, 1, 0, 3), offset=self.positions).transpose(2, 1, 0, 3)
+        nodes = x.transpose(0, 2, 1, 3).reshape(B * N, H, 1, D)  # every row's nodes on the batch axis
+        out = self.inner(nodes, offset=self.positions)
+        return out.reshape(B, N, H, D).transpose(0, 2, 1, 3)
 
 
 def rope_modules(model) -> list:
@@ -37,14 +43,15 @@ def rope_modules(model) -> list:
 
 
 @contextmanager
-def tree_mode(ropes: list, layers: list, tree: Tree, offset: int):
-    """While open: every layer builds the tree's mask (or runs its recurrence per node) and every
-    module of `ropes` rotates the tree's nodes at offset + depth. Everything is put back on exit."""
-    positions = tree.positions(offset)
+def tree_mode(ropes: list, layers: list, trees, positions: mx.array):
+    """While open: every layer builds the trees' mask (or runs its recurrence per node) and every
+    module of `ropes` rotates the nodes at `positions` (offset + depth; of every row, row-major).
+    `trees`: what the layers' `tree_begin` takes (a `Tree`; a batch's kinds: one per row).
+    Everything is put back on exit."""
     swapped, begun = [], []
     try:
         for layer in layers:
-            layer.tree_begin(tree)
+            layer.tree_begin(trees)
             begun.append(layer)
         for module in ropes:
             own = module["rope"]
@@ -63,9 +70,18 @@ def verify_tree(model, ropes: list, layers: list, tree: Tree, offset: int, ids: 
     tree mode; a forward that fails half-way leaves every layer as it was."""
     saved = [layer.savepoint() for layer in layers]
     try:
-        with tree_mode(ropes, layers, tree, offset):
+        with tree_mode(ropes, layers, tree, tree.positions(offset)):
             return model(mx.array(ids, dtype=mx.uint32)[None], cache=layers)
     except BaseException:
         for layer, point in zip(layers, saved):
             layer.restore(point)
         raise
+
+
+def verify_trees(model, ropes: list, layers: list, trees: list[Tree], lengths: list[int],
+                 ids: list[list[int]]) -> mx.array:
+    """The model's forward of B rows' trees (row b's tokens `ids[b]`, all of one size, on batched
+    `layers` where row b holds lengths[b] tokens) in tree mode: logits [B, N, V]."""
+    positions = mx.concatenate([t.positions(n) for t, n in zip(trees, lengths)])
+    with tree_mode(ropes, layers, trees, positions):
+        return model(mx.array(ids, dtype=mx.uint32), cache=layers)

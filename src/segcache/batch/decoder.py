@@ -51,6 +51,7 @@ from .gate import Acceptance, DraftPolicy, Gate, MeasuredCost
 from .rows import OneRow
 from .runtime import BatchRuntime
 from .tree import takes_tree, verify_tree
+from .tree_gate import TreeGate
 
 # Plain steps whose captured forwards (an MTP head's hidden states) the drafter is given at once.
 BACKLOG = 64
@@ -167,6 +168,13 @@ class BatchDecoder:
         self.policy = DraftPolicy(num_draft_tokens, gate=self.gate,
                                   min_prob=drafter.min_prob if drafter is not None else 0.0, adaptive=adaptive)
         self.width = num_draft_tokens
+        # A gated decoder whose drafter proposes trees measures trees against chains (tree_gate.py:
+        # the model's gate for this drafter and shape, kept for the process) and sets the drafter's
+        # budget each speculative round; (budget, tokens emitted) of the last such round, recorded
+        # with its cost.
+        budget = getattr(drafter, "tree", 0)  # the drafters that propose trees take a budget
+        self.trees = TreeGate.of(model, (drafter.mode, one_row), budget) if self.gate is not None and budget else None
+        self._tree_round: tuple | None = None
         self.rows: dict[Hashable, RowState] = {}
         self.pipeline = pipeline and not num_draft_tokens
         # A gated drafter's plain steps pipeline too: the gate decides the next step's width
@@ -457,6 +465,9 @@ class BatchDecoder:
             g0 = gate.clock()
             if last is not None:
                 gate.record(last[0], last[1], last[2] + g0 - c0)
+            spec, self._tree_round = self._tree_round, None
+            if spec is not None and last is not None:
+                self.trees.record(*spec, last[2] + g0 - c0)
         planned, self._planned = self._planned, None
         if self.pipeline or (self._gated_pipeline and (planned == 0 or self._ahead is not None)):
             return self._pipelined_step(g0)
@@ -480,12 +491,16 @@ class BatchDecoder:
                 return self._pipelined_step(g0)
         try:
             if widths is not None and any(widths):
+                budget = self.trees.choose() if self.trees is not None else None
+                if budget is not None:
+                    drafter.tree = budget
                 draft = drafter.draft(states, widths)
             t1 = time.perf_counter()
             branch = bool(draft)
             if branch:
                 self.batch.fork()
-            if branch and takes_tree(self.batch, states, draft):  # a tree round, kept as its path (batch/tree.py)
+            tree_round = branch and takes_tree(self.batch, states, draft)
+            if tree_round:  # a tree round, kept as its paths (batch/tree.py)
                 rows, proposals, drafts, accepted = verify_tree(self.batch, states, pending, draft)
             else:
                 logits = self.batch.forward(draft.verify_input(pending))  # raw: processors need the model's own
@@ -515,6 +530,8 @@ class BatchDecoder:
             st.draft_time += t1 - t0
             st.verify_time += t2 - t1
             st.commit_time += commit_time
+        if branch and self.trees is not None:
+            self._tree_round = (self.trees.budget if tree_round else 0, sum(keep.values()))
         if branch:
             self._round = _Round(keep=keep, emitted=dict(keep))
             if drafter is not None:
@@ -709,6 +726,8 @@ class BatchDecoder:
             self.drafter.check([self.rows[r] for r in self.batch.ids], settled=self._round is None)
         for s in self.rows.values():
             s.estimate.check()
+        if self.trees is not None:
+            self.trees.check()
         if self.gate is not None and isinstance(self.gate.cost, MeasuredCost):
             self.gate.cost.check()
         for rid in self.batch.ids:

@@ -64,6 +64,38 @@ class Draft:
         return self.tokens.tolist() if self.lazy else [list(d) for d in self.tokens]
 
 
+# Alternatives per position a drafter's tree may take beside its chain (a draft model's, the MTP head's).
+TOP = 4
+
+
+def tree_of_leaves(chain: list[int], tops: list, budget: int) -> tuple[list[int], list[int]]:
+    """A tree of the `chain` and, up to `budget` nodes in all, leaves beside its tokens: at position
+    j the draft's next likeliest tokens (`tops[j]`: tokens, logprobs), best first by the draft's
+    probability of the chain reaching j and then taking the leaf."""
+    mx.eval(tops)
+    reach, scored = 0.0, []  # reach: the draft's logprob of the chain up to position j
+    for j, (order, logp) in enumerate(tops[: len(chain)]):
+        ranked = dict(zip(order.tolist(), logp.tolist()))
+        scored += [(reach + lp, j, tok) for tok, lp in ranked.items() if tok != chain[j]]
+        reach += ranked.get(chain[j], float("-inf"))
+    tokens, parents = list(chain), list(range(len(chain)))
+    for _, j, tok in sorted(scored, reverse=True)[: max(0, budget - len(chain))]:
+        tokens.append(tok)
+        parents.append(j)  # node j: the chain's token before position j (0: the pending one)
+    return tokens, parents
+
+
+def path_of(tree: tuple, kept: Sequence[int]) -> list[int]:
+    """The node path (0 the pending token) of a tree (tokens, parents) along `kept`, the draft
+    tokens a row kept after its pending one (siblings hold distinct tokens)."""
+    tokens, parents = tree
+    node, path = 0, [0]
+    for t in kept:
+        node = next(i + 1 for i, (tok, p) in enumerate(zip(tokens, parents)) if p == node and tok == t)
+        path.append(node)
+    return path
+
+
 def each_row(states: list, fn) -> list:
     """fn(i, state) for every row, a failure attributed to its row (`RowError`)."""
     out = []
@@ -93,6 +125,9 @@ class Drafter(Protocol):
             (a draft model, the MTP head; not prompt lookup, whose offer is the match of
             the token just emitted), so a gated decoder can choose the next step's width
             before that token is read and pipeline its plain steps.
+        tree: (optional: the drafters that propose trees) draft nodes per round of a row's
+            tree (`Draft.trees`; 0: chains); a gated decoder's tree gate sets it before each
+            speculative round (batch/tree_gate.py).
     """
 
     mode: str

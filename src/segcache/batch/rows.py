@@ -8,6 +8,8 @@
     forward(tokens)        one model call: a token list per row (ragged only in a branch),
                            or an unread [B, S] array (ids recorded later by `fill`)
     fork / commit(ns) / rollback      one branch level; row i keeps ns[i] of its branch
+    forward_trees / keep_paths        a tree of drafts per row in one forward; a path kept per row
+                                      (takes_trees says where: batch/tree_rows.py, tree_rounds.py)
     copy_row(id) / to_runtime(id)     a row on its own (its branch with it) / as a Runtime
 
 `OneRow` is the same protocol over one `Runtime`, used in place, so a single
@@ -114,6 +116,22 @@ class OneRow:
             raise BranchError("rollback() with no open branch")
         self._branch.rollback()
         self._branch = None
+
+    @property
+    def takes_trees(self) -> bool:
+        """Whether the row's Runtime verifies trees (tree_rounds.py)."""
+        return self.runtime is not None and self.runtime.takes_trees
+
+    def forward_trees(self, tokens: Sequence[Sequence[int]], parents: Sequence[Sequence[int]]) -> mx.array:
+        """The row's tree in one forward (`Runtime.forward_tree`), in the decoder's branch: [1, N, V]."""
+        if len(tokens) != len(self) or len(parents) != len(self):
+            raise ValueError(f"forward_trees(): one tree per row ({len(self)} rows)")
+        return self.runtime.forward_tree(tokens[0], parents[0])
+
+    def keep_paths(self, paths: Sequence[Sequence[int]]) -> list[int]:
+        """The row's branch becomes the chain of its path (`Runtime.keep_path`) and stays open."""
+        (path,) = paths
+        return [self.runtime.keep_path(list(path))]
 
     def copy_row(self, row_id) -> "OneRow":
         """This row as another OneRow over a clone (committed state only: no open branch)."""

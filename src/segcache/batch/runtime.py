@@ -44,6 +44,7 @@ from ..layers.recurrent import RecurrentLayer
 from ..layers.state import default_state_strategy
 from ..layers.window import BatchWindowLayer
 from ..runtime import Runtime, default_recurrent_strategy
+from .tree_rows import TreeRows
 
 
 @dataclass
@@ -89,7 +90,7 @@ def _build(model, strategy: str, state_strategy: str) -> list:
     return layers
 
 
-class BatchRuntime:
+class BatchRuntime(TreeRows):
     """Rows of one model in shared batched layer caches (the rows protocol of batch/rows.py).
 
     Args:
@@ -362,6 +363,7 @@ class BatchRuntime:
         for row in self.rows:
             row.base = len(row.tokens)
         self.branch_open = True
+        self._trees = None  # a tree is pending only after forward_trees in this branch (tree_rows.py)
 
     def commit(self, ns: Sequence[int] | dict) -> None:
         """Keep the first ns[i] tokens of row i's branch (a dict: by row id; missing rows keep 0).

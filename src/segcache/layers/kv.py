@@ -31,6 +31,7 @@ from .offset_branches import OffsetBranches
 from .protocol import PAGES
 from .quantized import QuantizedKVLayer
 from .rows import RowLengths, ints
+from .tree import RowTrees, rows_tree_mask
 from .window import WindowLayer
 
 
@@ -190,7 +191,7 @@ def _copy(a: mx.array) -> mx.array:
     return a * 1
 
 
-class BatchKVLayer(RowLengths):
+class BatchKVLayer(RowTrees, RowLengths):
     """Full attention over B rows with per-row lengths (mlx-lm's cache protocol for the model)."""
 
     step = 256
@@ -220,6 +221,15 @@ class BatchKVLayer(RowLengths):
         if window_size is not None:  # as mlx-lm's KVCache given a window: the last window_size keys
             mask = mask & (keys > q - window_size)
         return mask[:, None]  # [B, 1, N, T]
+
+    def _tree_mask(self, trees: list, window_size=None) -> mx.array:
+        """A batched tree forward's mask (layers/tree.py): column t of row i holds position t."""
+        T = max(self.lengths) + trees[0].size
+        positions = mx.broadcast_to(mx.arange(T, dtype=mx.int32)[None], (len(trees), T))
+        return rows_tree_mask(trees, self.lengths, positions, window_size)
+
+    def _column(self, i: int, position: int) -> int:
+        return position
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         B, H, S, _ = keys.shape

@@ -67,20 +67,22 @@ class Steps:
     inputs: dict[str, mx.array | None]
     replay: Callable[[dict, mx.array | None], mx.array]
     states: list[mx.array] | None = None
-    # A tree forward's record (layers/tree.py): node i's recurrence started from its
-    # parent's state (parents[i], -1: the state before). None: a chain, step t from t-1.
+    # A tree forward's record (layers/tree.py): per row, node i's recurrence started from
+    # its parent's state (parents[row][i], -1: the state before); its `states` are per node
+    # a list of the rows' [1, ...] states. None: a chain, step t from t-1.
     parents: tuple | None = None
 
     @property
     def length(self) -> int:
         return self.conv_rows.shape[1]
 
-    def along(self, path: list[int]) -> "Steps":
-        """A tree record's nodes of a root `path` as the chain record of those tokens."""
+    def along(self, path: list[int], row: int = 0) -> "Steps":
+        """A tree record's nodes of row `row`'s root `path` as the one-row chain record of those tokens."""
         idx = mx.array(path, dtype=mx.int32)
-        cut = {k: (None if v is None else v[:, idx]) for k, v in self.inputs.items()}
-        states = None if self.states is None else [self.states[i] for i in path]
-        return Steps(self.conv_rows[:, idx], cut, self.replay, states)
+        sl = slice(row, row + 1)
+        cut = {k: (None if v is None else v[sl][:, idx]) for k, v in self.inputs.items()}
+        states = None if self.states is None else [self.states[i][row] for i in path]
+        return Steps(self.conv_rows[sl][:, idx], cut, self.replay, states)
 
     def first(self, n: int) -> "Steps":
         if n == self.length:
@@ -377,15 +379,40 @@ class BatchRecurrentLayer(StackedRows, RecurrentLayer):
             conv, state = self._row_prefix(mark, i, n)
             convs.append(conv)
             states.append(state)
-        if all(c is None for c in convs):
-            self.cache = [None, None]
+        self.cache = _stacked(convs, states)
+
+    # -- tree verify (layers/tree.py): a tree per row ---------------------------------
+
+    takes_row_trees = True
+
+    def take_paths(self, paths: list[list[int]]) -> None:
+        """The open branch, holding one tree record (a tree per row), becomes row i's chain of
+        `paths[i]`: one chain record whose row i begins with its path's recorded inputs (and
+        kept states; past the path, its last node again, never committed), and the live slots
+        each row's after its path (the state replayed or kept, the tail from the path's rows)."""
+        mark = self.marks[-1]
+        (record,) = mark.records
+        self._truncate(mark, 0)
+        convs, states = [], []
+        for i, path in enumerate(paths):
+            conv0 = None if mark.conv is None else mark.conv[i : i + 1]
+            state0 = None if mark.state is None else mark.state[i : i + 1]
+            if path:
+                chain = record.along(path, i)
+                conv0, state0 = _rebuild(conv0, state0, [chain], [chain], len(path), self.conv_tail)
+            convs.append(conv0)
+            states.append(state0)
+        L = max(len(p) for p in paths)
+        if not L:
+            self.cache = [mark.conv, mark.state]
             return
-        like = next(c for c in convs if c is not None), next(s for s in states if s is not None)
-        fill = lambda a, ref: mx.zeros((1, *ref.shape[1:]), ref.dtype) if a is None else a
-        self.cache = [
-            mx.concatenate([fill(c, like[0]) for c in convs]),
-            mx.concatenate([fill(s, like[1]) for s in states]),
-        ]
+        rows = [p + [p[-1]] * (L - len(p)) if p else [0] * L for p in paths]
+        at = mx.arange(len(paths))[:, None], mx.array(rows, dtype=mx.int32)
+        inputs = {k: (None if v is None else v[at]) for k, v in record.inputs.items()}
+        kept = None if record.states is None else [
+            mx.concatenate([record.states[r[j]][i] for i, r in enumerate(rows)]) for j in range(L)]
+        self._extend(mark, [Steps(record.conv_rows[at], inputs, record.replay, kept)])
+        self.cache = _stacked(convs, states)
 
     def _row_prefix(self, mark: _RecurrentMark, i: int, n: int) -> tuple:
         """Row i's (conv tail, state) after its first n branch tokens, [1, ...] each."""
@@ -494,6 +521,15 @@ class BatchRecurrentLayer(StackedRows, RecurrentLayer):
     def advance(self, N):
         self._count_rows(N)
         super().advance(N)
+
+
+def _stacked(convs: list, states: list) -> list:
+    """[conv tails, states] of the rows stacked ([1, ...] each; None: a row of zeros)."""
+    if all(c is None for c in convs):
+        return [None, None]
+    like = next(c for c in convs if c is not None), next(s for s in states if s is not None)
+    fill = lambda a, ref: mx.zeros((1, *ref.shape[1:]), ref.dtype) if a is None else a
+    return [mx.concatenate([fill(c, like[0]) for c in convs]), mx.concatenate([fill(s, like[1]) for s in states])]
 
 
 def _row_steps(s: Steps, i: int) -> Steps:

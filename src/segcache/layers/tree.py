@@ -148,6 +148,78 @@ def tree_mask(tree: Tree, before: int, window: int | None = None) -> mx.array:
     return mx.concatenate([old, nodes], axis=1)
 
 
+def rows_tree_mask(trees: Sequence[Tree], lengths: Sequence[int], positions: mx.array,
+                   window: int | None = None, lowest: mx.array | None = None) -> mx.array:
+    """The [B, 1, N, T] boolean mask of a batched tree forward: row b's tree (all of N nodes,
+    written at positions lengths[b] .. lengths[b] + N - 1 of its columns) over its keys.
+
+    Args:
+        trees: one tree per row, all of N nodes.
+        lengths: the tokens each row held before the tree.
+        positions: [B, T], the position each key column of row b holds (a KV row: its column;
+            a window row: its start + column; columns past the nodes see nothing).
+        window: the attention window (None: full attention).
+        lowest: [B], a row's oldest position a block's queries may see (a window's), or None.
+
+    Node i of row b (at lengths[b] + depth) sees an old key at p < lengths[b] (within the
+    window: depth + lengths[b] - p < W) and node a's key iff a is an ancestor-or-self of i
+    (within the window: depth(i) - depth(a) < W): what a chain forward of i's path gives it.
+    """
+    B, N = len(trees), trees[0].size
+    depths = mx.array([t.depths for t in trees], dtype=mx.int32)  # [B, N]
+    anc = mx.array([t.ancestors() for t in trees])  # [B, N, N]
+    rel = positions - mx.array(list(lengths), dtype=mx.int32)[:, None]  # [B, T]: node index past the old keys
+    T = rel.shape[1]
+    node = mx.clip(rel, 0, N - 1)
+    seen = mx.take_along_axis(anc, mx.broadcast_to(node[:, None, :], (B, N, T)), axis=2)
+    nodes = ((rel >= 0) & (rel < N))[:, None, :] & seen
+    old = (rel < 0)[:, None, :]
+    if lowest is not None:
+        old = old & (positions >= lowest[:, None])[:, None, :]
+    if window is not None:
+        old = old & (depths[:, :, None] - rel[:, None, :] < window)
+        nodes = nodes & (depths[:, :, None] - mx.take_along_axis(depths, node, axis=1)[:, None, :] < window)
+    return (old | nodes)[:, None]
+
+
+def padded(tokens: Sequence[Sequence[int]], parents: Sequence[Sequence[int]]) -> tuple[list, list[Tree]]:
+    """Every row's tree padded to the largest one's size with nodes under the root (token 0),
+    which no path of the row's own tree reaches: (token lists, Trees)."""
+    N = max(len(p) for p in parents)
+    ids = [list(t) + [0] * (N - len(t)) for t in tokens]
+    return ids, [Tree(list(p) + [0] * (N - len(p))) for p in parents]
+
+
+class RowTrees:
+    """Mixin for batched attention kinds (KV, window): a tree per row in one forward
+    (`rows_tree_mask`), and each row's path copied down to where its branch began.
+
+    The kind gives `_tree_mask(trees, window_size)` and `_column(i, position)` (the column
+    of row i holding that position)."""
+
+    takes_row_trees = True
+
+    def tree_begin(self, trees: list[Tree]) -> None:
+        """Before a batched tree forward: the model's mask is the trees'. An instance attribute,
+        so the class's `make_mask` (every chain forward's) is untouched; `tree_end` removes it."""
+        self.make_mask = lambda N, return_array=False, window_size=None, **_: self._tree_mask(trees, window_size)
+
+    def tree_end(self) -> None:
+        vars(self).pop("make_mask", None)
+
+    def take_paths(self, paths: list[list[int]]) -> None:
+        """The open branch, holding a tree per row, becomes row i's chain of `paths[i]`: its nodes'
+        rows copied down to where the branch began (node j of the path to the branch's j-th)."""
+        for i, (mark, path) in enumerate(zip(self.marks, paths)):
+            if path != list(range(len(path))):
+                base = self._column(i, mark)
+                idx = path_index(base, path)
+                for name in ("keys", "values"):
+                    buf = getattr(self, name)
+                    buf[i : i + 1, :, base : base + len(path), :] = buf[i : i + 1, :, idx, :]
+        self.lengths = [m + len(p) for m, p in zip(self.marks, paths)]
+
+
 def path_index(base: int, path: Sequence[int]) -> mx.array:
     """The buffer rows of `path`'s nodes for a tree fed from row `base`."""
     return mx.array([base + i for i in path], dtype=mx.int32)

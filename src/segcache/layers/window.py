@@ -51,7 +51,7 @@ from .compat import MlxCompat, QuantizeRefused
 from .protocol import CHECKPOINT
 from .rows import RowLengths, ints
 from .snapshots import SnapshotBranches
-from .tree import Tree, tree_mask
+from .tree import RowTrees, Tree, rows_tree_mask, tree_mask
 
 
 @dataclass
@@ -311,7 +311,7 @@ def temporal_window(state) -> tuple:
     return k[..., k.shape[2] - K :, :], v[..., v.shape[2] - K :, :], offset
 
 
-class BatchWindowLayer(RowLengths):
+class BatchWindowLayer(RowTrees, RowLengths):
     """Sliding-window attention over B rows (mlx-lm's cache protocol for the model).
 
     Args:
@@ -375,6 +375,20 @@ class BatchWindowLayer(RowLengths):
         lo = mx.maximum(L - (self.max_size - 1), 0)
         w = window_size or self.max_size
         return ((pos <= q) & (pos > q - w) & (pos >= lo))[:, None]  # [B, 1, N, T]
+
+    def _tree_mask(self, trees: list, window_size=None) -> mx.array:
+        """A batched tree forward's mask (layers/tree.py) over the columns `make_mask` would give
+        the block (after the compaction its `update_and_fetch` makes)."""
+        N = trees[0].size
+        plan = self._plan(N)
+        starts = self.starts if plan is None else plan[0]
+        T = max(self._ends(starts)) + N
+        positions = mx.array(starts, dtype=mx.int32)[:, None] + mx.arange(T, dtype=mx.int32)[None]
+        lowest = mx.maximum(mx.array(self.lengths, dtype=mx.int32) - (self.max_size - 1), 0)
+        return rows_tree_mask(trees, self.lengths, positions, window_size or self.max_size, lowest)
+
+    def _column(self, i: int, position: int) -> int:
+        return position - self.starts[i]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         S = keys.shape[2]

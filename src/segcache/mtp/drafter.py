@@ -36,7 +36,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..acceptors import GreedyMatch
-from ..batch.drafting import Draft, each_row, no_draft
+from ..batch.drafting import TOP, Draft, each_row, no_draft, path_of, tree_of_leaves
 from ..errors import InvariantError
 from ..processors import normalize
 from .module import MTPHead, _text_parts
@@ -78,7 +78,7 @@ class MTP:
     draft_runtimes = True  # the prefill's HiddenStates
     offers_rooms = True  # every row has a hidden state to draft from after a plain step
 
-    def __init__(self, head: MTPHead, *, prefill_step: int = 2048, plain_first: bool = True):
+    def __init__(self, head: MTPHead, *, prefill_step: int = 2048, plain_first: bool = True, tree: int = 0):
         head = head.for_drafting()  # float16 weights of a float32 target: a float32 copy (same drafts)
         self.head = head
         self.model = head.model
@@ -96,6 +96,11 @@ class MTP:
         # head call or verify (a round would deliver it only with its drafts, after the head's
         # catch-up, its depths and a wider verify). Cleared by the step's close.
         self._fresh: set = set()
+        # Greedy rows' trees (docs/tree.md): the chain and, up to `tree` nodes, the head's next
+        # likeliest tokens at each depth as leaves (the decoder's tree gate may lower it per round);
+        # the open round's trees, per row (None: a chain), to find each row's kept path at close.
+        self.tree = tree
+        self._trees: list | None = None
 
     # -- rows -------------------------------------------------------------------------
 
@@ -216,7 +221,8 @@ class MTP:
         try:
             h = rows.catch_up([w > 0 for w in widths], histories)
             logits = self.head.project(h)  # [B, 1, V]: the drafting rows' last positions only
-            chain, qs = [], [[] for _ in states]
+            chain, qs, tops = [], [[] for _ in states], []
+            branching = self.tree > 0 and greedy and not processed
             for j in range(J):
                 raw = logits[:, 0]  # [B, V]
                 if processed:  # a row's processors shape its drafts as they will shape the verify
@@ -238,12 +244,20 @@ class MTP:
                             qs[i].append(q)
                 toks = toks.astype(mx.uint32)
                 chain.append(toks)
+                if branching:  # the head's TOP likeliest tokens at this depth, read with the chain
+                    order = mx.argsort(-lp, axis=-1)[:, :TOP]
+                    tops.append((order, mx.take_along_axis(lp, order, axis=-1)))
                 if j + 1 < J:
                     logits, h = rows.depth(h, toks[:, None], j + 1)
         except BaseException:
             self.rollback()
             raise
         tokens = mx.stack(chain, axis=1)  # [B, J]
+        if branching:
+            mx.eval(tokens, tops)
+            self._trees = [tree_of_leaves(tokens[i, :w].tolist(), [(o[i], lp[i]) for o, lp in tops], self.tree)
+                           if w else None for i, w in enumerate(widths)]
+            return Draft(tokens, list(widths), [None] * len(states), self._trees)
         mx.async_eval(tokens)
         return Draft(tokens, list(widths), [mx.stack(q) if q else None for q in qs])
 
@@ -262,7 +276,11 @@ class MTP:
         else:  # a plain step: the forward that just ran fed every row its pending token
             hidden, ids = self.tap.take(), ids_now
         self.rows.order(ids_now)
-        if ids != ids_now:
+        if self._trees is not None and self._ids is not None:  # a tree round: each kept path's states
+            hidden = _along_paths(hidden, [path_of(t, s.history[len(s.history) - k : -1]) if t else list(range(k))
+                                           for t, s, k in zip(self._ordered(self._trees, ids, ids_now), states, keep)],
+                                  [ids.index(r) for r in ids_now])
+        elif ids != ids_now:
             hidden = hidden[mx.array([ids.index(r) for r in ids_now], dtype=mx.int32)]
         self.rows.close(hidden, list(keep))
         self._fresh.difference_update(ids_now)
@@ -274,7 +292,11 @@ class MTP:
         self._end()
 
     def _end(self) -> None:
-        self._ids, self._hidden = None, None
+        self._ids, self._hidden, self._trees = None, None, None
+
+    @staticmethod
+    def _ordered(trees: list, ids: list, ids_now: list) -> list:
+        return [trees[ids.index(r)] for r in ids_now]
 
     def extend(self, row_id, tokens: Sequence[int]):
         pass  # the row's history (the decoder's) has them; its hidden states come at close
@@ -291,3 +313,11 @@ class MTP:
             raise InvariantError(f"MTP rows not stepped yet {self._fresh}, rows {self.rows.ids}")
         by_id = {s.row_id: len(s.history) - 1 for s in states}
         self.rows.check([by_id[r] for r in self.rows.ids])
+
+
+def _along_paths(hidden: mx.array, paths: list[list[int]], rows: list[int]) -> mx.array:
+    """The verify's hidden states [B, N, H] of each row's kept path, first (row i: `rows[i]` of the
+    verify, its path's nodes, then its last node again up to the longest path: never kept)."""
+    L = max((len(p) for p in paths), default=0) or 1
+    idx = [p + [p[-1] if p else 0] * (L - len(p)) for p in paths]
+    return hidden[mx.array(rows, dtype=mx.int32)[:, None], mx.array(idx, dtype=mx.int32)]

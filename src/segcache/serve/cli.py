@@ -74,8 +74,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "checkpoint holding mtp.* tensors) instead of the model directory's")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="drafts per round, at most (default 4)")
     p.add_argument("--draft-tree", type=int, default=0, metavar="N",
-                   help="with --prompt-lookup or --draft-model: verify up to N draft nodes per round as a tree, "
-                        "at --decode-concurrency 1 (batched rows verify chains; docs/tree.md; default 0: chains)")
+                   help="with --prompt-lookup, --draft-model or --mtp: verify up to N draft nodes per round as a "
+                        "tree, one row or batched (batched rows: the gate runs trees only where they pay; docs/tree.md; "
+                        "default 0: chains)")
     p.add_argument("--prompt-cache-dir", help="prefix store directory (default: one per model identity under "
                    "the user's cache directory, e.g. ~/.cache/segcache/serve/<identity>)")
     p.add_argument("--prompt-cache-remote", metavar="URL", help="shared prefix-cache tier on Redis/Valkey, redis://[:password@]host:port/db (rediss:// for TLS); local tiers still serve when it is down")
@@ -330,8 +331,8 @@ def run(args: argparse.Namespace) -> int:
               "--prompt-concurrency must be >= 1, --request-timeout and --rank-timeout > 0, "
               "--max-queue, --checkpoint-interval and --max-connections >= 0", file=sys.stderr)
         return 2
-    if args.draft_tree < 0 or (args.draft_tree and not (args.prompt_lookup or args.draft_model)):
-        print("segcache serve: --draft-tree N takes N >= 0, and N > 0 only with --prompt-lookup or --draft-model",
+    if args.draft_tree < 0 or (args.draft_tree and not (args.prompt_lookup or args.draft_model or args.mtp)):
+        print("segcache serve: --draft-tree N takes N >= 0, and N > 0 only with --prompt-lookup, --draft-model or --mtp",
               file=sys.stderr)
         return 2
     try:

@@ -1,5 +1,5 @@
 """A hypothesis state machine for BatchRuntime: random joins, leaves, forwards,
-forks, ragged commits, rollbacks and extracts.
+forks, ragged commits, rollbacks, extracts and tree rounds (a tree per row, docs/tree.md).
 
 The reference for each row is plain mlx-lm: a `make_prompt_cache` cache fed
 exactly the tokens the row should hold before a forward, then the forward's
@@ -28,7 +28,9 @@ from hypothesis.stateful import (
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..batch import BatchRuntime
+from ..layers.tree import Tree
 from ..runtime import Runtime
+from .strategies import draft_trees
 
 ATOL = 1e-4
 MAX_ROWS = 4
@@ -130,6 +132,30 @@ class BatchMachine(RuleBasedStateMachine):
         token = st.integers(0, self.vocab - 1)
         chunks = [data.draw(st.lists(token, min_size=1, max_size=self.chunk)) for _ in self.br.ids]
         self._compare(self.br.forward(chunks), chunks)
+        self.check_rows()
+        self.commit(data)
+
+    @precondition(lambda self: not self.br.branch_open and len(self.br) > 0 and self.br.takes_trees)
+    @rule(data=st.data())
+    def tree_round(self, data):
+        """fork, one forward of a tree per row (sizes differ: padded), every node of every row against
+        mlx-lm's forward of its path; a root path kept per row (`keep_paths`), then a ragged commit."""
+        self.fork()
+        drawn = [data.draw(draft_trees(self.vocab, max_nodes=6)) for _ in self.br.ids]
+        logits = self.br.forward_trees([t for t, _ in drawn], [p for _, p in drawn])
+        paths = []
+        for i, (rid, (tokens, parents)) in enumerate(zip(self.br.ids, drawn)):
+            tree = Tree(parents)
+            for leaf in sorted(set(range(tree.size)) - set(parents)):
+                nodes = tree.path(leaf)
+                ref = reference_logits(self.model, self.want[rid], [tokens[j] for j in nodes])
+                diff = mx.abs(logits[i, mx.array(nodes)] - ref).max().item()
+                assert diff <= self.atol, f"row {rid}: the tree's path to node {leaf} differs from mlx-lm's by {diff}"
+            end = data.draw(st.integers(-1, tree.size - 1))
+            paths.append(tree.path(end) if end >= 0 else [])
+        self.br.keep_paths(paths)
+        for rid, (tokens, _), path in zip(self.br.ids, drawn, paths):
+            self.want[rid] = self.want[rid] + [tokens[j] for j in path]
         self.check_rows()
         self.commit(data)
 
