@@ -29,6 +29,7 @@ from segcache.dflash.tap import install
 from segcache.drafters import make_decoder
 from segcache.errors import UnsupportedModelError
 from segcache.generation import stream_generate
+from segcache.processors import make_processors
 from segcache.runtime import Runtime
 from segcache.sampling import Sampler
 from segcache.testing import models
@@ -245,3 +246,16 @@ def test_dflash_sampling_matches_the_target_distribution(tmp_path):
     stat_q, df_q = chi2(counts, q, RUNS)
     assert stat_q > 3 * chi2_critical(df_q)  # power: far from the drafter's own distribution
     assert abs(from_draft - RUNS * accept) < 4.5 * (RUNS * accept * (1 - accept)) ** 0.5
+
+
+def test_processors_shape_every_drafted_position_as_plain_decoding(tmp_path):
+    """Penalties and a logit bias at every drafted position: DFlash's greedy tokens are plain
+    decoding's with the same processors (a draft the processors would not have produced is rejected)."""
+    model = models.build("qwen3_5")
+    tk = test_tokenizer.tokenizer(eos=False)
+    procs = lambda: make_processors(vocab_size=models.VOCAB, repetition_penalty=1.5,  # noqa: E731
+                                    logit_bias={7: 3.0, 11: -2.0})
+    want = [r.token for r in stream_generate(model, tk, PROMPT, max_tokens=12, processors=procs())]
+    drafter = _blind(model, tmp_path, want)
+    got = list(stream_generate(model, tk, PROMPT, max_tokens=12, processors=procs(), dflash=drafter, adaptive=False))
+    assert [r.token for r in got] == want
