@@ -12,9 +12,10 @@ Prints, in one run:
   * the drafter's cost per block in target forwards: one drafter forward of a block of B
     positions (context of the prompt) against a one-token forward of the target on the same
     row, each the median of several, by the process's CPU time;
-  * gated DFlash (the cost gate choosing the width per step; a lone row adapts its width as
-    `stream_generate` does) against plain decoding at each row count: tok/s, the median of
-    each repeat's ratio, plain and DFlash interleaved (order swapped per repeat).
+  * gated DFlash (the cost gate choosing the width per step from measured costs, 0: plain) and,
+    at one row, adaptive DFlash (the width halved / doubled per round, as `stream_generate`
+    runs it) against plain decoding at each row count: tok/s and the median of each repeat's
+    ratio, the sides interleaved (order rotated per repeat).
 Every row's tokens are checked equal to plain decoding's. Prompts: 400-character slices of
 models/heldout_stdlib.txt. The machine may be shared: read ratios, not absolute figures.
 """
@@ -35,6 +36,7 @@ import mlx_lm
 
 import segcache
 from segcache.batch import BatchDecoder
+from segcache.batch.gate import Gate
 from segcache.dflash import load_dflash
 from segcache.dflash.tap import install
 from segcache.drafters import make_decoder
@@ -51,7 +53,9 @@ def decoder(model, drafter, rows: int, block: int | None, gated: bool):
     if block is not None:  # ungated, every round B-1 drafts
         return make_decoder(model, dflash=drafter, num_draft_tokens=block - 1, gate=False, adaptive=False,
                             one_row=one)
-    return make_decoder(model, dflash=drafter, gate=gated and not one, adaptive=one, one_row=one)
+    if gated:  # the cost gate picks each step's width (0: plain) from measured costs
+        return make_decoder(model, dflash=drafter, gate=Gate(), adaptive=False, one_row=one)
+    return make_decoder(model, dflash=drafter, gate=False, adaptive=True, one_row=one)  # stream_generate's
 
 
 def run(model, drafter, toks, n, rows, block=None, gated=True):
@@ -137,20 +141,19 @@ def main() -> int:
         print(f"B={b:2d}  tokens/round {emitted / max(len(rounds), 1):.2f}  draft cost {cost:.2f} target "
               f"forwards/block  acceptance per position: {per_position(rounds, b - 1)}")
     for rows in [int(x) for x in args.rows.split(",")]:
-        plain, spec = [], []
+        sides = ["plain", "gated"] + (["adaptive"] if rows == 1 else [])
+        tps: dict = {s: [] for s in sides}
         for r in range(args.repeats):
-            order = [None, drafter] if r % 2 == 0 else [drafter, None]
-            res = {}
-            for d in order:
-                tps, got, _ = run(model, d, toks, args.tokens, rows)
-                assert got == want, f"{rows} rows: not plain decoding's tokens"
-                res[d is None] = tps
-            plain.append(res[True])
-            spec.append(res[False])
-        ratios = [s / p for s, p in zip(spec, plain)]
-        print(f"{rows} row(s): plain {statistics.median(plain):.1f} tok/s, gated DFlash "
-              f"{statistics.median(spec):.1f} tok/s, ratio median {statistics.median(ratios):.2f}x "
-              f"(min {min(ratios):.2f}, max {max(ratios):.2f})")
+            for side in sides[r % len(sides):] + sides[: r % len(sides)]:  # rotated per repeat
+                d = None if side == "plain" else drafter
+                t, got, _ = run(model, d, toks, args.tokens, rows, gated=side == "gated")
+                assert got == want, f"{rows} rows, {side}: not plain decoding's tokens"
+                tps[side].append(t)
+        for side in sides[1:]:
+            ratios = [s / p for s, p in zip(tps[side], tps["plain"])]
+            print(f"{rows} row(s): plain {statistics.median(tps['plain']):.1f} tok/s, {side} DFlash "
+                  f"{statistics.median(tps[side]):.1f} tok/s, ratio median {statistics.median(ratios):.2f}x "
+                  f"(min {min(ratios):.2f}, max {max(ratios):.2f}; {args.repeats} repeats)")
     return 0
 
 
