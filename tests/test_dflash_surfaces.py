@@ -8,6 +8,7 @@ import mlx_lm
 import pytest
 
 from segcache.dflash import load_dflash
+from segcache.generation import stream_generate
 from segcache.serve.engine import Chunk, Engine, Finish, GenRequest
 from segcache.serve.worker import Job, Scheduler
 from segcache.testing.dflash import write_checkpoint
@@ -76,3 +77,15 @@ def test_serve_dflash(tmp_path, target):
         assert r.choices[0].text == want
     finally:
         srv.stop()
+
+
+def test_the_shipped_drafter_loads_and_drafts_what_the_target_accepts():
+    """The drafter shipped beside the target (models/dflash, the published layout): greedy text
+    equal to mlx-lm's on held-out code, with drafts accepted."""
+    model, tok = mlx_lm.load(str(TARGET))
+    drafter = load_dflash(TARGET.parent / "dflash", model)
+    prompt = tok.encode(CODE[:400])
+    want = mlx_lm.generate(model, tok, prompt=prompt, max_tokens=24)
+    out = list(stream_generate(model, tok, prompt, max_tokens=24, dflash=drafter))
+    assert "".join(r.text for r in out) == want
+    assert sum(r.from_draft for r in out) > 0

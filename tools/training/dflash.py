@@ -97,6 +97,7 @@ def _blocks(data, hidden, rows, *, prompt: int, anchors: int, gamma: float, mask
     B, T = rows.shape[0], data.shape[1]
     Lmax = max(SIZES)
     lo, hi = prompt - 1, T - Lmax  # block a's labels x_{a+1} .. x_{a+Lmax-1} lie in the continuation
+    # (slot j of block a sits at position a + j and drafts the token there, x_{a+j})
     a = mx.random.randint(lo, hi + 1, (B, anchors))  # [B, A]
     sizes = mx.array(SIZES)[mx.random.randint(0, len(SIZES), (B, anchors))]  # [B, A]
     x = data[rows]  # [B, T]
@@ -104,7 +105,7 @@ def _blocks(data, hidden, rows, *, prompt: int, anchors: int, gamma: float, mask
     pos = a[..., None] + j  # [B, A, Lmax] positions of the block
     first = mx.take_along_axis(x, a, axis=1)  # x_a
     tokens = mx.where(j == 0, first[..., None], mask_id).astype(mx.uint32)  # [B, A, Lmax]
-    labels = mx.take_along_axis(x, mx.minimum(pos + 1, T - 1).reshape(B, -1), axis=1).reshape(pos.shape)
+    labels = mx.take_along_axis(x, pos.reshape(B, -1), axis=1).reshape(pos.shape)  # slot j drafts x_{a+j}
     inside = j[None, None] < sizes[..., None]  # [B, A, Lmax]
     weight = mx.where((j >= 1) & inside, mx.exp(-(j - 1).astype(mx.float32) / gamma), 0.0)
     # the mask: query (anchor q, slot s) sees context keys k < a_q and block keys (anchor q, slot < L_q)
