@@ -19,7 +19,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import UnsupportedModelError
 from .config import DFlashConfig, is_dflash, parse, published
-from .model import DFlashModule, Drafter
+from .model import DFlashModule, Drafter, _target_parts
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -86,7 +86,24 @@ def load_dflash(path, target: nn.Module, *, block_size: int | None = None) -> Dr
         if block_size < 2:
             raise ValueError(f"block_size={block_size}: a block holds the last token and at least one mask")
         cfg.block_size = int(block_size)
-    return Drafter(module, cfg, target)
+    drafter = Drafter(module, cfg, target)
+    _match_dtype(drafter)
+    return drafter
+
+
+def _match_dtype(drafter: Drafter) -> None:
+    """Float weights of another float dtype than the target's activations take theirs: a matrix
+    product of the two promotes the weights at every call anyway (the same values, so the same
+    drafts), and a copy made once spares that cast per block (float16 weights of a float32 target)."""
+    inner, _, _ = _target_parts(drafter.model)
+    act = inner.embed_tokens(mx.array([[0]], dtype=mx.uint32)).dtype
+    floats = {p.dtype for _, p in tree_flatten(drafter.module.parameters()) if mx.issubdtype(p.dtype, mx.floating)}
+    if drafter.cfg.quantization or not mx.issubdtype(act, mx.floating) or floats == {act}:
+        return
+    if mx.finfo(act).bits > max(mx.finfo(d).bits for d in floats):  # only widen: never lose precision
+        drafter.module.set_dtype(act)
+        mx.eval(drafter.module.parameters())
+
 
 
 def save_dflash(module: DFlashModule, cfg: DFlashConfig, path) -> Path:
