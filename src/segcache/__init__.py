@@ -49,6 +49,7 @@ _LAZY = {
     "make_decoder": "drafters",
     "MTPHead": "mtp",
     "load_head": "mtp",
+    "load_dflash": "dflash",
     "KVQuantization": "kvquant",
 }
 
@@ -71,6 +72,7 @@ def __getattr__(name):
     if name in _LAZY:
         if name == "Runtime":
             importlib.import_module(".mtp", __name__)  # registers `Runtime(model, mtp=...)` (cheap: lazy names)
+            importlib.import_module(".dflash", __name__)  # and `dflash=`
         value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
         globals()[name] = value
         return value

@@ -102,6 +102,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     drafter.add_argument("--mtp", action="store_true", help="draft with the model's own multi-token-prediction "
                          "head (Qwen3-Next, Qwen3.5: mtp.safetensors in the model directory, see "
                          "`segcache mtp extract`), --num-draft-tokens deep")
+    drafter.add_argument("--dflash", metavar="PATH", help="draft a block per round with a DFlash drafter "
+                         "(a checkpoint directory in the published layout, docs/dflash.md)")
+    p.add_argument("--block-size", type=int, default=None, metavar="B",
+                   help="with --dflash: positions per block, the last token included (default: the drafter's)")
     p.add_argument("--mtp-weights", metavar="PATH", help="with --mtp: the head's file (or the original "
                    "checkpoint holding mtp.* tensors) instead of the model directory's")
     p.add_argument("--num-draft-tokens", type=int, default=NUM_DRAFT_TOKENS,
@@ -241,6 +245,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.image:
         _refuse_images(model, config, args.model)
     draft_model = None
+    from .dflash.cli import dflash_of
+
+    dflash = dflash_of(args, model)  # a DFlash --draft-model becomes --dflash
     if args.draft_model:
         draft_model, draft_tokenizer, _ = dropin.load(args.draft_model, what="draft model")
         dropin.check_draft_vocab(tokenizer, draft_tokenizer)
@@ -252,7 +259,8 @@ def _run(args: argparse.Namespace) -> int:
 
         head = head_for(model, args.model or DEFAULT_MODEL, args.mtp_weights)
     sampler = _sampler(args, tokenizer,
-                       speculative=bool(draft_model is not None or args.prompt_lookup or head is not None))
+                       speculative=bool(draft_model is not None or args.prompt_lookup or head is not None
+                                        or dflash is not None))
     options = dict(gdn_prefill="auto", max_kv_size=args.max_kv_size)  # chunked GDN prefill off Metal
     store = _open_store(args) if args.prompt_cache_dir else None
     draft_runtime = None
@@ -280,6 +288,7 @@ def _run(args: argparse.Namespace) -> int:
         for response in stream_generate(
             model, tokenizer, ids,
             draft_model=draft_model, prompt_lookup=args.prompt_lookup, mtp=head, num_draft_tokens=args.num_draft_tokens,
+            dflash=dflash,
             max_tokens=args.max_tokens, sampler=sampler, runtime=runtime, draft_runtime=draft_runtime,
             prefill_step_size=args.prefill_step_size, draft_tree=args.draft_tree,
             kv_bits=None if kv is None else kv.bits, kv_group_size=args.kv_group_size,

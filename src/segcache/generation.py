@@ -33,6 +33,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .acceptors import make_acceptor
 from .batch.gate import DRAFT_MIN_PROB
+from .dflash.load import bound_drafter
 from .drafters import make_decoder
 from .errors import BranchError
 from .kvquant import KVQuantization
@@ -160,6 +161,8 @@ def stream_generate(
     quantized_kv_start: int = 5000,
     max_kv_size: Optional[int] = None,
     whole_prompt: bool = False,
+    dflash=None,
+    block_size: Optional[int] = None,
 ) -> Iterator[GenerationResponse]:
     """Generate on segcache runtimes, speculatively with a draft model or prompt lookup.
 
@@ -209,6 +212,8 @@ def stream_generate(
             a head file, or an original checkpoint's mtp.* tensors). Depth
             `num_draft_tokens` (the head applied on its own outputs); `adaptive`
             halves and doubles it as for prompt lookup. Greedy output is unchanged.
+        dflash, block_size: draft with a DFlash block drafter (docs/dflash.md): a `segcache.dflash.Drafter`
+            bound to `model` or its checkpoint directory; `block_size` positions per block (None: its config's).
         kv_bits, kv_group_size, quantized_kv_start: mlx-lm's KV cache
             quantization, for the runtimes made here and set on those given
             (`Runtime.quantize_kv`; both target and draft, as mlx-lm does).
@@ -231,9 +236,10 @@ def stream_generate(
         raise ValueError("max_tokens must be non-zero (use -1 for no limit)")
     if draft_runtime is not None and draft_model is None:
         draft_model = draft_runtime.model
-    if sum((draft_model is not None, bool(prompt_lookup), mtp not in (None, False))) > 1:
-        raise ValueError("choose one drafter: draft_model or prompt_lookup or mtp, not several")
+    if sum((draft_model is not None, bool(prompt_lookup), mtp not in (None, False), dflash is not None)) > 1:
+        raise ValueError("choose one drafter: draft_model or prompt_lookup or mtp or dflash, not several")
     head = _mtp_head(model, mtp) if mtp not in (None, False) else None
+    dflash = bound_drafter(model, dflash, block_size) if dflash is not None else None
     if (draft_model is not None or prompt_lookup or head is not None) and num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
     if not 0.0 <= draft_min_prob <= 1.0:
@@ -254,7 +260,7 @@ def stream_generate(
         draft = draft_runtime if draft_runtime is not None else Runtime(draft_model, max_kv_size=max_kv_size)
         _check_runtime(draft, draft_model, "draft_runtime")
     decoder = make_decoder(
-        model, num_draft_tokens=num_draft_tokens if draft is not None or prompt_lookup or head else 0,
+        model, num_draft_tokens=num_draft_tokens if draft is not None or prompt_lookup or head else 0, dflash=dflash,
         draft_model=draft_model if draft is not None else None, prefill_step=prefill_step_size,
         draft_min_prob=draft_min_prob if adaptive and draft is not None else 0.0,
         gate=False, one_row=True, adaptive=adaptive, mtp=head, draft_tree=draft_tree,

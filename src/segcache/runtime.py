@@ -198,6 +198,7 @@ class Runtime(KVSwitch, TreeRounds):
             drafter segment of this runtime (segcache/drafter_segments.py), fed by
             every forward, forked, committed, cloned and stored with the layers
             (docs/mtp.md). None (the default): no drafter segment.
+        dflash: a DFlash drafter bound to `model` (`segcache.dflash.load_dflash`): its context K/V the same way.
 
     Attributes:
         model: the model.
@@ -225,6 +226,7 @@ class Runtime(KVSwitch, TreeRounds):
         max_kv_size: int | None = None,
         group=None,
         mtp=None,
+        dflash=None,
     ):
         if recurrent_strategy not in RECURRENT_STRATEGIES:
             raise ValueError(f"recurrent_strategy must be one of {RECURRENT_STRATEGIES}")
@@ -261,8 +263,9 @@ class Runtime(KVSwitch, TreeRounds):
         self.group = group
         # Drafter segments: each accounts for `offset` tokens, or is stale (drafter_segments.py).
         self.drafters = drafter_segments.Drafters()
-        if mtp is not None:
-            self.attach(drafter_segments.make("mtp", model, mtp))
+        for name, value in (("mtp", mtp), ("dflash", dflash)):
+            if value is not None:
+                self.attach(drafter_segments.make(name, model, value))
         self.kv_quantization = None
         if quantization is not None:
             self.quantize_kv(quantization)

@@ -70,6 +70,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     drafter.add_argument("--mtp", action="store_true", help="draft with the model's own multi-token-prediction "
                          "head (Qwen3-Next, Qwen3.5: mtp.safetensors in the model directory, see "
                          "`segcache mtp extract`), --num-draft-tokens deep")
+    drafter.add_argument("--dflash", metavar="PATH", help="draft a block per round with a DFlash drafter "
+                         "(a checkpoint directory in the published layout, docs/dflash.md)")
+    p.add_argument("--block-size", type=int, default=None, metavar="B",
+                   help="with --dflash: positions per block, the last token included (default: the drafter's)")
     p.add_argument("--mtp-weights", metavar="PATH", help="with --mtp: the head's file (or the original "
                    "checkpoint holding mtp.* tensors) instead of the model directory's")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="drafts per round, at most (default 4)")
@@ -371,6 +375,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     group = _group()  # under mlx.launch: this rank's (docs/distributed.md); None in one process
     loaded, failure = [], None
+    from ..dflash.cli import dflash_of, take_draft_dir
+
+    take_draft_dir(args, "segcache serve")  # a --draft-model that is a DFlash checkpoint becomes --dflash
     if group is not None and (args.adapter_path or args.trust_remote_code):
         failure = ("segcache serve: --adapter-path and --trust-remote-code under mlx.launch are not built yet "
                    "(the sharded load takes neither); serve in one process to use them")
@@ -411,10 +418,15 @@ def run(args: argparse.Namespace) -> int:
         except SegcacheError as exc:
             print(f"segcache serve: --mtp: {exc}", file=sys.stderr)
             return 2
+    try:
+        dflash = dflash_of(args, model, "segcache serve")
+    except (SegcacheError, ValueError) as exc:
+        print(f"segcache serve: --dflash: {exc}", file=sys.stderr)
+        return 2
     store, path = _open_store(args, model) if group is None else group.open_store(args, model)
     settings = _settings(args, model, tokenizer, keys)
     name = settings.served_name
-    options = dict(store=store, draft_model=draft, prompt_lookup=args.prompt_lookup, mtp=head,
+    options = dict(store=store, draft_model=draft, prompt_lookup=args.prompt_lookup, mtp=head, dflash=dflash,
                    num_draft_tokens=args.num_draft_tokens, prefill_step=args.prefill_step_size,
                    draft_tree=args.draft_tree, checkpoint_interval=args.checkpoint_interval, vocab_size=vocab)
     if kv is not None:

@@ -77,7 +77,7 @@ class Engine:
         vocab_size: the model's vocabulary (its logits' width; default: the tokenizer's).
         grammars: the model's structured-output compiler, shared with the HTTP side (which
             compiles a request's schema first, so a bad one is a 400); built here when None.
-        mtp: the target's `MTPHead` to draft with (exclusive with draft_model, prompt_lookup) or None.
+        mtp, dflash: the target's `MTPHead`, or a DFlash `Drafter`, to draft with (exclusive) or None.
         kv: mlx-lm's KV quantization (`segcache.kvquant.KVQuantization`) for every request's
             runtimes (target and draft), or None. Batched rows hold unquantized KV only, so it
             needs `decode_concurrency` 1 (mlx_lm.server too serves kv_bits one at a time).
@@ -102,7 +102,7 @@ class Engine:
                  num_draft_tokens: int = 4, prefill_step: int = 2048, checkpoint_interval: int = 256,
                  decode_concurrency: int = 1, prompt_concurrency: int = 8, vocab_size: Optional[int] = None,
                  grammars: Optional[Grammars] = None, kv=None, group=None, mtp=None, hot=None,
-                 draft_tree: int = 0):
+                 draft_tree: int = 0, dflash=None):
         self.model, self.tokenizer, self.store, self.draft_model = model, tokenizer, store, draft_model
         self.prompt_lookup, self.num_draft_tokens = prompt_lookup, num_draft_tokens
         self.prefill_step, self.checkpoint_interval = prefill_step, checkpoint_interval
@@ -116,7 +116,7 @@ class Engine:
         one = decode_concurrency == 1
         # One row: the speculative width adapts per round, as stream_generate's (the cost gate
         # is for batches, where a wider verify multiplies over rows).
-        self.decoder = make_decoder(model, num_draft_tokens=num_draft_tokens if drafting else 0,
+        self.decoder = make_decoder(model, num_draft_tokens=num_draft_tokens if drafting else 0, dflash=dflash,
                                     draft_model=draft_model, prefill_step=prefill_step,
                                     draft_min_prob=DRAFT_MIN_PROB if draft_model is not None else 0.0,
                                     gate=not one and group is None, one_row=one, mtp=mtp, draft_tree=draft_tree)
