@@ -475,7 +475,8 @@ def run(args: argparse.Namespace) -> int:
         close()
 
     mode = ("draft model" if draft is not None else "prompt lookup" if args.prompt_lookup
-            else f"MTP depth {args.num_draft_tokens}" if head is not None else "plain")
+            else f"MTP depth {args.num_draft_tokens}" if head is not None
+            else f"DFlash blocks of {dflash.cfg.block_size}" if dflash is not None else "plain")
     rows = f", up to {args.decode_concurrency} rows batched" if args.decode_concurrency > 1 else ""
     rows += f", KV quantized to {kv.bits} bits from token {kv.start}" if kv is not None else ""
     rows += f", adapter {args.adapter_path}" if args.adapter_path else ""
