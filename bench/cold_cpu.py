@@ -15,7 +15,11 @@ interleaved in each of --rounds rounds (the order rotated). For each: the
 process CPU time and the wall time of the whole burst, medians, and the
 ratios of the medians. CPU time moves far less than wall time when other jobs
 load the machine; both BLAS threads count, so it is not a wall-clock figure.
-Also counted: the prefill forwards and decode steps the engine ran.
+Also counted: the prefill forwards and decode steps the engine ran, and where an
+engine burst's wall time went, by scheduler step: those that ran a prefill
+forward (a decode step of the running rows too), those that ran a decode step
+only, and the last one (its rows leave: released, published, the store
+flushed before the answer ends).
 """
 
 from __future__ import annotations
@@ -54,14 +58,19 @@ def engine_burst(model, tok, prompts, tokens: int, concurrency: int, stagger: in
         steps = 0
         for job in jobs[1:] if stagger == 0 else ():
             sched.submit(job)
+        split = dict(prefill_s=0.0, decode_s=0.0, last_s=0.0)
         while len(done) < len(jobs):
             if stagger and steps == stagger:
                 for job in jobs[1:]:
                     sched.submit(job)
+            forwards, tic = engine.prefill_chunks, time.perf_counter()
             sched.step()
+            took = time.perf_counter() - tic
             steps += 1
+            kind = "last_s" if len(done) == len(jobs) else "prefill_s" if engine.prefill_chunks > forwards else "decode_s"
+            split[kind] += took
         out = dict(cpu=time.process_time() - c0, wall=time.perf_counter() - t0,
-                   prefill=engine.prefill_chunks, decode=engine.decode_steps)
+                   prefill=engine.prefill_chunks, decode=engine.decode_steps, **split)
         store.close()
     return out
 
@@ -105,10 +114,16 @@ def main() -> int:
         for name in order:
             got[name].append(runs[name]())
             g = got[name][-1]
-            extra = f", {g['prefill']} prefill forwards, {g['decode']} decode steps" if "prefill" in g else ""
+            extra = (f", {g['prefill']} prefill forwards, {g['decode']} decode steps; wall in steps with a prefill "
+                     f"forward {g['prefill_s']:.3f} s, decode only {g['decode_s']:.3f} s, the last "
+                     f"{g['last_s'] * 1e3:.1f} ms" if "prefill" in g else "")
             print(f"  round {r + 1} {name:<15} cpu {g['cpu']:.3f} s, wall {g['wall']:.3f} s{extra}", flush=True)
     med = {name: {k: statistics.median(g[k] for g in v) for k in ("cpu", "wall")} for name, v in got.items()}
     print("medians: " + ", ".join(f"{n} cpu {m['cpu']:.3f} s wall {m['wall']:.3f} s" for n, m in med.items()))
+    for name in ("segcache N=8", "segcache one"):
+        m = {k: statistics.median(g[k] for g in got[name]) for k in ("prefill_s", "decode_s", "last_s")}
+        print(f"{name} wall medians: steps with a prefill forward {m['prefill_s']:.3f} s, decode only "
+              f"{m['decode_s']:.3f} s, the last step {m['last_s'] * 1e3:.1f} ms")
     ours = med["segcache N=8"]
     for peer in ("segcache one", "BatchGenerator"):
         print(f"{peer} / segcache N=8 (how many times less segcache N=8 took): cpu {med[peer]['cpu'] / ours['cpu']:.2f}x, "

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import tiny
 from segcache import Runtime
-from segcache.errors import StoreError
+from segcache.errors import StoreError, StoreWarning
 from segcache.store import Record, open_store
 
 PER_PROC = 10
@@ -177,3 +177,42 @@ def test_a_republished_prompt_begins_no_write_transaction(tmp_path):
         s.evict_ram(0)  # the nodes now come from the disk, in one read
         env.writes = 0
         assert rt.publish() == 0 and env.writes == 0
+
+
+@pytest.mark.parametrize("fam", ["llama", "qwen3_5"])
+def test_publishes_inside_merging_write_the_nodes_of_one_by_one_in_one_transaction(tmp_path, fam, monkeypatch):
+    """A batch step's prompts (the engine's `merging` block: their publishes, no lookup between
+    them): one write for all, the same records. Prompts sharing no page, so the reference's
+    later prefills resume nothing either; they share the root node."""
+    model = tiny(fam)
+    rng = np.random.default_rng(3)
+    prompts = [[60 + i] + rng.integers(3, 60, n).tolist() for i, n in enumerate((P + 3, 2 * P + 5, 3 * P, 5))]
+    with open_store(tmp_path / "ref", ram_bytes=1 << 26, disk_bytes=1 << 28, page_tokens=P) as ref, \
+         open_store(tmp_path / "new", ram_bytes=1 << 26, disk_bytes=1 << 28, page_tokens=P) as new:
+        monkeypatch.setattr(ref, "update_many", _one_by_one(ref))
+        want = [Runtime(model, store=ref).prefill(ids) for ids in prompts]
+        env = counting(new)
+        with new.merging():
+            got = [Runtime(model, store=new).prefill(ids) for ids in prompts]
+            assert env.writes == 0  # held: nothing merged yet
+        assert env.writes == 1
+        assert all(mx.array_equal(g, w).item() for g, w in zip(got, want))
+        assert _nodes(new) == _nodes(ref)
+        assert {e.key for e in new.entries()} == {e.key for e in ref.entries()}
+        assert new.stats()["errors"] == ref.stats()["errors"] == 0
+        new.check()
+
+
+def test_a_failed_merging_write_is_a_warned_error_and_writes_nothing(tmp_path):
+    with open_store(tmp_path, ram_bytes=1 << 20, disk_bytes=1 << 26) as s:
+        s.update_many([(b"a", append("1"))])
+        with pytest.warns(StoreWarning, match="publish failed"):
+            with s.merging():
+                s.merge_later([(b"a", append("2"))])
+                s.merge_later([(b"b", lambda cur: Record("node", -1))])  # malformed: the whole write fails
+        assert s.stats()["errors"] == 1
+        s.evict_ram(0)
+        assert s.get(b"a").meta["items"] == ["1"] and not s.contains(b"b")
+        s.merge_later([(b"a", append("3"))])  # outside merging: at once
+        assert s.get(b"a").meta["items"] == ["1", "3"]
+        s.check()

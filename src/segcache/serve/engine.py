@@ -315,10 +315,10 @@ class Engine:
                 s.failed = f"{type(exc).__name__}: {exc}"
                 batch.remove(rid)
             return
-        self.prefill_chunks += 1
-        share = (time.perf_counter() - tic) / len(ids)
-        for rid, s in zip(ids, sessions):
-            s.reached(batch.prompts[rid].pos if rid in batch.prompts else len(s.plan.ids), share, reached.get(rid))
+        self.prefill_chunks, share = self.prefill_chunks + 1, (time.perf_counter() - tic) / len(ids)
+        with contextlib.nullcontext() if self.store is None else self.store.merging():  # one write for all
+            for rid, s in zip(ids, sessions):
+                s.reached(batch.prompts[rid].pos if rid in batch.prompts else len(s.plan.ids), share, reached.get(rid))
 
     def _leave(self, choice: Choice) -> None:
         """Free the choice's row now (published under the session's end-of-sequence rule, unless

@@ -428,8 +428,8 @@ class PrefixCache:
             cont, new_tails = ix.rem(j, N), tails.get(j, [])
             if ix.node(j).add(list(cont), new_tails):
                 merges.append((ix.node_key(j), self._node_merge(ix, j, cont, new_tails)))
-        if merges:
-            store.update_many(merges)
+        if merges:  # inside the store's `merging` (a batch's step), with the other prompts' in one write
+            store.merge_later(merges)
         return len(puts) + len(merges)
 
     def _node_merge(self, ix: PromptKeys, j: int, cont: list[int], tails: list[list[int]]):

@@ -133,6 +133,10 @@ class PrefixStore:
         self._prefills = self._prefill_tokens = 0
         self._errors = 0  # store failures degraded to a miss or a skipped publish
         self._remote = remote
+        # The node merges `merge_later` holds until `merging` ends (None: not merging), and the
+        # thread that merges: only its calls wait, any other thread's run at once.
+        self._held: list | None = None
+        self._merging_thread: int | None = None
         self._tiers: tuple[Tier, ...] = (self._ram, self._disk) + ((remote,) if remote is not None else ())  # fastest first
         self._closed = False
         if remote is not None:
@@ -392,6 +396,40 @@ class PrefixStore:
                         self._remote.update(key, run)  # the same merge, on the remote's value
                 out.append(rec)
             return out
+
+    def merge_later(self, items: Sequence[tuple[bytes, Callable[[Record | None], Record | None]]]) -> None:
+        """`update_many` of `items` now, or inside `merging` (on its thread) at its end, in its one
+        transaction. For read-modify-writes whose result the caller does not read (a publish's
+        node merges): each fn still sees the then-current record. Raises as `update_many` does
+        when run now."""
+        if self._held is not None and self._merging_thread == threading.get_ident():
+            for key, _ in items:
+                _validate(key, Record("", 0))  # refused here, as update_many would
+            self._held.extend(items)
+        else:
+            self.update_many(items)
+
+    @contextlib.contextmanager
+    def merging(self):
+        """Hold this thread's `merge_later` calls and run them as ONE `update_many` (one LMDB write
+        transaction) at the end: several prompts published in one step pay for one. A failed
+        write is warned about and counted (`errors`), as a failed publish is; the records the
+        publishes put stay in RAM. Nested: the outermost one writes."""
+        if self._held is not None:
+            yield
+            return
+        self._held, self._merging_thread = [], threading.get_ident()
+        try:
+            yield
+        finally:
+            held, self._held, self._merging_thread = self._held, None, None
+            if held and not self.closed:
+                try:
+                    self.update_many(held)
+                except Exception as exc:  # a cache: the publishes degrade, the requests go on
+                    self.note_error()
+                    warnings.warn(f"segcache prefix store: publish failed ({type(exc).__name__}: {exc}); "
+                                  "continuing without it", StoreWarning, stacklevel=3)
 
     def note_prefill(self, tokens: int, hit_tokens: int) -> None:
         """Count one prefill of `tokens` tokens that resumed `hit_tokens` of them from the store."""
