@@ -14,13 +14,10 @@ from segcache import Runtime, open_store
 from segcache.drafters import make_decoder
 from segcache.generation import stream_generate
 from segcache.mtp import MTPHead, forward_with_hidden
-from segcache.serve.engine import Engine, Finish, GenRequest
-from segcache.serve.worker import Job, Scheduler
 from segcache.session.session import Session
-from segcache.testing import models
 from segcache.testing import tokenizer as test_tokenizer
 from test_mtp_state import held, reference, same
-from test_mtp_store import PROMPT, STEP, Calls, P, blocks, target  # noqa: F401
+from test_mtp_store import PROMPT, STEP, Calls, P, blocks, serve_once, target  # noqa: F401
 
 NEXT = [(t * 7 + 1) % 60 + 2 for t in range(11)]
 OTHER = [(t * 3 + 4) % 60 + 2 for t in range(11)]  # another next turn
@@ -132,15 +129,7 @@ def test_a_batched_row_hands_its_head_state_back(target, tmp_path):
     tk = test_tokenizer.tokenizer(eos=False)
     first = [r.token for r in stream_generate(model, tk, PROMPT, max_tokens=6)]
     with open_store(tmp_path / "s", page_tokens=P) as st:
-        engine = Engine(model, tk, store=st, decode_concurrency=3, checkpoint_interval=0, vocab_size=models.VOCAB,
-                        mtp=head, num_draft_tokens=2)
-        sched = Scheduler(engine, max_queue=2, max_running=3, begin_step=engine.begin_step)
-        events = []
-        sched.submit(Job(GenRequest("x", list(PROMPT), 6), events.append))
-        for _ in range(200):
-            if not sched.step():
-                break
-        assert isinstance(events[-1], Finish)
+        serve_once(model, head, tk, st, PROMPT, 6)
         rt = Runtime(model, store=st, mtp=head)
         resume = next(rt.prefill_steps(PROMPT + first + NEXT[:1], step_size=STEP))
         assert resume.restored == len(PROMPT + first) and not rt.drafters.get("mtp").stale

@@ -210,6 +210,20 @@ def test_a_drafter_record_that_does_not_fit_is_dropped_never_served(target, tmp_
         again.check()
 
 
+def serve_once(model, head, tk, st, prompt, max_tokens):
+    """One request through the server's engine with MTP (rows batched, 2 drafts a round) on store
+    `st`, run to its end."""
+    engine = Engine(model, tk, store=st, decode_concurrency=3, checkpoint_interval=0, vocab_size=models.VOCAB,
+                    mtp=head, num_draft_tokens=2)
+    sched = Scheduler(engine, max_queue=2, max_running=3, begin_step=engine.begin_step)
+    events = []
+    sched.submit(Job(GenRequest("x", list(prompt), max_tokens), events.append))
+    for _ in range(200):
+        if not sched.step():
+            break
+    assert isinstance(events[-1], Finish)
+
+
 def test_a_prompt_the_engine_prefilled_in_a_padded_batch_stores_the_heads_state(target, tmp_path, monkeypatch):
     model, head = target
     joined = []
@@ -218,15 +232,7 @@ def test_a_prompt_the_engine_prefilled_in_a_padded_batch_stores_the_heads_state(
     tk = test_tokenizer.tokenizer(eos=False)
     plain = [r.token for r in stream_generate(model, tk, PROMPT, max_tokens=6)]
     with open_store(tmp_path / "s", page_tokens=P) as st:
-        engine = Engine(model, tk, store=st, decode_concurrency=3, checkpoint_interval=0, vocab_size=models.VOCAB,
-                        mtp=head, num_draft_tokens=2)
-        sched = Scheduler(engine, max_queue=2, max_running=3, begin_step=engine.begin_step)
-        events = []
-        sched.submit(Job(GenRequest("x", list(PROMPT), 6), events.append))
-        for _ in range(200):
-            if not sched.step():
-                break
-        assert isinstance(events[-1], Finish)
+        serve_once(model, head, tk, st, PROMPT, 6)
         assert joined == [1]  # it was prefilled as a row of the padded batch
         ends = sorted(e.tokens for e in st.entries() if e.kind == "dckpt")
         assert ends == [len(PROMPT) - 1, len(PROMPT) + 6 - 1 + 1]  # the prompt's, and the answer's end (6 fed)
