@@ -202,6 +202,34 @@ def test_a_measured_width_must_beat_plain_steps_by_the_margin():
         assert Gate(cost, probe=0).choose([1, 1], rows) == want
 
 
+def test_a_quiet_choice_is_reused_only_while_its_inputs_stay():
+    """Plain choices from unchanged inputs are answered without pricing the widths; a change
+    of a row's acceptance, of the offers or of a width's measured cost is priced at once, and
+    each answer equals a fresh gate's full evaluation of the same inputs."""
+    table = lambda r, w: 1.0 + 0.6 * w  # width 1 pays when a row accepts above ~0.68
+    gate = Gate(table, probe=100)
+    rows = [Acceptance(hits=0.1, tries=2.0), Acceptance(hits=0.1, tries=2.0)]
+    assert [gate.choose([3, 3], rows) for _ in range(3)] == [0, 0, 0]
+    assert gate.quiet == 3  # quiet steps count as before (probes come at the same steps)
+    rows = [rows[0], Acceptance(hits=1.9, tries=2.0)]  # one row accepts: still plain, priced again
+    assert gate.choose([3, 3], rows) == 0 == Gate(table, probe=100).choose([3, 3], rows)
+    rows = [Acceptance(hits=1.9, tries=2.0)] * 2  # both accept: a new choice, now
+    want = Gate(table, probe=100).choose([3, 3], rows)
+    assert want > 0 and gate.choose([3, 3], rows) == want
+    rows = [Acceptance(hits=0.1, tries=2.0)] * 2
+    assert gate.choose([3, 3], rows) == 0 and gate.choose([0, 3], rows) == 0  # offers changed: priced
+    measured = MeasuredCost()
+    gate = Gate(measured, probe=100)
+    rows = [Acceptance(hits=1.9, tries=2.0)]
+    for _ in range(3):
+        gate.record(1, 0, 1.0)
+    gate.record(1, 1, 3.0)  # width 1 at 3 plain steps: plain
+    assert gate.choose([1], rows) == 0 and gate.choose([1], rows) == 0
+    for _ in range(9):
+        gate.record(1, 1, 1.2)  # now width 1 pays: the next choice sees it
+    assert gate.choose([1], rows) == 1 == Gate(measured, probe=100).choose([1], rows)
+
+
 @pytest.mark.parametrize("family", ("qwen3_5", "qwen3_next"))
 def test_gated_mtp_plain_steps_pipeline_and_hand_the_head_every_token(family, monkeypatch):
     """Speculation never pays by the table, so the gate's plain steps run ahead (one lookahead
