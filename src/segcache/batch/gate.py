@@ -250,7 +250,7 @@ class Gate:
         if top == 0:
             return 0
         key = None
-        if self._quiet_key is not None and self.quiet < self.wait:
+        if self._quiet_key is not None and (self.quiet < self.wait or not self.probe):
             key = (tuple(avail), tuple((r.hits, r.tries) for r in rows), self._costs)
             if key == self._quiet_key:  # the same inputs as the last plain choice, no probe due
                 self.quiet += 1
