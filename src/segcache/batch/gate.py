@@ -239,9 +239,10 @@ class Gate:
         # it is plain again without re-evaluating (a quiet step's decision costs O(rows), not
         # O(rows x widths) estimates). Dropped by any choice that is not plain.
         self._quiet_key: tuple | None = None
-        # Bumped by every record that can move a choice: a width > 0, or a plain step while its
-        # row count's plain steps are still being measured (`plain_samples`). Plain steps measured
-        # past that only rescale costs the ratios already set (a width's rate over plain's stays).
+        # Bumped by every record (through `record`: costs recorded past it go unseen) that can move
+        # a choice: a width > 0, or a plain step while its row count's plain steps are still being
+        # measured (`plain_samples`). Plain steps measured past that only rescale costs the ratios
+        # already set (a width's rate over plain's stays).
         self._costs = 0
 
     def choose(self, avail: list[int], rows: list[Acceptance]) -> int:
