@@ -192,6 +192,21 @@ def test_no_probe_sooner_than_max_probe_where_no_acceptance_could_pay():
             assert probes[:3] == [2, 7, 16]  # 2, then 4, then 8 plain steps between probes
 
 
+def test_an_untried_wider_width_keeps_probes_only_where_its_guess_could_pay():
+    """Width 1 measured, width 2 untried: probes wait max_probe when width 1 costs more than
+    2 plain steps (choose's guess for width 2, 2 x c(1) - plain, then costs more than 3), and
+    keep their backoff when width 1 costs 1.5 (width 2 guessed at 2.0 could pay)."""
+    for cost_1, want in ((2.5, [8, 17]), (1.5, [2, 7, 16])):
+        cost = MeasuredCost()
+        for _ in range(3):
+            cost.record(1, 0, 1.0)
+        cost.record(1, 1, cost_1)
+        gate = Gate(cost, probe=2, max_probe=8)
+        row = Acceptance(hits=0.0, tries=4.0)
+        widths = [gate.choose([2], [row]) for _ in range(20)]
+        assert [i for i, k in enumerate(widths) if k][:3] == want, cost_1
+
+
 def test_a_measured_width_must_beat_plain_steps_by_the_margin():
     rows = [Acceptance(hits=9.0, tries=10.0)] * 2  # a = 0.9: width 1 gives 1.9 tokens per row
     for cost_1, want in ((1.85, 0), (1.75, 1)):  # 1.9 / 1.85 = 1.03x plain: under 5%; 1.9 / 1.75 = 1.09x

@@ -22,8 +22,9 @@ probes cost one one-draft step per `probe`..`max_probe` steps. While the gate
 keeps choosing plain steps from unchanged inputs (offers, acceptance counts, the
 cost records that can move a choice) and no probe is due, it answers plain
 without pricing the widths again, so a quiet step's choice costs O(rows). Where every
-width costs more than 1 + K plain steps (not even drafts all accepted could
-pay: a CPU where the drafter costs half a forward) probes wait `max_probe`.
+width it could choose (the measured ones, the narrowest untried at its guess)
+costs more than 1 + K plain steps (not even drafts all accepted could pay: a CPU
+where the drafter costs half a forward) probes wait `max_probe`.
 
 Costs are measured on the gate's clock (CPU time where MLX computes on the
 CPU), a width's as its ratio to the plain steps timed just before it
@@ -305,11 +306,22 @@ class Gate:
         return best
 
     def _hopeless(self, rows: int, top: int, plain: float) -> bool:
-        """Every width up to `top` is measured and costs more than 1 + K plain steps: not even
-        drafts all accepted could pay, so a probe (which only moves acceptance) waits `max_probe`."""
+        """Every width up to `top` the gate could choose costs more than 1 + K plain steps: not even
+        drafts all accepted could pay, so a probe (which only moves acceptance) waits `max_probe`.
+        Those are the measured widths and the narrowest untried one at `choose`'s guess (the
+        widest measured one's cost plus the least a width added): `choose` tries no wider one
+        before that one pays. (Before, one untried width kept a gate probing every 8..64 steps
+        where width 1 cost 2.2 plain steps: DFlash, the MTP head at 8 rows.)"""
+        floor, slope = plain, None
         for k in range(1, top + 1):
             c = self.cost.estimate(rows, k)
-            if c is None or c <= (1 + k) * plain:
+            if c is None:
+                return slope is not None and floor + slope > (1 + k) * plain
+            c = max(c, floor)
+            if k > 1 or c > plain:
+                slope = c - floor if slope is None else min(slope, c - floor)
+            floor = c
+            if c <= (1 + k) * plain:
                 return False
         return True
 
