@@ -192,6 +192,21 @@ def test_no_probe_sooner_than_max_probe_where_no_acceptance_could_pay():
             assert probes[:3] == [2, 7, 16]  # 2, then 4, then 8 plain steps between probes
 
 
+def test_an_untried_wider_width_keeps_probes_only_where_its_guess_could_pay():
+    """Width 1 measured, width 2 untried: probes wait max_probe when width 1 costs more than
+    2 plain steps (choose's guess for width 2, 2 x c(1) - plain, then costs more than 3), and
+    keep their backoff when width 1 costs 1.5 (width 2 guessed at 2.0 could pay)."""
+    for cost_1, want in ((2.5, [8, 17]), (1.5, [2, 7, 16])):
+        cost = MeasuredCost()
+        for _ in range(3):
+            cost.record(1, 0, 1.0)
+        cost.record(1, 1, cost_1)
+        gate = Gate(cost, probe=2, max_probe=8)
+        row = Acceptance(hits=0.0, tries=4.0)
+        widths = [gate.choose([2], [row]) for _ in range(20)]
+        assert [i for i, k in enumerate(widths) if k][:3] == want, cost_1
+
+
 def test_a_measured_width_must_beat_plain_steps_by_the_margin():
     rows = [Acceptance(hits=9.0, tries=10.0)] * 2  # a = 0.9: width 1 gives 1.9 tokens per row
     for cost_1, want in ((1.85, 0), (1.75, 1)):  # 1.9 / 1.85 = 1.03x plain: under 5%; 1.9 / 1.75 = 1.09x
@@ -200,6 +215,34 @@ def test_a_measured_width_must_beat_plain_steps_by_the_margin():
             cost.record(2, 0, 1.0)
         cost.record(2, 1, cost_1)
         assert Gate(cost, probe=0).choose([1, 1], rows) == want
+
+
+def test_a_quiet_choice_is_reused_only_while_its_inputs_stay():
+    """Plain choices from unchanged inputs are answered without pricing the widths; a change
+    of a row's acceptance, of the offers or of a width's measured cost is priced at once, and
+    each answer equals a fresh gate's full evaluation of the same inputs."""
+    table = lambda r, w: 1.0 + 0.6 * w  # width 1 pays when a row accepts above ~0.68
+    gate = Gate(table, probe=100)
+    rows = [Acceptance(hits=0.1, tries=2.0), Acceptance(hits=0.1, tries=2.0)]
+    assert [gate.choose([3, 3], rows) for _ in range(3)] == [0, 0, 0]
+    assert gate.quiet == 3  # quiet steps count as before (probes come at the same steps)
+    rows = [rows[0], Acceptance(hits=1.9, tries=2.0)]  # one row accepts: still plain, priced again
+    assert gate.choose([3, 3], rows) == 0 == Gate(table, probe=100).choose([3, 3], rows)
+    rows = [Acceptance(hits=1.9, tries=2.0)] * 2  # both accept: a new choice, now
+    want = Gate(table, probe=100).choose([3, 3], rows)
+    assert want > 0 and gate.choose([3, 3], rows) == want
+    rows = [Acceptance(hits=0.1, tries=2.0)] * 2
+    assert gate.choose([3, 3], rows) == 0 and gate.choose([0, 3], rows) == 0  # offers changed: priced
+    measured = MeasuredCost()
+    gate = Gate(measured, probe=100)
+    rows = [Acceptance(hits=1.9, tries=2.0)]
+    for _ in range(3):
+        gate.record(1, 0, 1.0)
+    gate.record(1, 1, 3.0)  # width 1 at 3 plain steps: plain
+    assert gate.choose([1], rows) == 0 and gate.choose([1], rows) == 0
+    for _ in range(9):
+        gate.record(1, 1, 1.2)  # now width 1 pays: the next choice sees it
+    assert gate.choose([1], rows) == 1 == Gate(measured, probe=100).choose([1], rows)
 
 
 @pytest.mark.parametrize("family", ("qwen3_5", "qwen3_next"))

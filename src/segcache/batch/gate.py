@@ -18,9 +18,13 @@ when rows draft, so after `probe` plain steps in a row the batch drafts one
 token (every row that can), and estimates that collapsed after a miss streak
 can recover; a probe finding the estimates no better than the last one did
 doubles the wait (up to `max_probe`), so while speculation does not pay
-probes cost one one-draft step per `probe`..`max_probe` steps. Where every
-width costs more than 1 + K plain steps (not even drafts all accepted could
-pay: a CPU where the drafter costs half a forward) probes wait `max_probe`.
+probes cost one one-draft step per `probe`..`max_probe` steps. While the gate
+keeps choosing plain steps from unchanged inputs (offers, acceptance counts, the
+cost records that can move a choice) and no probe is due, it answers plain
+without pricing the widths again, so a quiet step's choice costs O(rows). Where every
+width it could choose (the measured ones, the narrowest untried at its guess)
+costs more than 1 + K plain steps (not even drafts all accepted could pay: a CPU
+where the drafter costs half a forward) probes wait `max_probe`.
 
 Costs are measured on the gate's clock (CPU time where MLX computes on the
 CPU), a width's as its ratio to the plain steps timed just before it
@@ -215,7 +219,7 @@ class Gate:
             estimates gains little where it is right and loses where it is not).
     """
 
-    def __init__(self, cost=None, *, decay: float = 0.8, probe: int = 8, max_probe: int = 64,
+    def __init__(self, cost=None, *, decay: float = 0.8, probe: int = 8, max_probe: int = 256,
                  clock: Optional[Callable[[], float]] = None, plain_samples: int = 3, margin: float = 0.05):
         if cost is None:
             cost = MeasuredCost()
@@ -231,12 +235,29 @@ class Gate:
         self.plain_samples = plain_samples
         self.margin = margin
         self.last: dict = {}  # the last choice: width, expected tokens per second of each width
+        # What the last full evaluation that chose plain was computed from: (avail, each row's
+        # (hits, tries), `_costs`), or None. While a choice sees the same inputs and no probe is due
+        # it is plain again without re-evaluating (a quiet step's decision costs O(rows), not
+        # O(rows x widths) estimates). Dropped by any choice that is not plain.
+        self._quiet_key: tuple | None = None
+        # Bumped by every record (through `record`: costs recorded past it go unseen) that can move
+        # a choice: a width > 0, or a plain step while its row count's plain steps are still being
+        # measured (`plain_samples`). Plain steps measured past that only rescale costs the ratios
+        # already set (a width's rate over plain's stays).
+        self._costs = 0
 
     def choose(self, avail: list[int], rows: list[Acceptance]) -> int:
         """The width K for a step where row i can draft avail[i] tokens."""
         B, top = len(avail), max(avail, default=0)
         if top == 0:
             return 0
+        key = None
+        if self._quiet_key is not None and (self.quiet < self.wait or not self.probe):
+            key = (tuple(avail), tuple((r.hits, r.tries) for r in rows), self._costs)
+            if key == self._quiet_key:  # the same inputs as the last plain choice, no probe due
+                self.quiet += 1
+                return 0
+        self._quiet_key = None
         plain = self.cost.estimate(B, 0)
         counted = getattr(self.cost, "count", None)  # a fixed table has nothing to count
         if plain is None or (counted is not None and counted(B, 0) < self.plain_samples):
@@ -280,20 +301,35 @@ class Gate:
             self.wait = self.probe if better else min(2 * self.wait, self.max_probe)
         else:
             self.quiet += 1
+            self._quiet_key = key or (tuple(avail), tuple((r.hits, r.tries) for r in rows), self._costs)
         self.last = {"width": best, "rates": rates}
         return best
 
     def _hopeless(self, rows: int, top: int, plain: float) -> bool:
-        """Every width up to `top` is measured and costs more than 1 + K plain steps: not even
-        drafts all accepted could pay, so a probe (which only moves acceptance) waits `max_probe`."""
+        """Every width up to `top` the gate could choose costs more than 1 + K plain steps: not even
+        drafts all accepted could pay, so a probe (which only moves acceptance) waits `max_probe`.
+        Those are the measured widths and the narrowest untried one at `choose`'s guess (the
+        widest measured one's cost plus the least a width added): `choose` tries no wider one
+        before that one pays. (Before, one untried width kept a gate probing every 8..64 steps
+        where width 1 cost 2.2 plain steps: DFlash, the MTP head at 8 rows.)"""
+        floor, slope = plain, None
         for k in range(1, top + 1):
             c = self.cost.estimate(rows, k)
-            if c is None or c <= (1 + k) * plain:
+            if c is None:
+                return slope is not None and floor + slope > (1 + k) * plain
+            c = max(c, floor)
+            if k > 1 or c > plain:
+                slope = c - floor if slope is None else min(slope, c - floor)
+            floor = c
+            if c <= (1 + k) * plain:
                 return False
         return True
 
     def record(self, rows: int, width: int, seconds: float) -> None:
         self.cost.record(rows, width, seconds)
+        counted = getattr(self.cost, "count", None)
+        if width or (counted is not None and counted(rows, 0) <= self.plain_samples):
+            self._costs += 1
 
 
 class DraftPolicy:
