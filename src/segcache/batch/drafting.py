@@ -23,6 +23,7 @@ from typing import Protocol, Sequence
 import mlx.core as mx
 
 from ..errors import RowError
+from ..processors import normalize
 from ..runtime import Runtime
 
 
@@ -105,6 +106,31 @@ def each_row(states: list, fn) -> list:
         except Exception as exc:
             raise RowError(s.row_id, exc) from exc
     return out
+
+
+def draft_position(raw: mx.array, states: list, widths: list[int], j: int, chain: list, qs: list[list], *,
+                   greedy: bool, processed: bool) -> tuple[mx.array, mx.array]:
+    """Every row's draft at position `j` from the drafter's raw logits `raw` [B, V]: (log-probs [B, V]
+    after each drafting row's processors, as the verify will apply them; tokens [B] uint32). `chain`:
+    the tokens drafted before `j`, per position. Greedy rows take one argmax for the batch; otherwise
+    each drafting row proposes by its own acceptor and its q is appended to `qs[i]` (the others'
+    tokens are never verified)."""
+    if processed:
+        so_far = mx.stack(chain, axis=1) if chain else None
+        lp = mx.concatenate(each_row(states, lambda i, s: normalize(raw[i : i + 1])
+                                     if s.processors is None or j >= widths[i]
+                                     else s.processors.process_next(
+                                         raw[i], s.history, () if so_far is None else so_far[i])))
+    else:
+        lp = normalize(raw)
+    if greedy:
+        return lp, mx.argmax(lp, axis=-1).astype(mx.uint32)
+    props = each_row(states, lambda i, s: s.acceptor.propose(lp[i]) if j < widths[i]
+                     else (mx.argmax(lp[i], axis=-1), None))
+    for i, (_, q) in enumerate(props):
+        if j < widths[i] and q is not None:
+            qs[i].append(q)
+    return lp, mx.stack([t for t, _ in props]).astype(mx.uint32)
 
 
 def no_draft(rows: int) -> Draft:

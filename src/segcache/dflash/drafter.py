@@ -24,9 +24,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from ..acceptors import GreedyMatch
-from ..batch.drafting import Draft, each_row, no_draft
+from ..batch.drafting import Draft, draft_position, no_draft
 from ..errors import InvariantError
-from ..processors import normalize
 from .model import Drafter
 from .segment import ContextSegment, drafter_identity
 from .tap import install
@@ -156,25 +155,8 @@ class DFlash:
             return Draft(tokens, [min(w, J) for w in widths], [None] * B)
         chain, qs = [], [[] for _ in states]
         for j in range(J):
-            raw = logits[:, j]
-            if processed:  # a row's processors shape each drafted position as they will the verify
-                so_far = mx.stack(chain, axis=1) if chain else None
-                lp = mx.concatenate(each_row(states, lambda i, s: normalize(raw[i : i + 1])
-                                             if s.processors is None or j >= widths[i]
-                                             else s.processors.process_next(
-                                                 raw[i], s.history, () if so_far is None else so_far[i])))
-            else:
-                lp = normalize(raw)
-            if greedy:
-                toks = mx.argmax(lp, axis=-1)
-            else:
-                props = each_row(states, lambda i, s: s.acceptor.propose(lp[i]) if j < widths[i]
-                                 else (mx.argmax(lp[i], axis=-1), None))
-                toks = mx.stack([t for t, _ in props])
-                for i, (_, q) in enumerate(props):
-                    if j < widths[i] and q is not None:
-                        qs[i].append(q)
-            chain.append(toks.astype(mx.uint32))
+            _, toks = draft_position(logits[:, j], states, widths, j, chain, qs, greedy=greedy, processed=processed)
+            chain.append(toks)
         tokens = mx.stack(chain, axis=1)
         mx.async_eval(tokens)
         return Draft(tokens, [min(w, J) for w in widths], [mx.stack(q) if q else None for q in qs])

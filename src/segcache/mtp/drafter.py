@@ -36,9 +36,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..acceptors import GreedyMatch
-from ..batch.drafting import TOP, Draft, each_row, no_draft, path_of, tree_of_leaves
+from ..batch.drafting import TOP, Draft, draft_position, no_draft, path_of, tree_of_leaves
 from ..errors import InvariantError
-from ..processors import normalize
 from .module import MTPHead, _text_parts
 from .segment import HeadRows
 from .state import HeadSegment, head_identity
@@ -224,25 +223,8 @@ class MTP:
             chain, qs, tops = [], [[] for _ in states], []
             branching = self.tree > 0 and greedy and not processed
             for j in range(J):
-                raw = logits[:, 0]  # [B, V]
-                if processed:  # a row's processors shape its drafts as they will shape the verify
-                    so_far = mx.stack(chain, axis=1) if chain else None
-                    lp = mx.concatenate(each_row(states, lambda i, s: normalize(raw[i : i + 1])
-                                                 if s.processors is None or j >= widths[i]
-                                                 else s.processors.process_next(
-                                                     raw[i], s.history, () if so_far is None else so_far[i])))
-                else:
-                    lp = normalize(raw)
-                if greedy:  # one argmax for the batch
-                    toks = mx.argmax(lp, axis=-1)
-                else:  # each drafting row's own rule; the others' tokens are never verified
-                    props = each_row(states, lambda i, s: s.acceptor.propose(lp[i]) if j < widths[i]
-                                     else (mx.argmax(lp[i], axis=-1), None))
-                    toks = mx.stack([t for t, _ in props])
-                    for i, (_, q) in enumerate(props):
-                        if j < widths[i] and q is not None:
-                            qs[i].append(q)
-                toks = toks.astype(mx.uint32)
+                lp, toks = draft_position(logits[:, 0], states, widths, j, chain, qs, greedy=greedy,
+                                          processed=processed)
                 chain.append(toks)
                 if branching:  # the head's TOP likeliest tokens at this depth, read with the chain
                     order = mx.argsort(-lp, axis=-1)[:, :TOP]
