@@ -164,11 +164,11 @@ def test_a_quantized_dflash2_checkpoint_loads_quantized_and_drafts_as_written(tm
     assert out == plain
 
 
-def _blind2(model, tmp_path, want: dict, **config):
+def _blind2(model, tmp_path, want: dict):
     """A blind DFlash2 drafter (each masked position's logits are the head's of the mask embedding,
     so draft j = the selector's choice after draft j-1) whose mask makes the selector's choices
     follow the most pairs of consecutive tokens of the `want` continuations."""
-    path = write_checkpoint(model, tmp_path / "blind2", seed=3, blind=True, block_size=4, dflash2=True, **config)
+    path = write_checkpoint(model, tmp_path / "blind2", seed=3, blind=True, block_size=4, dflash2=True)
     drafter = load_dflash(path, model)
     pairs = [(a, b) for w in want.values() for a, b in zip(w, w[1:])]
     prev = mx.array([a for a, _ in pairs])
@@ -178,7 +178,8 @@ def _blind2(model, tmp_path, want: dict, **config):
     hits = []
     for m in range(drafter.cfg.vocab_size):
         rows = mx.broadcast_to(lp[m], (len(pairs), lp.shape[-1]))
-        nxt = mx.argmax(drafter.selector.rescore(rows, mx.broadcast_to(proj[m], (len(pairs), proj.shape[-1])), prev), -1)
+        projected = mx.broadcast_to(proj[m], (len(pairs), proj.shape[-1]))
+        nxt = mx.argmax(drafter.selector.rescore(rows, projected, prev), -1)
         hits.append(sum(int(n) == b for n, (_, b) in zip(nxt.tolist(), pairs)))
     drafter.cfg.mask_token_id = max(range(len(hits)), key=hits.__getitem__)
     assert max(hits) > 0
