@@ -1,7 +1,8 @@
 """A DFlash drafter's context segment in the prefix store (store/drafter_records.py, keyed with
 the drafter's identity): saved with the prompt and resumed with it bitwise equal to a cold
 prefill's, so a prompt resumed from the store drafts its first block with no forward of its
-prefix; another drafter's records are other keys (the target resumes, the context is recomputed)."""
+prefix; another drafter's records are other keys (the target resumes, the context is recomputed).
+DFlash and DFlash2 drafters alike (their context segments are one kind)."""
 
 import segcache  # noqa: F401, I001  (binds the system BLAS before mlx is imported)
 
@@ -20,10 +21,11 @@ P, STEP = 16, 8
 PROMPT = [(t * 5 + 3) % 60 + 2 for t in range(45)]
 
 
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
+@pytest.fixture(scope="module", params=("dflash", "dflash2"))
+def target(tmp_path_factory, request):
     model = models.build("qwen3_5")
-    return model, random_drafter(model, tmp_path_factory.mktemp("d"), seed=5, layers=2)
+    return model, random_drafter(model, tmp_path_factory.mktemp("d"), seed=5, layers=2,
+                                 dflash2=request.param == "dflash2")
 
 
 def _state(rt):
