@@ -1,6 +1,7 @@
 """The MTP head batched over rows (segcache.mtp.segment.HeadRows: one head call per depth for
-every row): each row's drafts against the single-row head on mlx-lm's own KVCache (bit for bit
-for a row alone; within the batches' tolerance with the same argmax for rows of different
+every row): each row's drafts against the single-row head on mlx-lm's own KVCache (the same
+argmax within 1e-5 for a row alone, bit for bit where the BLAS rounds a product's rows alike
+whatever the rows around them; within the batches' tolerance with the same argmax for rows of different
 lengths batched), rounds that commit, roll back and lose rows, and greedy MTP decoding of
 batched rows with late joins and per-row acceptance equal to mlx-lm's greedy decoding on
 qwen3_5, qwen3_next and the shipped target with its head."""
@@ -24,6 +25,7 @@ from test_batch_decode import PROMPTS
 from test_mtp_decode import fitted, reference
 
 TOL = 1e-4  # the batches' float32 tolerance (docs/batching.md)
+ALONE_TOL = 1e-5  # a row alone: the same calls, only the BLAS's rounding by row count apart
 TARGET = Path(segcache.__file__).parent / "models" / "target"
 FAMILIES = ("qwen3_next", "qwen3_5")
 
@@ -89,14 +91,18 @@ def _target_states(model):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_row_alone_drafts_bit_for_bit_the_single_row_head(family):
+def test_a_row_alone_drafts_what_the_single_row_head_drafts(family):
     model, head = fitted(family)
     full = _target_states(model)
     for i in range(len(SEQS)):
         rows, histories = _rows(head, full, [i])
         got = _batched_drafts(head, rows, histories, [True])
         for j, want in enumerate(_single_row_drafts(head, full, i)):
-            assert mx.array_equal(got[j][0], want).item(), (i, j)
+            # Bit for bit with the reference BLAS and on the Intel machines this first ran on;
+            # OpenBLAS's kernels on AMD EPYC round a product's rows by how many there are (a
+            # catch-up's one query against the reference's k + 1): 2-8e-6 apart there.
+            assert mx.argmax(got[j][0]).item() == mx.argmax(want).item(), (i, j)
+            assert mx.abs(got[j][0] - want).max().item() <= ALONE_TOL, (i, j)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
