@@ -13,7 +13,13 @@ A step trains many blocks of each sequence in one drafter forward:
               L_a drawn from the block sizes (4, 8, 16): the drafter meets every size it serves
     mask      block a's queries see context positions < a and block a's own first L_a keys
     loss      cross-entropy of position j of block a against x_{a+j} (the target's greedy
-              token), weighted exp(-(j-1)/gamma) (the reference recipe's position decay)
+              token), plus `kl` times KL(target || drafter) against the target's own distribution
+              for x_{a+j} (its logits at a+j-1), each weighted exp(-(j-1)/gamma) (the reference
+              recipe's position decay)
+
+The drafter may start warm (`warm_start`): its layer a copy of the target's last
+full-attention layer (the query half of its gated q_proj), its final norm the target's, and
+fc reading mostly the last tapped layer.
 """
 
 from __future__ import annotations
@@ -79,21 +85,47 @@ def greedy_data(model, windows: mx.array, *, prompt: int, cont: int, rows: int =
     return mx.array(out, dtype=mx.uint32)
 
 
-def tapped_states(model, data: mx.array, taps: tuple[int, ...], batch: int = 16) -> mx.array:
-    """The target's tapped layer outputs [N, T, m*H] of every sequence (float32, frozen)."""
+def tapped_states(model, data: mx.array, taps: tuple[int, ...], batch: int = 16, log_probs: bool = False):
+    """The target's tapped layer outputs [N, T, m*H] of every sequence (float32, frozen), and
+    with `log_probs` its next-token log-probabilities [N, T, V] (float16; else None)."""
     tap = install(model, taps)
-    parts = []
+    parts, lps = [], []
     for at in range(0, data.shape[0], batch):
-        model(data[at : at + batch])
+        logits = model(data[at : at + batch])
         h = tap.take()
-        mx.eval(h)
+        lp = (logits - mx.logsumexp(logits, axis=-1, keepdims=True)).astype(mx.float16) if log_probs else None
+        mx.eval(h, lp)
         parts.append(h)
-    return mx.concatenate(parts, axis=0)
+        lps.append(lp)
+    return mx.concatenate(parts, axis=0), (mx.concatenate(lps, axis=0) if log_probs else None)
 
 
-def _blocks(data, hidden, rows, *, prompt: int, anchors: int, gamma: float, mask_id: int):
+def warm_start(module: DFlashModule, model, taps: tuple[int, ...]) -> None:
+    """The drafter's layer(s) from the target's last full-attention layer (the query half of its
+    gated q_proj per head), its final norm the target's, fc passing the last tap through."""
+    inner, _, _ = _target_parts(model)
+    last = max(i for i, layer in enumerate(inner.layers) if not getattr(layer, "is_linear", False))
+    src = inner.layers[last]
+    for layer in module.layers:
+        att, tatt = layer.self_attn, src.self_attn
+        d = att.q_norm.weight.shape[0]
+        q = tatt.q_proj.weight.reshape(att.heads, -1, tatt.q_proj.weight.shape[-1])[:, :d]
+        att.q_proj.weight = q.reshape(att.heads * d, -1)
+        for name in ("k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
+            getattr(att, name).weight = getattr(tatt, name).weight  # arrays: updates replace them
+        layer.input_layernorm.weight = src.input_layernorm.weight
+        layer.post_attention_layernorm.weight = src.post_attention_layernorm.weight
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(layer.mlp, name).weight = getattr(src.mlp, name).weight
+    module.norm.weight = inner.norm.weight
+    H = module.norm.weight.shape[0]
+    eye = mx.eye(H)
+    module.fc.weight = mx.concatenate([0.1 * eye] * (len(taps) - 1) + [eye], axis=1)
+
+
+def _blocks(data, hidden, log_probs, rows, *, prompt: int, anchors: int, gamma: float, mask_id: int):
     """One batch: per row `anchors` blocks at random anchors with random sizes; returns the arrays
-    the loss needs."""
+    the loss needs (the target's log-probabilities for each slot's token, or None)."""
     B, T = rows.shape[0], data.shape[1]
     Lmax = max(SIZES)
     lo, hi = prompt - 1, T - Lmax  # block a's labels x_{a+1} .. x_{a+Lmax-1} lie in the continuation
@@ -115,12 +147,17 @@ def _blocks(data, hidden, rows, *, prompt: int, anchors: int, gamma: float, mask
     blk_ok = same[None] & inside[:, None, None, :, :]  # [B, A, 1, A, Lmax]
     blk_ok = mx.broadcast_to(blk_ok, (B, anchors, Lmax, anchors, Lmax)).reshape(B, anchors * Lmax, anchors * Lmax)
     mask = mx.concatenate([ctx_ok.reshape(B, anchors * Lmax, T), blk_ok], axis=-1)[:, None]
+    soft = None
+    if log_probs is not None:  # slot j's token x_{a+j} is what the target predicted at a+j-1
+        at = mx.maximum(pos.reshape(B, -1) - 1, 0)
+        soft = mx.take_along_axis(log_probs[rows], at[..., None], axis=1).astype(mx.float32)
     return (hidden[rows], tokens.reshape(B, -1), pos.reshape(B, -1), labels.reshape(B, -1),
-            weight.reshape(B, -1), mask)
+            weight.reshape(B, -1), mask, soft)
 
 
-def _loss(module, drafter: Drafter, h, tokens, pos, labels, weight, mask):
-    """The position-decayed cross-entropy of every block of the batch (one drafter forward)."""
+def _loss(module, drafter: Drafter, kl: float, h, tokens, pos, labels, weight, mask, soft):
+    """The position-decayed cross-entropy (plus `kl` x KL to the target) of every block of the
+    batch (one drafter forward)."""
     ctx = module.hidden_norm(module.fc(h))  # [B, T, H]
     x = drafter.embed(tokens)
     if drafter.embed_scale != 1.0:
@@ -140,6 +177,9 @@ def _loss(module, drafter: Drafter, h, tokens, pos, labels, weight, mask):
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     logits = drafter.logits(module.norm(x))
     ce = nn.losses.cross_entropy(logits, labels.astype(mx.int32), reduction="none")
+    if soft is not None and kl > 0:
+        lq = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        ce = ce + kl * (mx.exp(soft) * (soft - lq)).sum(-1)
     return (ce * weight).sum() / weight.sum()
 
 
@@ -155,22 +195,28 @@ def _rope_at(drafter: Drafter, x, pos):
 
 def train(model, cfg: DFlashConfig, data: mx.array, hidden: mx.array, *, prompt: int, minutes: float,
           steps: int, batch: int, anchors: int, lr: float, gamma: float, out: Path, seed: int,
+          log_probs: mx.array | None = None, kl: float = 0.0, warm: bool = False, warmup: int = 0,
           log=print) -> tuple[DFlashModule, dict]:
-    """Trains a fresh drafter for `minutes` (or `steps`); checkpoints to `out` every 50 steps."""
+    """Trains a drafter (fresh, or `warm` from the target's layers) for `minutes` (or `steps`);
+    learning rate warmed up over `warmup` steps, then cosine to 10%; checkpoints to `out` every
+    50 steps."""
     mx.random.seed(seed)
     module = DFlashModule(cfg)
+    if warm:
+        warm_start(module, model, cfg.target_layer_ids)
     drafter = Drafter(module, cfg, model)
     opt = optim.AdamW(learning_rate=lr, betas=[0.9, 0.95], weight_decay=0.01)
-    loss_and_grad = nn.value_and_grad(module, lambda m, *a: _loss(m, drafter, *a))
+    loss_and_grad = nn.value_and_grad(module, lambda m, *a: _loss(m, drafter, kl, *a))
     t0, values, step = time.time(), [], 0
     budget = minutes * 60
     while step < steps:
         frac = max((time.time() - t0) / budget, step / steps)
         if frac >= 1:
             break
-        opt.learning_rate = lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))  # cosine to 10%
+        ramp = min(1.0, (step + 1) / warmup) if warmup else 1.0
+        opt.learning_rate = ramp * lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))  # cosine to 10%
         rows = mx.random.randint(0, data.shape[0], (batch,))
-        arrays = _blocks(data, hidden, rows, prompt=prompt, anchors=anchors, gamma=gamma, mask_id=cfg.mask_token_id)
+        arrays = _blocks(data, hidden, log_probs, rows, prompt=prompt, anchors=anchors, gamma=gamma, mask_id=cfg.mask_token_id)
         value, grads = loss_and_grad(module, *arrays)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         opt.update(module, grads)
