@@ -1,22 +1,26 @@
-"""DFlash block drafting on the shipped hybrid target, on held-out code.
+"""DFlash block drafting against plain decoding, the MTP head and prompt lookup, on held-out code.
 
     python bench/dflash.py --dflash PATH [--blocks 4,8,16] [--rows 1,8] [--tokens 48]
-                           [--prompts 8] [--repeats 3]
+                           [--prompts 8] [--repeats 3] [--drafters mtp,lookup,dflash,lookup+dflash]
     python bench/dflash.py --random      (a random drafter of the target's width: a smoke run
                                           of the bench itself; its drafts are almost never accepted)
 
-Prints, in one run:
-  * per block size B (ungated, non-adaptive: every round drafts B-1), one row: tokens per
-    round (emitted / rounds) and acceptance per block position (rounds that reached position
-    j and accepted it);
-  * the drafter's cost per block in target forwards: one drafter forward of a block of B
-    positions (context of the prompt) against a one-token forward of the target on the same
-    row, each the median of several, by the process's CPU time;
-  * gated DFlash (the cost gate choosing the width per step from measured costs, 0: plain) and,
-    at one row, adaptive DFlash (the width halved / doubled per round, as `stream_generate`
-    runs it) against plain decoding at each row count: tok/s and the median of each repeat's
-    ratio, the sides interleaved (order rotated per repeat).
-Every row's tokens are checked equal to plain decoding's. Prompts: 400-character slices of
+One run, per row count (one row: `one_row`, the target's Runtime; 8 rows: a BatchRuntime), for
+each drafter (the shipped MTP head, prompt lookup, DFlash, and DFlash beside prompt lookup,
+each row taking the proposal it expects more of):
+  * at every block size B (ungated, non-adaptive: every round drafts B-1, the MTP head B-1
+    deep) and gated (the cost gate choosing each step's width from measured costs, 0: plain;
+    widths up to B-1 of the drafter's own block, 4 for prompt lookup and the head, as the
+    server runs them), and at one row adaptive (the width halved / doubled per round, as
+    `stream_generate` runs it) for the DFlash drafters:
+      tokens per step (emitted / steps, plain steps counted), acceptance per block position
+      (rounds that reached position j and accepted it), end-to-end tokens per second and its
+      ratio to plain decoding's in the same repeat (median, min-max);
+  * the drafting cost per block: the drafter's work in one round of B-1 drafts for every row
+    (`offer` + `draft`, its drafts and q evaluated; the verify not included) in one-token
+    target forwards of the same rows, medians of several interleaved, by the process's CPU time.
+Every configuration of a repeat runs once, the order rotated per repeat, and every row's tokens
+are checked equal to plain decoding's. Prompts: 400-character slices of
 models/heldout_stdlib.txt. The machine may be shared: read ratios, not absolute figures.
 """
 
@@ -38,37 +42,56 @@ import segcache
 from segcache.batch import BatchDecoder
 from segcache.batch.gate import Gate
 from segcache.dflash import load_dflash
-from segcache.dflash.tap import install
 from segcache.drafters import make_decoder
+from segcache.mtp import load_head
 from segcache.runtime import Runtime
 from segcache.testing.dflash import random_drafter
 
 MODELS = Path(segcache.__file__).parent / "models"
+GATED_WIDTH = 4  # the gated width of prompt lookup and the MTP head (the server's --num-draft-tokens)
 
 
-def decoder(model, drafter, rows: int, block: int | None, gated: bool):
+def decoder(model, kinds: dict, name: str, rows: int, how):
+    """`how`: a block size B (ungated, B-1 drafts a round), "gated" or "adaptive"."""
     one = rows == 1
-    if drafter is None:
+    if name == "plain":
         return BatchDecoder(model, one_row=one)
-    if block is not None:  # ungated, every round B-1 drafts
-        return make_decoder(model, dflash=drafter, num_draft_tokens=block - 1, gate=False, adaptive=False,
-                            one_row=one)
-    if gated:  # the cost gate picks each step's width (0: plain) from measured costs
-        return make_decoder(model, dflash=drafter, gate=Gate(), adaptive=False, one_row=one)
-    return make_decoder(model, dflash=drafter, gate=False, adaptive=True, one_row=one)  # stream_generate's
+    extra = {"dflash": kinds["dflash"]} if "dflash" in name else {"mtp": kinds["mtp"]} if name == "mtp" else {}
+    if name == "lookup+dflash":
+        extra["prompt_lookup"] = True
+    if how == "gated":
+        width = 0 if "dflash" in name else GATED_WIDTH
+        return make_decoder(model, num_draft_tokens=width, gate=Gate(), adaptive=False, one_row=one, **extra)
+    if how == "adaptive":
+        return make_decoder(model, gate=False, adaptive=True, one_row=one, **extra)
+    return make_decoder(model, num_draft_tokens=how - 1, gate=False, adaptive=False, one_row=one, **extra)
 
 
-def run(model, drafter, toks, n, rows, block=None, gated=True):
-    dec = decoder(model, drafter, rows, block, gated)
+def drafter_arrays(dec) -> list:
+    """What a drafter made lazily at `add` (a row's context, the head's pairs): not timed."""
+    if dec.mode in ("dflash", "lookup+dflash"):
+        blocks = dec.drafter.dflash if dec.mode == "lookup+dflash" else dec.drafter
+        return [r.kv.keys for r in blocks.rows.values() if r.kv.keys is not None]
+    if dec.mode == "mtp":
+        rows = dec.drafter.rows
+        return [(layer.keys, layer.values) for layer in rows.layers if layer.keys is not None] + [rows.tail]
+    return []
+
+
+def join(dec, model, toks, group, n):
+    for i in group:
+        rt = Runtime(model)
+        mx.eval(rt.forward(toks[i][:-1]))
+        dec.add(i, rt, toks[i][-1], max_tokens=n)
+    mx.eval(drafter_arrays(dec))
+
+
+def run(dec, model, toks, n, rows):
+    """Decode every prompt, `rows` at a time: tok/s, the tokens, (drafted, accepted) per step."""
     got = {i: [] for i in range(len(toks))}
     rounds, elapsed = [], 0.0
     for at in range(0, len(toks), rows):
-        for i in range(at, min(at + rows, len(toks))):
-            rt = Runtime(model)
-            mx.eval(rt.forward(toks[i][:-1]))
-            dec.add(i, rt, toks[i][-1], max_tokens=n)
-        if drafter is not None:  # the rows' contexts (lazy after add) are not timed
-            mx.eval([r.kv.keys for r in dec.drafter.rows.values() if r.kv.keys is not None])
+        join(dec, model, toks, range(at, min(at + rows, len(toks))), n)
         t0 = time.perf_counter()
         while dec.rows:
             for rid, emitted in dec.step().items():
@@ -86,28 +109,39 @@ def per_position(rounds, width) -> str:
     out = []
     for j in range(1, width + 1):
         reached = [a for d, a in rounds if d >= j and a >= j - 1]
-        out.append(f"{sum(a >= j for a in reached) / max(len(reached), 1):.2f}")
+        out.append(f"{sum(a >= j for a in reached) / len(reached):.2f}" if reached else "-")
     return " ".join(out)
 
 
-def block_cost(model, drafter, toks, block: int, repeats: int = 7) -> float:
-    """One drafter block forward over a prompt's context, in one-token target forwards (CPU time)."""
-    tap = install(model, drafter.cfg.target_layer_ids)
-    rt = Runtime(model)
-    mx.eval(rt.forward(toks[:-1]))
-    h = tap.take()
-    keys, values = drafter.context_kv(drafter.context(h), 0)
-    mx.eval(keys, values)
-    x = mx.array([[toks[-1]] + [drafter.cfg.mask_token_id] * (block - 1)], dtype=mx.uint32)
+def draft_cost(dec, model, toks, rows: int, width: int, repeats: int = 7) -> float:
+    """The drafter's round of `width` drafts for `rows` joined rows (offer + draft, evaluated), in
+    one-token target forwards of the same rows (in a branch rolled back); CPU-time medians."""
+    join(dec, model, toks, range(rows), -1)
+    states = [dec.rows[r] for r in dec.batch.ids]
+    drafter, batch = dec.drafter, dec.batch
+
+    def drafting():
+        c0 = time.process_time()
+        drafter.offer(states, [width] * rows)
+        d = drafter.draft(states, [width] * rows)
+        mx.eval(d.tokens if d.lazy else [], [q for q in d.q if q is not None])
+        dt = time.process_time() - c0
+        drafter.rollback()
+        return dt
+
+    def plain():
+        batch.fork()
+        c0 = time.process_time()
+        mx.eval(batch.forward([[s.history[-1]] for s in states]))
+        dt = time.process_time() - c0
+        batch.rollback()
+        return dt
+
+    drafting(), plain()  # warm-up
     d, t = [], []
     for _ in range(repeats):
-        c0 = time.process_time()
-        mx.eval(drafter.block(x, keys, values, len(toks) - 1))
-        d.append(time.process_time() - c0)
-        with rt.fork():
-            c0 = time.process_time()
-            mx.eval(rt.forward([toks[-1]]))
-            t.append(time.process_time() - c0)
+        d.append(drafting())
+        t.append(plain())
     return statistics.median(d) / statistics.median(t)
 
 
@@ -120,6 +154,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--drafters", default="mtp,lookup,dflash,lookup+dflash")
     args = ap.parse_args()
     model, tok = mlx_lm.load(str(MODELS / "target"))
     if args.dflash:
@@ -129,31 +164,49 @@ def main() -> int:
     else:
         print("bench/dflash.py: pass --dflash PATH (or --random for a smoke run)", file=sys.stderr)
         return 2
+    kinds = {"dflash": drafter, "mtp": load_head(model, MODELS / "target")}
+    names = [d for d in args.drafters.split(",") if d != "mtp" or kinds["mtp"] is not None]
+    blocks = [int(x) for x in args.blocks.split(",")]
     text = (MODELS / "heldout_stdlib.txt").read_text()
     toks = [tok.encode(text[i * 1500 : i * 1500 + 400]) for i in range(args.prompts)]
-    print(f"BLAS {segcache.BLAS}; drafter {source}; {args.prompts} prompts, {args.tokens} tokens; machine may be shared")
-    _, want, _ = run(model, None, toks, args.tokens, 1)
-    for b in [int(x) for x in args.blocks.split(",")]:
-        _, got, rounds = run(model, drafter, toks, args.tokens, 1, block=b)
-        assert got == want, f"block {b}: not plain decoding's tokens"
-        emitted = sum(a + 1 for _, a in rounds)
-        cost = block_cost(model, drafter, toks[0], b)
-        print(f"B={b:2d}  tokens/round {emitted / max(len(rounds), 1):.2f}  draft cost {cost:.2f} target "
-              f"forwards/block  acceptance per position: {per_position(rounds, b - 1)}")
+    print(f"BLAS {segcache.BLAS}; drafter {source} (blocks of {drafter.cfg.block_size}); {args.prompts} prompts, "
+          f"{args.tokens} tokens, {args.repeats} repeats; drafters {', '.join(names)}; machine may be shared")
+    _, want, _ = run(BatchDecoder(model, one_row=True), model, toks, args.tokens, 1)
     for rows in [int(x) for x in args.rows.split(",")]:
-        sides = ["plain", "gated"] + (["adaptive"] if rows == 1 else [])
-        tps: dict = {s: [] for s in sides}
+        configs = [("plain", None)] + [(nm, b) for nm in names for b in blocks] + [(nm, "gated") for nm in names]
+        if rows == 1:
+            configs += [(nm, "adaptive") for nm in names if "dflash" in nm]
+        costs = {(nm, b): draft_cost(decoder(model, kinds, nm, rows, b), model, toks, rows, b - 1)
+                 for nm in names for b in blocks}
+        tps = {c: [] for c in configs}
+        rounds = {c: [] for c in configs}
+        chosen = {c: {"lookup": 0, "dflash": 0} for c in configs}
         for r in range(args.repeats):
-            for side in sides[r % len(sides):] + sides[: r % len(sides)]:  # rotated per repeat
-                d = None if side == "plain" else drafter
-                t, got, _ = run(model, d, toks, args.tokens, rows, gated=side == "gated")
-                assert got == want, f"{rows} rows, {side}: not plain decoding's tokens"
-                tps[side].append(t)
-        for side in sides[1:]:
-            ratios = [s / p for s, p in zip(tps[side], tps["plain"])]
-            print(f"{rows} row(s): plain {statistics.median(tps['plain']):.1f} tok/s, {side} DFlash "
-                  f"{statistics.median(tps[side]):.1f} tok/s, ratio median {statistics.median(ratios):.2f}x "
-                  f"(min {min(ratios):.2f}, max {max(ratios):.2f}; {args.repeats} repeats)")
+            for c in configs[r % len(configs):] + configs[: r % len(configs)]:  # rotated per repeat
+                dec = decoder(model, kinds, c[0], rows, c[1])
+                t, got, steps = run(dec, model, toks, args.tokens, rows)
+                assert got == want, f"{rows} rows, {c}: not plain decoding's tokens"
+                tps[c].append(t)
+                rounds[c] += steps
+                for kind, count in getattr(dec.drafter, "chosen", {}).items():
+                    chosen[c][kind] += count
+        plain = statistics.median(tps["plain", None])
+        print(f"\n{rows} row(s): plain {plain:.1f} tok/s (median of {args.repeats})")
+        print(f"  {'drafter':<14}{'B':>9}{'tok/step':>9}{'draft cost':>11}{'tok/s':>8}  {'vs plain':<19}"
+              "acceptance per position 1, 2, ...")
+        for c in configs[1:]:
+            nm, how = c
+            ratios = [s / p for s, p in zip(tps[c], tps["plain", None])]
+            steps = rounds[c]
+            per_step = sum(a + 1 for _, a in steps) / max(len(steps), 1)
+            top = max((d for d, _ in steps), default=0)
+            cost = f"{costs[c]:.2f}" if c in costs else "-"
+            split = chosen[c]
+            note = (f"  (rows' rounds: lookup {split['lookup']}, block {split['dflash']})"
+                    if nm == "lookup+dflash" else "")
+            print(f"  {nm:<14}{str(how):>9}{per_step:>9.2f}{cost:>11}{statistics.median(tps[c]):>8.1f}  "
+                  f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})  "
+                  f"{per_position(steps, top)}{note}")
     return 0
 
 

@@ -28,8 +28,15 @@ def test_demo_twice_second_run_hits_disk_and_outputs_match(tmp_path):
         done = _demo("--prompt-cache-dir", str(tmp_path / "store"), "--max-tokens", "48", "--report", str(report))
         assert done.returncode == 0, done.stdout + done.stderr
         assert "BLAS:" in done.stdout and "outputs identical: yes" in done.stdout
+        ways = 3
         if (MODELS_DIR / "target" / "mtp.safetensors").exists():  # the target's own head drafts too
-            assert "MTP head" in done.stdout and "all four outputs identical: yes" in done.stdout
+            assert "MTP head" in done.stdout
+            ways += 1
+        if (MODELS_DIR / "dflash" / "config.json").exists():  # DFlash blocks, alone and beside prompt lookup
+            assert "DFlash drafter:" in done.stdout and "DFlash + lookup" in done.stdout
+            ways += 2
+        count = {3: "three", 4: "four", 5: "five", 6: "six"}[ways]
+        assert f"all {count} outputs identical: yes" in done.stdout
         assert "segcache/models/target" in done.stdout and str(MODELS_DIR.resolve()) not in done.stdout
         reports.append(json.loads(report.read_text()))
     first, second = reports

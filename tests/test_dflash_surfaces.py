@@ -42,18 +42,24 @@ def test_cli_generate_dflash_matches_mlx_lm(target, capsys):
     code, out = cli(base + ["--draft-model", str(path)], capsys)
     assert code == 0, out.err
     assert out.out == expected + "\n" and "is a DFlash drafter" in out.err
-    with pytest.raises(SystemExit):
-        parse(base + ["--dflash", str(path), "--mtp"])
+    code, out = cli(base + ["--dflash", str(path), "--prompt-lookup"], capsys)  # both: per row the better
+    assert code == 0, out.err
+    assert out.out == expected + "\n"
+    for other in (["--mtp"], ["--draft-model", str(TARGET)]):
+        code, out = cli(base + ["--dflash", str(path)] + other, capsys)
+        assert code == 2 and "--dflash drafts alone or beside --prompt-lookup" in out.err
 
 
+@pytest.mark.parametrize("lookup", (False, True), ids=("dflash", "lookup+dflash"))
 @pytest.mark.parametrize("concurrency", (1, 3))
-def test_engine_dflash_equals_plain(target, concurrency):
+def test_engine_dflash_equals_plain(target, concurrency, lookup):
     model, tok, path = target
     drafter = load_dflash(path, model)
     prompts = [tok.encode(CODE[i * 300 : i * 300 + 120 + 40 * i]) for i in range(3)]
 
     def serve(dflash):
-        engine = Engine(model, tok, decode_concurrency=concurrency, dflash=dflash)
+        engine = Engine(model, tok, decode_concurrency=concurrency, dflash=dflash, prompt_lookup=lookup and dflash is not None)
+        assert engine.decoder.mode == ("plain" if dflash is None else "lookup+dflash" if lookup else "dflash")
         sched = Scheduler(engine, max_queue=3, max_running=concurrency, begin_step=engine.begin_step)
         events = {i: [] for i in range(3)}
         for i, p in enumerate(prompts):

@@ -102,8 +102,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     drafter.add_argument("--mtp", action="store_true", help="draft with the model's own multi-token-prediction "
                          "head (Qwen3-Next, Qwen3.5: mtp.safetensors in the model directory, see "
                          "`segcache mtp extract`), --num-draft-tokens deep")
-    drafter.add_argument("--dflash", metavar="PATH", help="draft a block per round with a DFlash drafter "
-                         "(a checkpoint directory in the published layout, docs/dflash.md)")
+    p.add_argument("--dflash", metavar="PATH", help="draft a block per round with a DFlash drafter "
+                   "(a checkpoint directory in the published layout, docs/dflash.md); with --prompt-lookup, "
+                   "each row verifies lookup's match or the block, whichever it expects more of")
     p.add_argument("--block-size", type=int, default=None, metavar="B",
                    help="with --dflash: positions per block, the last token included (default: the drafter's)")
     p.add_argument("--mtp-weights", metavar="PATH", help="with --mtp: the head's file (or the original "
@@ -132,6 +133,8 @@ def _check(args: argparse.Namespace) -> None:
     if args.draft_tree < 0 or (args.draft_tree and not (args.prompt_lookup or args.draft_model or args.mtp)):
         raise ValueError("--draft-tree N takes N >= 0, and N > 0 only with --prompt-lookup, --draft-model or --mtp "
                          "(docs/tree.md)")
+    if args.dflash and (args.draft_model or args.mtp):
+        raise ValueError("--dflash drafts alone or beside --prompt-lookup, not with --draft-model or --mtp")
     if args.prefill_step_size < 1:
         raise ValueError("--prefill-step-size must be >= 1")
     if args.prompt_cache_file and args.prompt_cache_dir:

@@ -3,8 +3,9 @@
 1. load the target (hybrid) and the draft;
 2. open a persistent prefix store (the user's cache directory by default);
 3. complete a code prompt with plain greedy decoding (mlx-lm), with the draft
-   model, with prompt lookup and (when the target has one) with its own MTP
-   head, and check that all the texts are identical;
+   model, with prompt lookup, (when the target has one) with its own MTP head,
+   and (when there is a DFlash drafter for it) with DFlash blocks, alone and
+   beside prompt lookup, and check that all the texts are identical;
 4. run a second request that continues the first one and compare its
    time-to-first-token cold and warm, saying which tier the hit came from;
 5. print the store's stats.
@@ -74,6 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lookup-tokens", type=int, default=4, help="drafts per round with prompt lookup")
     parser.add_argument("--mtp-tokens", type=int, default=2,
                         help="draft depth with the target's MTP head (when its directory has mtp.safetensors)")
+    parser.add_argument("--dflash", metavar="PATH",
+                        help="DFlash drafter directory (default: the shipped one, with the shipped target)")
+    parser.add_argument("--block-size", type=int, default=None, metavar="B",
+                        help="DFlash positions per block, the last token included (default: the drafter's)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each way (the fastest counts)")
     parser.add_argument("--report", help="also write the results as JSON to this file")
     parser.add_argument("--runtime", action="store_true", help="walk through fork / commit / rollback instead")
@@ -189,6 +194,11 @@ def run(args) -> int:
     head = _mtp_head(target, target_dir)
     if head is not None:
         print(f"    MTP head of the target: {head.num_layers} layer(s)  {shown(target_dir / 'mtp.safetensors')}")
+    dflash_dir = Path(args.dflash) if args.dflash else None if args.model else MODELS_DIR / "dflash"
+    blocks = _dflash(target, dflash_dir, args.block_size)
+    if blocks is not None:
+        print(f"    DFlash drafter: {blocks.cfg.num_hidden_layers} layer(s), blocks of {blocks.cfg.block_size}  "
+              f"{shown(dflash_dir)}")
     prompt_ids = tokenizer.encode(PROMPT)
 
     cache_dir = Path(args.prompt_cache_dir) if args.prompt_cache_dir else default_cache_dir()
@@ -212,6 +222,10 @@ def run(args) -> int:
         if head is not None:
             ways["MTP head"] = lambda n: stream_generate(target, tokenizer, prompt_ids, mtp=head,
                                                          num_draft_tokens=args.mtp_tokens, max_tokens=n)
+        if blocks is not None:
+            ways["DFlash"] = lambda n: stream_generate(target, tokenizer, prompt_ids, dflash=blocks, max_tokens=n)
+            ways["DFlash + lookup"] = lambda n: stream_generate(target, tokenizer, prompt_ids, dflash=blocks,
+                                                                prompt_lookup=True, max_tokens=n)
         for way in ways.values():
             for _ in way(8):
                 pass
@@ -255,7 +269,7 @@ def run(args) -> int:
                 "tokens": tokens, "text": text, "tps": last.generation_tps, "speedup": speedup,
                 "acceptance": stats.acceptance_rate if stats and stats.drafted else None,
             }
-        count = {3: "three", 4: "four"}.get(len(runs), str(len(runs)))
+        count = {3: "three", 4: "four", 5: "five", 6: "six"}.get(len(runs), str(len(runs)))
         print(f"    all {count} outputs identical: {'yes' if identical else 'NO'}")
         report["identical"] = identical
         request1 = {"hit_tokens": resume1.restored, "tier": _tier(resume1),
@@ -299,6 +313,19 @@ def _mtp_head(model, directory: Path):
     try:
         return load_head(model, directory)
     except UnsupportedModelError:
+        return None
+
+
+def _dflash(model, directory: Path | None, block_size: int | None):
+    """The DFlash drafter in `directory` bound to `model`, or None (no directory, or not one for it)."""
+    from .dflash import load_dflash
+
+    if directory is None or not (directory / "config.json").exists():
+        return None
+    try:
+        return load_dflash(directory, model, block_size=block_size)
+    except (UnsupportedModelError, ValueError) as exc:
+        print(f"    no DFlash row: {exc}")
         return None
 
 

@@ -24,6 +24,7 @@ from .batch.runtime import BatchRuntime
 from .errors import InvariantError
 from .lookup import PromptLookup
 from .dflash.drafter import DFlash
+from .dflash.with_lookup import WithLookup
 from .mtp.drafter import MTP
 from .processors import normalize
 from .runtime import Runtime
@@ -325,7 +326,8 @@ def make_drafter(model, *, draft_model=None, mtp=None, prompt_lookup: bool = Fal
         mtp: the target's `MTPHead`.
         dflash: a DFlash drafter bound to the target (`segcache.dflash.load_dflash`); `block_size`
             overrides its config's positions per block (block_size - 1 drafts at most).
-        prompt_lookup: n-gram lookup in each row's prompt and output.
+        prompt_lookup: n-gram lookup in each row's prompt and output; with `dflash` too, each row
+            verifies per round the proposal it expects more of (`WithLookup`, dflash/with_lookup.py).
         draft_min_prob: with a draft model, a row drafts no further after a draft the draft
             model gives less than this (that draft is still verified).
         prefill_step: tokens per forward when a joining row's draft state is brought up to
@@ -334,17 +336,20 @@ def make_drafter(model, *, draft_model=None, mtp=None, prompt_lookup: bool = Fal
             tree (docs/tree.md); 0: chains only.
 
     Raises:
-        ValueError: two drafters asked for, a `draft_min_prob` outside [0, 1], a head of
-            another model, or `draft_tree` without a drafter.
+        ValueError: two drafters asked for (prompt lookup goes with a DFlash drafter only), a
+            `draft_min_prob` outside [0, 1], a head of another model, or `draft_tree` without a drafter.
     """
     if sum(d is not None for d in (draft_model, mtp, dflash)) > 1:
         raise ValueError("choose one drafter: a draft model, the MTP head or a DFlash drafter")
+    if prompt_lookup and (draft_model is not None or mtp is not None):
+        raise ValueError("prompt lookup goes beside a DFlash drafter only, not a draft model or the MTP head")
     if dflash is not None:
         if draft_tree:
             raise ValueError(f"draft_tree={draft_tree}: a DFlash drafter proposes one block (a chain); use draft_tree=0")
         if dflash.model is not model:
             raise ValueError("the DFlash drafter is bound to another model than this decoder's target")
-        return DFlash(dflash, block_size=block_size, prefill_step=prefill_step)
+        blocks = DFlash(dflash, block_size=block_size, prefill_step=prefill_step)
+        return WithLookup(Lookup(), blocks) if prompt_lookup else blocks
     if draft_tree and not (prompt_lookup or draft_model is not None or mtp is not None):
         raise ValueError(f"draft_tree={draft_tree} without a drafter: a tree is of prompt lookup's drafts")
     if not 0.0 <= draft_min_prob <= 1.0:
@@ -361,9 +366,10 @@ def make_drafter(model, *, draft_model=None, mtp=None, prompt_lookup: bool = Fal
 
 def make_decoder(model, *, num_draft_tokens: int = 0, draft_model=None, mtp=None, draft_min_prob: float = 0.0,
                  prefill_step: int = 2048, recurrent_strategy: str = "auto", one_row: bool = False,
-                 draft_tree: int = 0, dflash=None, **options) -> BatchDecoder:
+                 draft_tree: int = 0, dflash=None, prompt_lookup: bool = False, **options) -> BatchDecoder:
     """A `BatchDecoder` with the drafter `make_drafter` makes: `num_draft_tokens` drafts per row per
-    round by `draft_model`, else by `mtp`, else by `dflash` (0: its block size - 1), else by prompt
+    round by `draft_model`, else by `mtp`, else by `dflash` (0: its block size - 1; with
+    `prompt_lookup` too, per row the better of lookup's match and the block), else by prompt
     lookup (0: plain decoding); `draft_tree`: each row's tree budget (docs/tree.md). `options`: the
     decoder's own (`gate`, `pipeline`, `adaptive`).
 
@@ -372,9 +378,11 @@ def make_decoder(model, *, num_draft_tokens: int = 0, draft_model=None, mtp=None
     """
     if (draft_model is not None or mtp is not None) and num_draft_tokens < 1:
         raise ValueError(f"a draft model or MTP head needs num_draft_tokens >= 1, got {num_draft_tokens}")
+    alone = draft_model is None and mtp is None and dflash is None  # lookup is the drafter of num_draft_tokens
     if dflash is not None:  # a block of num_draft_tokens + 1 positions (0: the drafter's own block size)
         num_draft_tokens = num_draft_tokens or dflash.cfg.block_size - 1
-    drafter = make_drafter(model, draft_model=draft_model, mtp=mtp, prompt_lookup=num_draft_tokens > 0,
+    drafter = make_drafter(model, draft_model=draft_model, mtp=mtp,
+                           prompt_lookup=prompt_lookup or (alone and num_draft_tokens > 0),
                            dflash=dflash, block_size=num_draft_tokens + 1 if dflash is not None else None,
                            draft_min_prob=draft_min_prob, prefill_step=prefill_step, one_row=one_row,
                            recurrent_strategy=recurrent_strategy, draft_tree=draft_tree)

@@ -178,7 +178,7 @@ def stream_generate(
         tokenizer: its tokenizer (a `TokenizerWrapper` or an HF tokenizer).
         prompt: text or token ids; only the new tokens when `runtime` is given.
         draft_model: a draft mlx-lm model sharing the tokenizer (dense or hybrid).
-        prompt_lookup: draft by n-gram lookup in prompt + output instead.
+        prompt_lookup: draft by n-gram lookup in prompt + output instead; with `dflash`, beside it.
         num_draft_tokens: drafts per round (at most, with `adaptive`).
         max_tokens: tokens to generate; -1 for no limit.
         sampler: None for greedy; a `segcache.sampling.Sampler` for exact
@@ -236,8 +236,9 @@ def stream_generate(
         raise ValueError("max_tokens must be non-zero (use -1 for no limit)")
     if draft_runtime is not None and draft_model is None:
         draft_model = draft_runtime.model
-    if sum((draft_model is not None, bool(prompt_lookup), mtp not in (None, False), dflash is not None)) > 1:
-        raise ValueError("choose one drafter: draft_model or prompt_lookup or mtp or dflash, not several")
+    if sum((draft_model is not None, bool(prompt_lookup) and dflash is None, mtp not in (None, False),
+            dflash is not None)) > 1:  # prompt lookup goes beside DFlash: per row the better proposal
+        raise ValueError("choose one drafter: draft_model or prompt_lookup or mtp or dflash (with prompt_lookup)")
     head = _mtp_head(model, mtp) if mtp not in (None, False) else None
     dflash = bound_drafter(model, dflash, block_size) if dflash is not None else None
     if (draft_model is not None or prompt_lookup or head is not None) and num_draft_tokens < 1:
@@ -260,7 +261,8 @@ def stream_generate(
         draft = draft_runtime if draft_runtime is not None else Runtime(draft_model, max_kv_size=max_kv_size)
         _check_runtime(draft, draft_model, "draft_runtime")
     decoder = make_decoder(
-        model, num_draft_tokens=num_draft_tokens if draft is not None or prompt_lookup or head else 0, dflash=dflash,
+        model, num_draft_tokens=num_draft_tokens if dflash is None and (draft is not None or prompt_lookup or head) else 0,
+        dflash=dflash, prompt_lookup=bool(prompt_lookup) and dflash is not None,
         draft_model=draft_model if draft is not None else None, prefill_step=prefill_step_size,
         draft_min_prob=draft_min_prob if adaptive and draft is not None else 0.0,
         gate=False, one_row=True, adaptive=adaptive, mtp=head, draft_tree=draft_tree,

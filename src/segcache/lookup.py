@@ -63,9 +63,13 @@ class PromptLookup:
         Returns an empty list when no suffix of `min_ngram`..`max_ngram` tokens
         occurred before.
         """
+        return self.match(k)[1]
+
+    def match(self, k: int) -> tuple[int, list[int]]:
+        """`draft(k)` and the length of the suffix it matched: (n, tokens); (0, []) without a match."""
         size = len(self.history)
         if k <= 0:
-            return []
+            return 0, []
         for n in range(min(self.max_ngram, size - 1), self.min_ngram - 1, -1):
             match = next(self._matches(n), -1)
             if match >= 0:
@@ -76,8 +80,8 @@ class PromptLookup:
                 out = self.history[match + n : match + n + k]
                 while len(out) < k:
                     out.append(out[match + n + len(out) - size])
-                return out
-        return []
+                return n, out
+        return 0, []
 
     def _matches(self, n: int):
         """Start positions of earlier occurrences of the history's last n tokens, most recent first."""

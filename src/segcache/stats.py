@@ -11,7 +11,7 @@ class GenerationStats:
     """What one generation did and where the time went.
 
     Attributes:
-        mode: "plain", "draft", "lookup", "mtp" or "dflash".
+        mode: "plain", "draft", "lookup", "mtp", "dflash" or "lookup+dflash".
         prompt_tokens: tokens in the prompt (new tokens only when continuing a runtime).
         prompt_time: seconds until the first generated token (prefill included).
         generation_tokens: tokens emitted (an EOS included).

@@ -22,12 +22,14 @@ def dflash_of(args, model, command: str = "segcache generate") -> Drafter | None
     """The DFlash drafter the command line asks for, bound to `model`, or None.
 
     Raises:
-        ValueError: --block-size without a DFlash drafter.
+        ValueError: --block-size without a DFlash drafter, --dflash with --draft-model or --mtp.
         UnsupportedModelError: a checkpoint that does not load or does not fit the model.
     """
     take_draft_dir(args, command)
     path = getattr(args, "dflash", None)
     block = getattr(args, "block_size", None)
+    if path is not None and (getattr(args, "draft_model", None) or getattr(args, "mtp", False)):
+        raise ValueError("--dflash drafts alone or beside --prompt-lookup, not with --draft-model or --mtp")
     if path is None:
         if block is not None:
             raise ValueError("--block-size needs --dflash (or a DFlash --draft-model)")

@@ -140,7 +140,7 @@ class DFlash:
             return no_draft(len(states))
         rows = [self.rows[s.row_id] for s in states]
         B = len(rows)
-        self._ids = [s.row_id for s in states]  # the round opens: the verify's rows, in order
+        self.open(states)
         block = mx.array([[s.history[-1]] + [self.mask_id] * J for s in states], dtype=mx.uint32)
         if B == 1:
             keys, values = rows[0].context()
@@ -171,6 +171,12 @@ class DFlash:
         tokens = mx.stack(chain, axis=1)
         mx.async_eval(tokens)
         return Draft(tokens, [min(w, J) for w in widths], [mx.stack(q) if q else None for q in qs])
+
+    def open(self, states) -> None:
+        """Open the round the decoder verifies next for `states` (in the verify's order), drafted or
+        not: `close` appends the context of what each row keeps of that verify. `draft` opens it;
+        a drafter proposing other rows' drafts (prompt lookup beside this one) opens it alone."""
+        self._ids = [s.row_id for s in states]
 
     def _padded(self, rows: list, L: int) -> tuple:
         """(keys, values, offsets, mask) of rows whose contexts differ in length: right-padded to the

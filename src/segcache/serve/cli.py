@@ -70,8 +70,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     drafter.add_argument("--mtp", action="store_true", help="draft with the model's own multi-token-prediction "
                          "head (Qwen3-Next, Qwen3.5: mtp.safetensors in the model directory, see "
                          "`segcache mtp extract`), --num-draft-tokens deep")
-    drafter.add_argument("--dflash", metavar="PATH", help="draft a block per round with a DFlash drafter "
-                         "(a checkpoint directory in the published layout, docs/dflash.md)")
+    p.add_argument("--dflash", metavar="PATH", help="draft a block per round with a DFlash drafter "
+                   "(a checkpoint directory in the published layout, docs/dflash.md); with --prompt-lookup, "
+                   "each row verifies lookup's match or the block, whichever it expects more of")
     p.add_argument("--block-size", type=int, default=None, metavar="B",
                    help="with --dflash: positions per block, the last token included (default: the drafter's)")
     p.add_argument("--mtp-weights", metavar="PATH", help="with --mtp: the head's file (or the original "
@@ -339,6 +340,10 @@ def run(args: argparse.Namespace) -> int:
         print("segcache serve: --draft-tree N takes N >= 0, and N > 0 only with --prompt-lookup, --draft-model or --mtp",
               file=sys.stderr)
         return 2
+    if args.dflash and (args.draft_model or args.mtp):
+        print("segcache serve: --dflash drafts alone or beside --prompt-lookup, not with --draft-model or --mtp",
+              file=sys.stderr)
+        return 2
     try:
         keys = api_keys(args)
     except ValueError as exc:
@@ -474,9 +479,10 @@ def run(args: argparse.Namespace) -> int:
         # has shut down, which ends the process before any code after it.
         close()
 
-    mode = ("draft model" if draft is not None else "prompt lookup" if args.prompt_lookup
-            else f"MTP depth {args.num_draft_tokens}" if head is not None
-            else f"DFlash blocks of {dflash.cfg.block_size}" if dflash is not None else "plain")
+    mode = ("draft model" if draft is not None else f"DFlash blocks of {dflash.cfg.block_size}"
+            + (" beside prompt lookup" if args.prompt_lookup else "") if dflash is not None
+            else "prompt lookup" if args.prompt_lookup else f"MTP depth {args.num_draft_tokens}" if head is not None
+            else "plain")
     rows = f", up to {args.decode_concurrency} rows batched" if args.decode_concurrency > 1 else ""
     rows += f", KV quantized to {kv.bits} bits from token {kv.start}" if kv is not None else ""
     rows += f", adapter {args.adapter_path}" if args.adapter_path else ""

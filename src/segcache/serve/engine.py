@@ -67,7 +67,7 @@ class Engine:
         model, tokenizer: the target and its mlx-lm TokenizerWrapper.
         store: a `PrefixStore`, or None to serve without a prefix cache.
         draft_model: a draft sharing the tokenizer, or None.
-        prompt_lookup: draft by n-gram lookup instead (exclusive with draft_model).
+        prompt_lookup: draft by n-gram lookup instead (exclusive with draft_model), or beside dflash.
         num_draft_tokens: drafts per round, at most. draft_tree: a lone row's tree budget (docs/tree.md).
         prefill_step: prompt tokens per prefill forward.
         checkpoint_interval: also checkpoint every this many prompt tokens (0: never), so a later
@@ -112,12 +112,12 @@ class Engine:
         self.kv, self.vocab_size = kv, vocab_size or len(tokenizer.vocab)
         self.grammars, self.decode_concurrency, self.group = grammars, decode_concurrency, group
         self.prompt_concurrency, self.mtp, self.hot = prompt_concurrency, mtp, hot or HotRuntimes(0)
-        drafting = prompt_lookup or draft_model is not None or mtp is not None
+        drafting = dflash is None and (prompt_lookup or draft_model is not None or mtp is not None)
         one = decode_concurrency == 1
-        # One row: the speculative width adapts per round, as stream_generate's (the cost gate
-        # is for batches, where a wider verify multiplies over rows).
+        # One row: the width adapts per round, as stream_generate's (the gate is for batches: a wider verify x rows)
         self.decoder = make_decoder(model, num_draft_tokens=num_draft_tokens if drafting else 0, dflash=dflash,
-                                    draft_model=draft_model, prefill_step=prefill_step,
+                                    prompt_lookup=prompt_lookup and dflash is not None, draft_model=draft_model,
+                                    prefill_step=prefill_step,
                                     draft_min_prob=DRAFT_MIN_PROB if draft_model is not None else 0.0,
                                     gate=not one and group is None, one_row=one, mtp=mtp, draft_tree=draft_tree)
         self._buffers: dict[str, collections.deque] = {}

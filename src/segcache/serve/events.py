@@ -85,7 +85,7 @@ class Usage:
 
     Attributes:
         tier: where the cached tokens came from ("ram", "disk", "ram+disk", "remote"; "-": none).
-        drafter: "plain", "draft", "lookup", "mtp" or "dflash"; drafted / accepted: its draft tokens
+        drafter: "plain", "draft", "lookup", "mtp", "dflash" or "lookup+dflash"; drafted / accepted: its draft tokens
             proposed / accepted by the target.
         ttft: seconds from the request's arrival to its first token (server side).
     """

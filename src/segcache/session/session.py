@@ -145,7 +145,7 @@ class Session:
         logits) from the store; nothing is fed yet."""
         ids = self.history if self.whole else self.history[:-1]
         held = self.held = len(self.runtime.tokens)
-        if self.decoder.mode in ("mtp", "dflash"):  # the drafter's cache rides with the runtime: fed, stored, resumed
+        if self.decoder.mode in ("mtp", "dflash", "lookup+dflash"):  # the drafter's cache rides with the runtime: fed, stored, resumed
             self.decoder.drafter.attach(self.runtime)
         if held < len(ids):
             self.plan = store_prefill.begin(self.runtime, ids, store_prefill.held_prefix(self.runtime, ids),
