@@ -39,10 +39,10 @@ def records(store) -> list:
     return sorted((e.key, e.kind, e.tokens) for e in store.entries())
 
 
-def served(family, tk, prompt, store, concurrency, **drafting):
-    """Serve the prompt through the engine; its events."""
+def served(family, tk, prompt, store, concurrency, whole=True, **drafting):
+    """Serve the prompt through the engine (its sessions `whole` or not); its events."""
     engine = Engine(model(family), tk, store=store, decode_concurrency=concurrency, checkpoint_interval=0,
-                    vocab_size=models.VOCAB, **drafting)
+                    vocab_size=models.VOCAB, whole_prompt=whole, **drafting)
     sched = Scheduler(engine, max_queue=1, max_running=concurrency, begin_step=engine.begin_step)
     events = []
     sched.submit(Job(GenRequest("x", list(prompt), 30), events.append))
@@ -53,23 +53,28 @@ def served(family, tk, prompt, store, concurrency, **drafting):
     return events
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["prompt-1", "whole"])
 @pytest.mark.parametrize("family", ["qwen3_5", "llama"])
 @pytest.mark.parametrize("drafting", [{}, {"prompt_lookup": True}], ids=["plain", "lookup"])
-def test_stream_generate_and_the_engine_publish_the_same_records(tmp_path, family, drafting):
+def test_stream_generate_and_the_engine_publish_the_same_records(tmp_path, family, drafting, whole):
+    """Whole or not (the server's sessions are whole by default), the same records; a whole
+    session's are the other's and the whole prompt's end with its logits."""
     prompt, tk = eos_case(family)
     target = model(family)
     with open_store(tmp_path / "generate") as store:
         rt = Runtime(target, store=store)
-        out = list(stream_generate(target, tk, prompt, max_tokens=30, runtime=rt, **drafting))
+        out = list(stream_generate(target, tk, prompt, max_tokens=30, runtime=rt, whole_prompt=whole, **drafting))
         assert out[-1].finish_reason == "stop"  # it ended on its EOS ...
         answer = [r.token for r in out]
         assert rt.tokens == prompt + answer  # ... which the runtime holds, fed
         want = records(store)
     # the published prompt + answer reaches the EOS: a checkpoint there
     assert max(t for _, kind, t in want if kind == "ckpt") == len(prompt) + len(answer)
+    if whole:  # both ends of the prompt: all but its last token (as without `whole`) and all of it
+        assert {len(prompt) - 1, len(prompt)} <= {t for _, kind, t in want if kind == "ckpt"}
     for concurrency in (1, 3):
         with open_store(tmp_path / f"served{concurrency}") as store:
-            events = served(family, tk, prompt, store, concurrency, **drafting)
+            events = served(family, tk, prompt, store, concurrency, whole, **drafting)
             finish = events[-1]
             assert isinstance(finish, Finish) and finish.reason == "stop"
             assert finish.usage.completion_tokens == len(answer)
