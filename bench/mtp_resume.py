@@ -69,7 +69,8 @@ def _uses_head(config: str) -> bool:
 
 def _agrees(first: str, want: str) -> bool:
     """The first token's text agrees with plain's (the server's first chunk may hold more tokens, or
-    fewer characters while its detokenizer waits for the rest of one)."""
+    fewer characters while its detokenizer waits for the rest of one; a leading space dropped)."""
+    first, want = first.strip(), want.strip()
     return first.startswith(want) or want.startswith(first)
 
 
