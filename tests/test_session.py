@@ -12,7 +12,7 @@ import pytest
 from segcache import Runtime, open_store
 from segcache.batch.decoder import BatchDecoder
 from segcache.generation import stream_generate
-from segcache.serve.engine import Chunk, Engine, Finish, GenRequest, Progress
+from segcache.serve.engine import Chunk, Engine, Failure, Finish, GenRequest, Progress
 from segcache.serve.worker import Job, Scheduler
 from segcache.session.session import Session
 from segcache.testing import models
@@ -137,3 +137,36 @@ def test_the_surfaces_see_progress_unless_told_not_to():
 
     assert events_of(False) == ["Chunk", "Finish"]
     assert events_of(True) == ["Progress", "Progress", "Chunk", "Finish"]
+
+
+def test_a_batch_rows_last_token_forward_that_fails_fails_its_prompt_only(tmp_path, monkeypatch):
+    """A whole session's prompt prefilled as a row of the padded batch feeds its last token alone
+    on the row's runtime: a failure there fails that request (publishing nothing of its prompt), as a
+    failed batch forward does, and the engine serves the next request as before."""
+    family = "qwen3_5"
+    prompt, tk = eos_case(family)
+    target = model(family)
+    prompts = {"a": prompt + [5, 6, 7], "b": prompt[:12] + [9, 9]}
+    forward = Runtime.forward
+
+    def failing(rt, tokens, *args, **kwargs):
+        if len(tokens) == 1 and list(tokens) == prompts["a"][-1:] and rt.tokens == prompts["a"][:-1]:
+            raise RuntimeError("the last token's forward fails")
+        return forward(rt, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(Runtime, "forward", failing)
+    with open_store(tmp_path / "s") as store:
+        engine = Engine(target, tk, store=store, decode_concurrency=3, checkpoint_interval=0, vocab_size=models.VOCAB)
+        sched = Scheduler(engine, max_queue=4, max_running=3, begin_step=engine.begin_step)
+        events = {rid: [] for rid in prompts}
+        for rid, ids in prompts.items():
+            sched.submit(Job(GenRequest(rid, list(ids), 8), events[rid].append))
+        for _ in range(300):
+            if not sched.step():
+                break
+        assert isinstance(events["a"][-1], Failure) and isinstance(events["b"][-1], Finish)
+        ends = {t for _, kind, t in records(store) if kind == "ckpt"}
+        assert len(prompts["b"]) in ends and not ends & {len(prompts["a"]) - 1, len(prompts["a"])}  # none of a's
+        want = "".join(r.text for r in stream_generate(target, tk, prompts["b"], max_tokens=8))
+        assert "".join(e.text for e in events["b"] if isinstance(e, Chunk)) == want
+        assert engine._prefilling == 0 and len(engine.decoder) == 0

@@ -209,9 +209,13 @@ class Session:
             plan.reached(stop.runtime, stop.position, stop.logits)
             if stop.position == end:
                 self.runtime, self.in_batch = stop.runtime, False
-                with collecting([self.hidden]):
-                    for _ in plan.feed(self.runtime, 1):  # `whole`: the last token, one forward
-                        pass
+                try:
+                    with collecting([self.hidden]):
+                        for _ in plan.feed(self.runtime, 1):  # `whole`: the last token, one forward
+                            pass
+                except Exception as exc:  # as a failed batch forward: this prompt fails, publishing nothing
+                    self.failed = f"{type(exc).__name__}: {exc}"
+                    return
                 self.fed = plan.pos
                 plan.finish(self.runtime)
 
