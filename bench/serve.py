@@ -1,7 +1,8 @@
 """Replay an agent-style trace against `segcache serve` and `mlx_lm.server`; TTFT per phase.
 
     python bench/serve.py [--model DIR] [--tokens 24] [--mlx-blas same|wheel]
-    python bench/serve.py --sweep [--sweep-tokens 64] [--streams 1,2,4,8] [--base SRC]
+    python bench/serve.py --sweep [--sweep-tokens 64] [--streams 1,2,4,8] [--base SRC] [--sweep-rounds R]
+                          [--only NAMES] [--no-one]
     python bench/serve.py --join [--join-chars 7000] [--sweep-tokens 64]
     python bench/serve.py --cold [--rounds 5] [--cold-chars 1000] [--sweep-tokens 64] [--vllm-mlx PATH] [--base SRC]
     python bench/serve.py --lone [--rounds 5] [--cold-chars 1000] [--sweep-tokens 64] [--base SRC]
@@ -30,8 +31,10 @@ segcache plain, segcache with prompt lookup, segcache with the draft model
 (both batched speculative rounds), mlx_lm.server; and segcache one at a time
 (--decode-concurrency 1) as the baseline. Reports aggregate generated tok/s
 (completion tokens over the wall time) and mean TTFT. `--base SRC` adds
-plain segcache served from another tree's sources; at each N the servers
-run one after another.
+plain segcache served from another tree's sources. At each N the servers
+run one after another, in an order rotated per round and per N (the first
+server of a run reads ~5% high); `--sweep-rounds R` (default `--rounds`)
+gives per-round ratios and medians; `--only` keeps some of the servers.
 
 `--cold`: 8 clients at once, each a distinct cold prompt of --cold-chars
 characters of Python and a --sweep-tokens answer, against fresh servers:
@@ -325,32 +328,55 @@ def sweep(args, env, mlx_env, work: Path) -> int:
     }
     if args.base:  # another tree's sources, plain: before and after in the same run
         configs["segcache base"] = (ours, base_env(env, args.base))
-    rows = {}
-    for n in streams:  # at each N every server in turn: before and after a change in the same minutes
-        for name, (cmd, e) in configs.items():
-            port = _port()
-            full = cmd + ["--port", str(port), "--decode-concurrency", str(n), "--prompt-concurrency", str(n)]
-            if name.startswith("segcache"):
-                full += ["--prompt-cache-dir", str(work / f"store-{name.replace(' ', '-')}-{n}")]
-            rows[(name, n)] = burst(Proc(name, full, e, port, work / f"{name.replace(' ', '-')}.log"),
-                                    prompts[:n], args.sweep_tokens)
-            print(f"  {name:<16} N={n}: {rows[(name, n)][0]:7.1f} tok/s, TTFT {rows[(name, n)][1] * 1000:7.0f} ms",
-                  flush=True)
-    port = _port()
-    one = ours + ["--port", str(port), "--decode-concurrency", "1", "--prompt-cache-dir", str(work / "store-one")]
-    base = burst(Proc("segcache 1-at-a-time", one, env, port, work / "one.log"), prompts[: max(streams)],
-                 args.sweep_tokens)
-    print(f"\naggregate generated tok/s (TTFT ms), {args.sweep_tokens} tokens per stream")
-    print(f"{'N':>3}" + "".join(f"{name:>22}" for name in configs) + f"{'vs mlx_lm':>11}")
+    if args.only:  # a subset of the servers (e.g. `--only segcache,segcache base` for a before/after)
+        keep = [x.strip() for x in args.only.split(",")]
+        configs = {k: v for k, v in configs.items() if k in keep}
+    rows = {(name, n): [] for name in configs for n in streams}
+    rounds = args.rounds if args.sweep_rounds is None else args.sweep_rounds
+    loads = []
+    for r in range(rounds):
+        loads.append(os.getloadavg()[0])
+        for i, n in enumerate(streams):  # at each N every server in turn, the order rotated per round and N
+            names = list(configs)
+            at = (r + i) % len(names)  # so no server is always first (the first one of a run reads ~5% high)
+            for name in names[at:] + names[:at]:
+                cmd, e = configs[name]
+                port = _port()
+                full = cmd + ["--port", str(port), "--decode-concurrency", str(n), "--prompt-concurrency", str(n)]
+                if name.startswith("segcache"):
+                    full += ["--prompt-cache-dir", str(work / f"store-{name.replace(' ', '-')}-{n}-{r}")]
+                got = burst(Proc(name, full, e, port, work / f"{name.replace(' ', '-')}.log"), prompts[:n],
+                            args.sweep_tokens)
+                rows[(name, n)].append(got)
+                print(f"  round {r + 1} {name:<16} N={n}: {got[0]:7.1f} tok/s, TTFT {got[1] * 1000:7.0f} ms",
+                      flush=True)
+    med = {key: (statistics.median(t for t, _ in v), statistics.median(x for _, x in v)) for key, v in rows.items()}
+    print(f"\nload average (1 min) at each round's start: {', '.join(f'{x:.1f}' for x in loads)}")
+    print(f"aggregate generated tok/s (TTFT ms), {args.sweep_tokens} tokens per stream, medians of {rounds} round(s)")
+    print(f"{'N':>3}" + "".join(f"{name:>22}" for name in configs))
     for n in streams:
-        cells = "".join(f"{rows[(c, n)][0]:>12.1f} ({rows[(c, n)][1] * 1000:>6.0f})" for c in configs)
-        print(f"{n:>3}{cells}{rows[('segcache', n)][0] / rows[('mlx_lm.server', n)][0]:>10.2f}x")
-    top = max(streams)
-    print(f"segcache one at a time, N={top}: {base[0]:.1f} tok/s; batched N={top}: "
-          f"{rows[('segcache', top)][0] / base[0]:.2f}x of it")
-    if args.base:
-        print("segcache / segcache base: " + ", ".join(
-            f"N={n} {rows[('segcache', n)][0] / rows[('segcache base', n)][0]:.2f}x" for n in streams))
+        print(f"{n:>3}" + "".join(f"{med[(c, n)][0]:>12.1f} ({med[(c, n)][1] * 1000:>6.0f})" for c in configs))
+
+    def ratios(a: str, b: str) -> str:  # per-round ratios of a to b at each N, and their median
+        out = []
+        for n in streams:
+            per = [x[0] / y[0] for x, y in zip(rows[(a, n)], rows[(b, n)])]
+            out.append(f"N={n} {statistics.median(per):.2f}x (" + ", ".join(f"{x:.2f}" for x in per) + ")")
+        return "; ".join(out)
+
+    if "segcache" in configs:
+        for peer in ("mlx_lm.server", "segcache base"):
+            if peer in configs:
+                print(f"segcache / {peer}, median of rounds: " + ratios("segcache", peer))
+        if not args.no_one:
+            top = max(streams)
+            port = _port()
+            one = ours + ["--port", str(port), "--decode-concurrency", "1", "--prompt-cache-dir",
+                          str(work / "store-one")]
+            base = burst(Proc("segcache 1-at-a-time", one, env, port, work / "one.log"), prompts[:top],
+                         args.sweep_tokens)
+            print(f"segcache one at a time, N={top}: {base[0]:.1f} tok/s; batched N={top} (median): "
+                  f"{med[('segcache', top)][0] / base[0]:.2f}x of it")
     return 0
 
 
@@ -465,6 +491,10 @@ def main() -> int:
                     help="8 clients, cold prompts at once: batched against one at a time and mlx_lm.server")
     ap.add_argument("--cold-chars", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--sweep-rounds", type=int, default=None,
+                    help="--sweep's rounds (default: --rounds), the servers' order rotated per round and N")
+    ap.add_argument("--only", default="", help="--sweep: only these servers (comma-separated names)")
+    ap.add_argument("--no-one", action="store_true", help="--sweep: skip the one-at-a-time baseline")
     ap.add_argument("--vllm-mlx", default=os.environ.get("VLLM_MLX") or shutil.which("vllm-mlx") or "",
                     help="the vllm-mlx command for --cold (skipped where it is not installed)")
     ap.add_argument("--lone", action="store_true",

@@ -2,9 +2,10 @@
 the drafter's identity): saved with the prompt and resumed with it bitwise equal to a cold
 prefill's, so a prompt resumed from the store drafts its first block with no forward of its
 prefix; another drafter's records are other keys (the target resumes, the context is recomputed).
-Through the server's padded prefill batch (session/hidden.py carry_segment) and its hot
-conversations (the row's context handed back at release) the segment goes on with the prompt,
-so a row joins with no forward of its context."""
+DFlash and DFlash2 drafters alike (their context segments are one kind). Through the server's
+padded prefill batch (session/hidden.py carry_segment) and its hot conversations (the row's
+context handed back at release) the segment goes on with the prompt, so a row joins with no
+forward of its context."""
 
 import segcache  # noqa: F401, I001  (binds the system BLAS before mlx is imported)
 
@@ -28,10 +29,11 @@ P, STEP = 16, 8
 PROMPT = [(t * 5 + 3) % 60 + 2 for t in range(45)]
 
 
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
+@pytest.fixture(scope="module", params=("dflash", "dflash2"))
+def target(tmp_path_factory, request):
     model = models.build("qwen3_5")
-    return model, random_drafter(model, tmp_path_factory.mktemp("d"), seed=5, layers=2)
+    return model, random_drafter(model, tmp_path_factory.mktemp("d"), seed=5, layers=2,
+                                 dflash2=request.param == "dflash2")
 
 
 def _state(rt):

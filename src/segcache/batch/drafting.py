@@ -109,12 +109,13 @@ def each_row(states: list, fn) -> list:
 
 
 def draft_position(raw: mx.array, states: list, widths: list[int], j: int, chain: list, qs: list[list], *,
-                   greedy: bool, processed: bool) -> tuple[mx.array, mx.array]:
+                   greedy: bool, processed: bool, select=None) -> tuple[mx.array, mx.array]:
     """Every row's draft at position `j` from the drafter's raw logits `raw` [B, V]: (log-probs [B, V]
-    after each drafting row's processors, as the verify will apply them; tokens [B] uint32). `chain`:
-    the tokens drafted before `j`, per position. Greedy rows take one argmax for the batch; otherwise
-    each drafting row proposes by its own acceptor and its q is appended to `qs[i]` (the others'
-    tokens are never verified)."""
+    after each drafting row's processors, as the verify will apply them, and `select`; tokens [B]
+    uint32). `chain`: the tokens drafted before `j`, per position. `select`: None, or (log-probs, j)
+    -> the log-probs [B, V] the rows propose from (DFlash2's candidate selector). Greedy rows take one
+    argmax for the batch; otherwise each drafting row proposes by its own acceptor and its q is
+    appended to `qs[i]` (the others' tokens are never verified)."""
     if processed:
         so_far = mx.stack(chain, axis=1) if chain else None
         lp = mx.concatenate(each_row(states, lambda i, s: normalize(raw[i : i + 1])
@@ -123,6 +124,8 @@ def draft_position(raw: mx.array, states: list, widths: list[int], j: int, chain
                                          raw[i], s.history, () if so_far is None else so_far[i])))
     else:
         lp = normalize(raw)
+    if select is not None:
+        lp = select(lp, j)
     if greedy:
         return lp, mx.argmax(lp, axis=-1).astype(mx.uint32)
     props = each_row(states, lambda i, s: s.acceptor.propose(lp[i]) if j < widths[i]

@@ -179,18 +179,29 @@ class DFlash:
         block = mx.array([[s.history[-1]] + [self.mask_id] * J for s in states], dtype=mx.uint32)
         if B == 1:
             keys, values = rows[0].context()
-            logits = self.drafter.block(block, keys, values, rows[0].n)
+            context = (keys, values, rows[0].n)
         else:
-            logits = self.drafter.block(block, *self._padded(rows, J + 1))
+            context = self._padded(rows, J + 1)
+        selector = self.drafter.selector
+        if selector is None:
+            logits = self.drafter.block(block, *context)
+        else:  # DFlash2: each position's proposal rescored given the draft before it
+            h = self.drafter.block_states(block, *context)
+            logits, projected = self.drafter.logits(h), selector.project(h)
         processed = any(s.processors is not None for s in states)
         greedy = all(isinstance(s.acceptor, GreedyMatch) for s in states)
-        if greedy and not processed:  # one argmax for the batch
+        if greedy and not processed and selector is None:  # one argmax for the batch
             tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)
             mx.async_eval(tokens)
             return Draft(tokens, [min(w, J) for w in widths], [None] * B)
         chain, qs = [], [[] for _ in states]
+
+        def select(lp, j):  # DFlash2: the selector's candidates given the draft before j (the pending token)
+            return selector.rescore(lp, projected[:, j], chain[j - 1] if j else block[:, 0])
+
         for j in range(J):
-            _, toks = draft_position(logits[:, j], states, widths, j, chain, qs, greedy=greedy, processed=processed)
+            _, toks = draft_position(logits[:, j], states, widths, j, chain, qs, greedy=greedy, processed=processed,
+                                     select=None if selector is None else select)
             chain.append(toks)
         tokens = mx.stack(chain, axis=1)
         mx.async_eval(tokens)

@@ -6,6 +6,9 @@
                                 layers.N.self_attn.{q,k,v,o}_proj.weight, .{q,k}_norm.weight,
                                 layers.N.mlp.{gate,up,down}_proj.weight
                                 (quantized: .scales / .biases beside, config.json "quantization")
+                                DFlash2 adds layers.N.{attention_conv,mlp_conv}.base_kernel,
+                                .kernel_projection.weight, candidate_selector.hidden_projection.weight
+                                and the bare arrays candidate_selector.{predecessor,successor}_codebook
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from .config import DFlashConfig, is_dflash, parse, published
 from .model import DFlashModule, Drafter, _target_parts
 
 WEIGHTS_FILE = "model.safetensors"
+CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 
 
 def is_dflash_dir(path) -> bool:
@@ -54,6 +58,9 @@ def read_module(path) -> tuple[DFlashModule, DFlashConfig]:
     weights = {}
     for f in files:
         weights.update(mx.load(str(f)))
+    for name in CODEBOOKS:  # published bare, an Embedding's weight here
+        if name in weights:
+            weights[f"{name}.weight"] = weights.pop(name)
     module = DFlashModule(cfg)
     if cfg.quantization:
         q = cfg.quantization
@@ -111,8 +118,11 @@ def save_dflash(module: DFlashModule, cfg: DFlashConfig, path) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(published(cfg), indent=2) + "\n")
-    mx.save_safetensors(str(path / WEIGHTS_FILE), dict(tree_flatten(module.parameters())),
-                        metadata={"format": "mlx"})
+    weights = dict(tree_flatten(module.parameters()))
+    for name in CODEBOOKS:
+        if f"{name}.scales" not in weights and f"{name}.weight" in weights:  # float codebooks go bare
+            weights[name] = weights.pop(f"{name}.weight")
+    mx.save_safetensors(str(path / WEIGHTS_FILE), weights, metadata={"format": "mlx"})
     return path
 
 

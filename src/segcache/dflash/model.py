@@ -8,6 +8,11 @@
     x      += mlp(post_attention_layernorm(x))                                 every drafter layer
     drafts  = argmax lm_head(norm(x[:, 1:]))                                   the target's output head
 
+A DFlash2 drafter (`architectures: ["DFlash2DraftModel"]`) wraps each layer's attention and
+MLP in grouped dynamic causal convolutions over the block (conv.py: `ConvLayer` here) and
+proposes through a candidate selector (selector.py) instead of each position's argmax; its
+context K/V are a DFlash drafter's.
+
 The drafter owns no embedding or output head; `Drafter` binds its `DFlashModule` (its own
 weights only, the names of the published checkpoints) to a target. Context K/V of all
 drafter layers live in one array [B, layers * kv_heads, n, head_dim] (layer i's heads at
@@ -25,6 +30,8 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from ..errors import UnsupportedModelError
 from .config import DFlashConfig
+from .conv import GroupedDynamicCausalConv
+from .selector import CandidateSelector
 
 
 class Attention(nn.Module):
@@ -72,15 +79,36 @@ class Layer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class ConvLayer(Layer):
+    """A DFlash2 layer: each sublayer's input convolved before it and its output after it, with
+    taps computed from that input (conv.py)."""
+
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__(cfg)
+        k, g = cfg.conv_kernel_size, cfg.conv_group_size
+        self.attention_conv = GroupedDynamicCausalConv(cfg.hidden_size, k, g)
+        self.mlp_conv = GroupedDynamicCausalConv(cfg.hidden_size, k, g)
+
+    def __call__(self, x, ctx_k, ctx_v, rope, offset, mask):
+        y, taps = self.attention_conv.before(self.input_layernorm(x))
+        h = x + self.attention_conv.after(self.self_attn(y, ctx_k, ctx_v, rope, offset, mask), taps)
+        y, taps = self.mlp_conv.before(self.post_attention_layernorm(h))
+        return h + self.mlp_conv.after(self.mlp(y), taps)
+
+
 class DFlashModule(nn.Module):
-    """The drafter's own parameters, named as the published checkpoints name them."""
+    """The drafter's own parameters, named as the published checkpoints name them (DFlash2's
+    codebooks are `candidate_selector.*_codebook.weight` here, bare in a checkpoint: load.py)."""
 
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.fc = nn.Linear(cfg.context_width, cfg.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.layers = [Layer(cfg) for _ in range(cfg.num_hidden_layers)]
+        layer = ConvLayer if cfg.dflash2 else Layer
+        self.layers = [layer(cfg) for _ in range(cfg.num_hidden_layers)]
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        if cfg.dflash2:
+            self.candidate_selector = CandidateSelector(cfg)
 
 
 def _target_parts(model: nn.Module):
@@ -132,6 +160,8 @@ class Drafter:
                                     cfg.max_position_embeddings)
         self.kv_heads = cfg.num_key_value_heads
         self.num_layers = cfg.num_hidden_layers
+        # DFlash2's candidate selector (None: each position proposes from its own logits)
+        self.selector: CandidateSelector | None = module["candidate_selector"] if cfg.dflash2 else None
 
     def context(self, target_hidden: mx.array) -> mx.array:
         """ctx [B, S, H] of the tapped target layers' outputs concatenated, [B, S, m*H]."""
@@ -156,6 +186,12 @@ class Drafter:
         token, then masks, at positions offset.. (int or [B])), over context `keys`/`values`
         ([B, layers*kv_heads, C, D] or None) and the block itself; `mask`: [B, 1, 1, C + L] or
         [B, 1, L, C + L] booleans (padded context rows False), or None (all attended)."""
+        return self.logits(self.block_states(tokens, keys, values, offset, mask))
+
+    def block_states(self, tokens: mx.array, keys: mx.array | None, values: mx.array | None, offset,
+                     mask: mx.array | None = None) -> mx.array:
+        """The final (normed) hidden states [B, L-1, H] of the block's positions 1.. (as `block`), what
+        the output head and DFlash2's selector read."""
         x = self.embed(tokens)
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
@@ -164,7 +200,7 @@ class Drafter:
             ck = None if keys is None else keys[:, i * kh : (i + 1) * kh]
             cv = None if values is None else values[:, i * kh : (i + 1) * kh]
             x = layer(x, ck, cv, self.rope, offset, mask)
-        return self.logits(self.module.norm(x[:, 1:]))
+        return self.module.norm(x[:, 1:])
 
     def logits(self, h: mx.array) -> mx.array:
         out = self.head(h)

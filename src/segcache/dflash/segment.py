@@ -49,7 +49,7 @@ class ContextSegment(OneBehindSegment):
 
     @property
     def identity(self) -> bytes:
-        """What names the drafter in the store: its weights, layers and taps."""
+        """What names the drafter in the store: its weights, layers and taps (and DFlash2's sizes)."""
         return drafter_identity(self.drafter)
 
     def states(self, h: mx.array) -> mx.array:
@@ -91,6 +91,8 @@ def drafter_identity(drafter: Drafter) -> bytes:
         h = hashlib.blake2b(digest_size=32, person=b"segcache.dfl.1")
         c = drafter.cfg
         h.update(f"dflash|layers={c.num_hidden_layers}|taps={list(c.target_layer_ids)}|".encode())
+        if c.dflash2:  # the same context K/V as a DFlash drafter's; named apart all the same
+            h.update(f"dflash2|conv={c.conv_kernel_size}x{c.conv_group_size}|".encode())
         h.update(weights_fingerprint(drafter.module))
         found = _IDENTITIES[drafter] = h.digest()
     return found
