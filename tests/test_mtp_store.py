@@ -17,7 +17,7 @@ from segcache.generation import stream_generate
 from segcache.mtp import MTPHead
 from segcache.mtp.drafter import MTP
 from segcache.mtp.module import _text_parts
-from segcache.serve.engine import Engine, Finish, GenRequest
+from segcache.serve.engine import Chunk, Engine, Finish, GenRequest
 from segcache.serve.worker import Job, Scheduler
 from segcache.session.session import Session
 from segcache.store import drafter_records
@@ -235,7 +235,9 @@ def test_a_prompt_the_engine_prefilled_in_a_padded_batch_stores_the_heads_state(
         serve_once(model, head, tk, st, PROMPT, 6)
         assert joined == [1]  # it was prefilled as a row of the padded batch
         ends = sorted(e.tokens for e in st.entries() if e.kind == "dckpt")
-        assert ends == [len(PROMPT) - 1, len(PROMPT) + 6 - 1 + 1]  # the prompt's, and the answer's end (6 fed)
+        # the prompt's two ends (but its last token, and whole: the server's sessions are whole), and
+        # the answer's end (6 fed)
+        assert ends == [len(PROMPT) - 1, len(PROMPT), len(PROMPT) + 6 - 1 + 1]
     calls = Calls(model)
     before_draft = _count_before_first_draft(monkeypatch, calls)
     with open_store(tmp_path / "s", page_tokens=P, ram_bytes=0) as st, calls:
@@ -280,3 +282,46 @@ def test_across_ranks_the_head_resumes_on_every_rank_or_on_none(target, tmp_path
             assert plan.resume.restored == L and ranks.calls == [True, True]
             assert rt.drafters.get("mtp").stale is not live
             rt.check()
+
+
+def serve_counted(model, head, tk, st, prompt, max_tokens, concurrency, calls):
+    """One request through the engine (MTP with `head`, or plain: None) on store `st`: (its text,
+    its usage, the target's forwards counted when its first chunk came)."""
+    engine = Engine(model, tk, store=st, decode_concurrency=concurrency, checkpoint_interval=0,
+                    vocab_size=models.VOCAB, mtp=head, num_draft_tokens=2 if head is not None else 4)
+    sched = Scheduler(engine, max_queue=2, max_running=concurrency, begin_step=engine.begin_step)
+    events, first = [], []
+
+    def deliver(event):
+        if isinstance(event, Chunk) and not first:
+            first.append(calls.n)
+        events.append(event)
+
+    calls.n = 0
+    sched.submit(Job(GenRequest("x", list(prompt), max_tokens), deliver))
+    for _ in range(200):
+        if not sched.step():
+            break
+    assert isinstance(events[-1], Finish)
+    return "".join(e.text for e in events if isinstance(e, Chunk)), events[-1].usage, first[0]
+
+
+@pytest.mark.parametrize("concurrency", [1, 3], ids=["one-row", "batched"])
+def test_a_prompt_the_server_stored_whole_runs_no_forward_before_its_first_token(target, tmp_path, concurrency):
+    """The server's sessions are whole: a prompt it served once is stored with its end's logits (and
+    the head's records), so served again after a restart (from disk) it runs no target forward before
+    its first token, with MTP and without, and answers as plain greedy decoding."""
+    model, head = target
+    tk = test_tokenizer.tokenizer(eos=False)
+    plain = tk.decode([r.token for r in stream_generate(model, tk, PROMPT, max_tokens=6)])
+    calls = Calls(model)
+    for mtp in (head, None):
+        with open_store(tmp_path / f"s{mtp is None}", page_tokens=P) as st, calls:  # cold: computed, published
+            text, usage, before = serve_counted(model, mtp, tk, st, PROMPT, 6, concurrency, calls)
+            assert text == plain and usage.cached_tokens == 0 and before > 0
+            ends = {e.tokens for e in st.entries() if e.kind == "ckpt"}
+            assert {len(PROMPT) - 1, len(PROMPT)} <= ends  # both ends of the prompt
+        with open_store(tmp_path / f"s{mtp is None}", page_tokens=P, ram_bytes=0) as st, calls:  # restarted
+            text, usage, before = serve_counted(model, mtp, tk, st, PROMPT, 6, concurrency, calls)
+            assert text == plain and usage.cached_tokens == len(PROMPT)
+            assert before == 0, mtp  # the stored logits gave the first token

@@ -89,8 +89,9 @@ def test_completions_match_mlx_lm(server, ref):
     text, finish, usage = stream_text(client, "text", model="target", prompt=PROMPT, max_tokens=40)
     assert (text, finish) == (want, "length")
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(ids), 40)
-    # the second request resumed the first's prompt from the prefix cache (all but its last token)
-    assert usage.prompt_tokens_details.cached_tokens == len(ids) - 1
+    # the second request resumed the first's prompt from the prefix cache: all of it, its end's logits
+    # too (the server's sessions are whole: no forward before the first token)
+    assert usage.prompt_tokens_details.cached_tokens == len(ids)
     # token ids as the prompt, and the model's path as its name
     r = client.completions.create(model=str(TARGET), prompt=ids, max_tokens=40)
     assert r.choices[0].text == want
@@ -128,9 +129,9 @@ def test_conversation_resumes_on_the_hybrid(server, ref):
         cached.append(c)
     assert all(c > 0 for c in cached), cached  # turns 2 and 3
 
-    # regenerate the last turn: its whole prompt (but the last token) is cached
+    # regenerate the last turn: its whole prompt is cached, with its end's logits
     _, c, ids = turn(msgs)
-    assert c == len(ids) - 1
+    assert c == len(ids)
 
     # edit the last question: resumes at least from the start of the last user message
     before_last = "".join(f"{'ASSISTANT' + chr(39) + 's RULE' if m['role'] == 'system' else m['role'].upper()}: "

@@ -13,6 +13,7 @@ from segcache import Runtime, open_store
 from segcache.serve.engine import Chunk, Engine, Finish, GenRequest, Progress
 from segcache.store import Resume
 from segcache.serve.worker import Job, Scheduler
+from segcache.session.session import prompt_checkpoints
 from serve_util import TARGET
 
 TEXT = open(TARGET.parent / "heldout_stdlib.txt").read()
@@ -32,6 +33,13 @@ def prompts(loaded):
         "long": tok.encode(TEXT[5000:7400]),  # ~1,000 tokens: many chunks of CHUNK
         "c": tok.encode(TEXT[9000:9250]),
     }
+
+
+def _prefilled_alone(model, store, engine, ids):
+    """What a server's whole-prompt session publishes for `ids` (session.py): `Runtime.prefill` of
+    the whole prompt, checkpointed at the request's positions and at both of the prompt's ends."""
+    checkpoints = prompt_checkpoints((), len(ids), engine.checkpoint_interval) + [len(ids) - 1]
+    Runtime(model, store=store).prefill(ids, checkpoints=checkpoints)
 
 
 def _alone(loaded, ids, n):
@@ -156,8 +164,7 @@ def test_chunk_joined_prompt_publishes_as_runtime_prefill_and_resumes_from_the_s
         assert h.engine.prefill_chunks - chunks == _chunks(len(prompts["long"]) - 1)  # it came in chunks
         # what the chunked prefills published is what Runtime.prefill publishes (a still runs)
         for rid in ("a", "long"):
-            req = GenRequest(rid, prompts[rid], 1)
-            Runtime(model, store=alone).prefill(prompts[rid][:-1], checkpoints=h.engine._checkpoints(req))
+            _prefilled_alone(model, alone, h.engine, prompts[rid])
         assert sorted((e.key, e.kind, e.tokens) for e in served.entries()) == sorted(
             (e.key, e.kind, e.tokens) for e in alone.entries())
         n = len(prompts["long"]) - 1
@@ -170,7 +177,7 @@ def test_chunk_joined_prompt_publishes_as_runtime_prefill_and_resumes_from_the_s
         h.submit("again", prompts["long"], 8)
         h.submit("more", more, 8)
         h.run()
-        assert h.finish("again").usage.cached_tokens == len(prompts["long"]) - 1
+        assert h.finish("again").usage.cached_tokens == len(prompts["long"])  # whole, with its last logits
         assert h.finish("more").usage.cached_tokens >= len(prompts["long"]) - 1
         assert h.text("again") == _alone(loaded, prompts["long"], 8)
         assert h.text("more") == _alone(loaded, more, 8)
@@ -227,9 +234,8 @@ def test_cold_prompts_arriving_together_are_prefilled_in_shared_forwards(loaded,
         assert len({len(p) for p in ids.values()}) == len(ids)  # of different lengths,
         assert max(len(p) - 1 for p in ids.values()) < min(width, h.engine.checkpoint_interval)  # no stop before
         assert h.engine.prefill_chunks == len(sizes) == math.ceil(max(len(p) - 1 for p in ids.values()) / width)
-        for rid, p in ids.items():
-            req = GenRequest(rid, p, 1)
-            Runtime(model, store=alone).prefill(p[:-1], checkpoints=h.engine._checkpoints(req))
+        for p in ids.values():
+            _prefilled_alone(model, alone, h.engine, p)
         # (the served store holds the finished requests' prompt + answer records too)
         assert {(e.key, e.kind, e.tokens) for e in alone.entries() if e.kind != "node"} <= {
             (e.key, e.kind, e.tokens) for e in served.entries()}
@@ -276,9 +282,9 @@ def test_a_lone_prompt_is_fed_on_its_own_runtime_and_publishes_as_runtime_prefil
             setattr(batch, name, lambda *a, f=getattr(batch, name), name=name: (copies.append(name), f(*a))[1])
         h.submit("a", p, 6)
         h.run()
-        req = GenRequest("a", p, 1)
-        assert len(h.engine._checkpoints(req)) >= 1 and h.engine.prefill_chunks >= 2  # it stopped on its way
+        assert len(prompt_checkpoints((), len(p), h.engine.checkpoint_interval)) >= 1
+        assert h.engine.prefill_chunks >= 2  # it stopped on its way
         assert copies == [] and h.text("a") == _alone(loaded, p, 6)
-        Runtime(model, store=alone).prefill(p[:-1], checkpoints=h.engine._checkpoints(req))
+        _prefilled_alone(model, alone, h.engine, p)
         assert {(e.key, e.kind, e.tokens) for e in alone.entries() if e.kind != "node"} <= {
             (e.key, e.kind, e.tokens) for e in served.entries()}

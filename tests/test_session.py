@@ -12,7 +12,7 @@ import pytest
 from segcache import Runtime, open_store
 from segcache.batch.decoder import BatchDecoder
 from segcache.generation import stream_generate
-from segcache.serve.engine import Chunk, Engine, Finish, GenRequest, Progress
+from segcache.serve.engine import Chunk, Engine, Failure, Finish, GenRequest, Progress
 from segcache.serve.worker import Job, Scheduler
 from segcache.session.session import Session
 from segcache.testing import models
@@ -39,10 +39,10 @@ def records(store) -> list:
     return sorted((e.key, e.kind, e.tokens) for e in store.entries())
 
 
-def served(family, tk, prompt, store, concurrency, **drafting):
-    """Serve the prompt through the engine; its events."""
+def served(family, tk, prompt, store, concurrency, whole=True, **drafting):
+    """Serve the prompt through the engine (its sessions `whole` or not); its events."""
     engine = Engine(model(family), tk, store=store, decode_concurrency=concurrency, checkpoint_interval=0,
-                    vocab_size=models.VOCAB, **drafting)
+                    vocab_size=models.VOCAB, whole_prompt=whole, **drafting)
     sched = Scheduler(engine, max_queue=1, max_running=concurrency, begin_step=engine.begin_step)
     events = []
     sched.submit(Job(GenRequest("x", list(prompt), 30), events.append))
@@ -53,23 +53,28 @@ def served(family, tk, prompt, store, concurrency, **drafting):
     return events
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["prompt-1", "whole"])
 @pytest.mark.parametrize("family", ["qwen3_5", "llama"])
 @pytest.mark.parametrize("drafting", [{}, {"prompt_lookup": True}], ids=["plain", "lookup"])
-def test_stream_generate_and_the_engine_publish_the_same_records(tmp_path, family, drafting):
+def test_stream_generate_and_the_engine_publish_the_same_records(tmp_path, family, drafting, whole):
+    """Whole or not (the server's sessions are whole by default), the same records; a whole
+    session's are the other's and the whole prompt's end with its logits."""
     prompt, tk = eos_case(family)
     target = model(family)
     with open_store(tmp_path / "generate") as store:
         rt = Runtime(target, store=store)
-        out = list(stream_generate(target, tk, prompt, max_tokens=30, runtime=rt, **drafting))
+        out = list(stream_generate(target, tk, prompt, max_tokens=30, runtime=rt, whole_prompt=whole, **drafting))
         assert out[-1].finish_reason == "stop"  # it ended on its EOS ...
         answer = [r.token for r in out]
         assert rt.tokens == prompt + answer  # ... which the runtime holds, fed
         want = records(store)
     # the published prompt + answer reaches the EOS: a checkpoint there
     assert max(t for _, kind, t in want if kind == "ckpt") == len(prompt) + len(answer)
+    if whole:  # both ends of the prompt: all but its last token (as without `whole`) and all of it
+        assert {len(prompt) - 1, len(prompt)} <= {t for _, kind, t in want if kind == "ckpt"}
     for concurrency in (1, 3):
         with open_store(tmp_path / f"served{concurrency}") as store:
-            events = served(family, tk, prompt, store, concurrency, **drafting)
+            events = served(family, tk, prompt, store, concurrency, whole, **drafting)
             finish = events[-1]
             assert isinstance(finish, Finish) and finish.reason == "stop"
             assert finish.usage.completion_tokens == len(answer)
@@ -132,3 +137,36 @@ def test_the_surfaces_see_progress_unless_told_not_to():
 
     assert events_of(False) == ["Chunk", "Finish"]
     assert events_of(True) == ["Progress", "Progress", "Chunk", "Finish"]
+
+
+def test_a_batch_rows_last_token_forward_that_fails_fails_its_prompt_only(tmp_path, monkeypatch):
+    """A whole session's prompt prefilled as a row of the padded batch feeds its last token alone
+    on the row's runtime: a failure there fails that request (publishing nothing of its prompt), as a
+    failed batch forward does, and the engine serves the next request as before."""
+    family = "qwen3_5"
+    prompt, tk = eos_case(family)
+    target = model(family)
+    prompts = {"a": prompt + [5, 6, 7], "b": prompt[:12] + [9, 9]}
+    forward = Runtime.forward
+
+    def failing(rt, tokens, *args, **kwargs):
+        if len(tokens) == 1 and list(tokens) == prompts["a"][-1:] and rt.tokens == prompts["a"][:-1]:
+            raise RuntimeError("the last token's forward fails")
+        return forward(rt, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(Runtime, "forward", failing)
+    with open_store(tmp_path / "s") as store:
+        engine = Engine(target, tk, store=store, decode_concurrency=3, checkpoint_interval=0, vocab_size=models.VOCAB)
+        sched = Scheduler(engine, max_queue=4, max_running=3, begin_step=engine.begin_step)
+        events = {rid: [] for rid in prompts}
+        for rid, ids in prompts.items():
+            sched.submit(Job(GenRequest(rid, list(ids), 8), events[rid].append))
+        for _ in range(300):
+            if not sched.step():
+                break
+        assert isinstance(events["a"][-1], Failure) and isinstance(events["b"][-1], Finish)
+        ends = {t for _, kind, t in records(store) if kind == "ckpt"}
+        assert len(prompts["b"]) in ends and not ends & {len(prompts["a"]) - 1, len(prompts["a"])}  # none of a's
+        want = "".join(r.text for r in stream_generate(target, tk, prompts["b"], max_tokens=8))
+        assert "".join(e.text for e in events["b"] if isinstance(e, Chunk)) == want
+        assert engine._prefilling == 0 and len(engine.decoder) == 0

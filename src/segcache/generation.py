@@ -219,11 +219,12 @@ def stream_generate(
             (`Runtime.quantize_kv`; both target and draft, as mlx-lm does).
         max_kv_size: as mlx-lm's: for a runtime made here, of a model without
             `make_cache`, sliding windows of this many tokens (ignored otherwise).
-        whole_prompt: prefill the whole prompt, its last token too, and take the first token
+        whole_prompt: prefill the whole prompt, its last token too (in a forward of its own, as
+            the first decoding step would feed it: the same answer), and take the first token
             from its last logits: with a store that holds the whole prompt (a checkpoint at its
-            end keeps the logits, as `Runtime.prefill` and a `whole_prompt` generation publish)
-            no forward runs before the first token. False (mlx-lm's shape): all but the last
-            token, which the first decoding step feeds.
+            end keeps the logits, as `Runtime.prefill`, a `whole_prompt` generation and the server
+            publish) no forward runs before the first token. False (mlx-lm's shape): all but
+            the last token, which the first decoding step feeds.
 
     Yields:
         GenerationResponse per token; the last one has `finish_reason` set.

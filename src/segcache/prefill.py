@@ -59,13 +59,22 @@ class Prefill:
         share_at: stops another prompt waits for (serve/fanout.py): the prefix up to each
             is published as soon as it is reached, not only at the end.
         shared: the stops of `share_at` passed (published, or the publish failed: warned).
+        last_alone: the prompt's last token is fed in a forward of its own, as a decoder's first
+            step feeds it after a prefill of all but it, so its logits are that step's bit for bit
+            (a stop at len(ids) - 1, never passed inside a forward: with a store, today's
+            checkpoint of the prompt but its last token, besides the whole prompt's).
     """
 
-    def __init__(self, ids: list, resume: Resume, cache, stops: list, logits, want_logits: bool):
+    def __init__(self, ids: list, resume: Resume, cache, stops: list, logits, want_logits: bool,
+                 last_alone: bool = False):
         self.ids, self.resume, self.cache = ids, resume, cache
         # Invariant: resume.tokens <= pos <= len(ids); stops ascend, each in (pos, len(ids)],
-        # the last len(ids) while pos < len(ids), none once pos == len(ids).
+        # the last len(ids) while pos < len(ids), none once pos == len(ids); with last_alone,
+        # len(ids) - 1 among them while pos < len(ids) - 1.
         self.pos = resume.tokens
+        self.last_alone = last_alone
+        if last_alone and self.pos < len(ids) - 1:
+            stops = sorted({*stops, len(ids) - 1})
         self.stops = [p for p in stops if p > self.pos]
         self.snaps: list = []
         self.seconds = 0.0
@@ -126,6 +135,8 @@ class Prefill:
         if self.cache is None or len(self.stops) < 2 or self.stops[0] in self.share_at:
             return [], [], nearest
         last = next((p for p in self.stops if p in self.share_at), self.stops[-1])
+        if self.last_alone and self.pos < len(self.ids) - 1:
+            last = min(last, len(self.ids) - 1)  # the last token's forward is its own
         end = min(self.pos + min(step_size, PASS_SPAN), last)
         cuts = [p for p in self.stops if p < end]
         layers = self.cache.capturing(rt, end - self.pos) if cuts and self._cache_of(rt) is self.cache else None
@@ -204,6 +215,8 @@ class Prefill:
             raise InvariantError(f"prefill stops {self.stops} not ascending inside ({self.pos}, {L}]")
         if (self.pos < L) != bool(self.stops) or (self.stops and self.stops[-1] != L):
             raise InvariantError(f"prefill at {self.pos} of {L} with stops {self.stops}")
+        if self.last_alone and self.pos < L - 1 and L - 1 not in self.stops:
+            raise InvariantError(f"prefill at {self.pos} of {L} feeds its last token alone, stops {self.stops}")
         lengths = [s.length for s in self.snaps]
         if lengths != sorted(lengths) or any(n > self.pos for n in lengths):
             raise InvariantError(f"prefill snapshots at {lengths}, at position {self.pos}")
@@ -229,11 +242,12 @@ def held_prefix(rt, ids: list[int]) -> int:
 
 
 def begin(rt, ids: list[int], held: int, checkpoints: Iterable[int] = (), agree=None,
-          want_logits: bool = True) -> Prefill:
+          want_logits: bool = True, last_alone: bool = False) -> Prefill:
     """Resume the prompt `ids` on `rt` (holding ids[:held]) from its store, agreed by the ranks.
 
     Store failures are a miss, never an error. `agree`: the ranks' `ranks.Agreement`
-    (None: a process of its own). Returns the `Prefill`, the runtime holding `resume.tokens`.
+    (None: a process of its own). `last_alone`: see `Prefill`. Returns the `Prefill`, the
+    runtime holding `resume.tokens`.
     """
     L = len(ids)
     cache = rt.prefix_cache() if rt.store is not None else None
@@ -272,7 +286,7 @@ def begin(rt, ids: list[int], held: int, checkpoints: Iterable[int] = (), agree=
     if cache is not None:
         start = resume.tokens
         stops = sorted({L, *resume.stops, *(p for p in checkpoints if isinstance(p, int) and start < p < L)})
-    return Prefill(ids, resume, cache, stops, logits, want_logits)
+    return Prefill(ids, resume, cache, stops, logits, want_logits, last_alone)
 
 
 def prefill_steps(rt, tokens, *, step_size: int = 2048, checkpoints: Iterable[int] = (),

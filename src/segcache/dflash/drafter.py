@@ -32,12 +32,14 @@ from .tap import install
 
 
 class _Row:
-    """One row's context: K/V rows of its n committed tokens (`kv.offset == n`)."""
+    """One row's context: K/V rows of its n committed tokens (`kv.offset == n`), and the last
+    one's ctx (`tail` [1, 1, H], None iff n == 0), what a drafter segment handed back keeps."""
 
-    __slots__ = ("kv",)
+    __slots__ = ("kv", "tail")
 
     def __init__(self):
         self.kv = KVCache()
+        self.tail: mx.array | None = None
 
     @property
     def n(self) -> int:
@@ -110,6 +112,7 @@ class DFlash:
                 row.append(keys, values)
             if tail is not None:
                 row.append(*self.drafter.context_kv(tail, held))
+            row.tail = tail
         elif n:
             if None in history[:n]:
                 raise ValueError(f"add({row_id!r}): the runtime holds tokens fed without Runtime.forward "
@@ -122,12 +125,44 @@ class DFlash:
         cache = make_prompt_cache(self.model)
         for i in range(0, len(ids), self.prefill_step):
             self.model(mx.array(ids[i : i + self.prefill_step], dtype=mx.uint32)[None], cache=cache)
-            h = self.tap.take()
-            row.append(*self.drafter.context_kv(self.drafter.context(h), row.n))
-            mx.eval(row.kv.keys, row.kv.values)
+            ctx = self.drafter.context(self.tap.take())
+            row.append(*self.drafter.context_kv(ctx, row.n))
+            row.tail = ctx[:, -1:]
+            mx.eval(row.kv.keys, row.kv.values, row.tail)
 
     def remove(self, row_id):
         self.rows.pop(row_id, None)
+
+    def hand_back(self, row_id, runtime, history: list, keep: int | None = None, fed=None) -> None:
+        """Row `row_id` is released as `runtime`, holding its len(history) - 1 committed tokens (with
+        `keep`, a round is open: the row keeps that many of its verify's tokens; with `fed` [1, 1, ...],
+        the runtime holds the pending token too, fed by a lookahead whose tapped outputs those are):
+        the runtime gets the row's context as a live `ContextSegment` (as the MTP head's drafter hands
+        its state back), so what it publishes carries the context's records and a next turn on it (a
+        hot conversation, serve/hot.py) joins with no forward. A context that does not account for
+        what the runtime holds is not handed back (the runtime's segment stays stale, as before)."""
+        row = self.rows.get(row_id)
+        if row is None or runtime.depth:
+            return
+        more = None
+        if keep and self._ids is not None and self._hidden is not None:
+            more = self._hidden[self._ids.index(row_id)][None, :keep]  # the verify's outputs of kept tokens
+        n = row.n
+        if n + (keep or 0) != len(history) - 1:
+            return
+        seg = ContextSegment(self.drafter)
+        try:
+            if n:
+                keys, values = row.context()
+                seg.load(keys[..., : n - 1, :], values[..., : n - 1, :], n - 1, row.tail)
+            if more is not None:
+                seg.extend(more, history[n : n + keep])
+            if fed is not None:
+                seg.extend(fed, history[len(history) - 1 :])
+        except Exception:  # nothing handed back is a stale segment, never a failed release
+            return
+        if seg.offset == runtime.offset:  # else it would not account for what the runtime holds
+            runtime.attach(seg)
 
     # -- a round ------------------------------------------------------------------------
 
@@ -226,9 +261,12 @@ class DFlash:
         if not rows or T == 0:
             return
         offsets = mx.array([r.n for r in rows], dtype=mx.int32) if len(rows) > 1 else rows[0].n
-        keys, values = self.drafter.context_kv(self.drafter.context(hidden[:, :T]), offsets)
+        ctx = self.drafter.context(hidden[:, :T])
+        keys, values = self.drafter.context_kv(ctx, offsets)
         for i, (r, k) in enumerate(zip(rows, keep)):
             r.append(keys[i : i + 1, :, :k], values[i : i + 1, :, :k])
+            if k:
+                r.tail = ctx[i : i + 1, k - 1 : k]
 
     def rollback(self):
         self._end()

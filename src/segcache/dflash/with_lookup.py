@@ -80,6 +80,10 @@ class WithLookup:
     def attach(self, runtime) -> None:
         self.dflash.attach(runtime)
 
+    def hand_back(self, row_id, runtime, history: list, keep: int | None = None, fed=None) -> None:
+        """DFlash's context goes back to the released runtime (lookup keeps nothing there)."""
+        self.dflash.hand_back(row_id, runtime, history, keep, fed)
+
     # -- rows -------------------------------------------------------------------------
 
     def add(self, row_id, history, runtime, draft_runtime):

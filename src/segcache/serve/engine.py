@@ -49,7 +49,7 @@ from ..grammar import Grammars
 from ..ranks import agreement
 from ..runtime import Runtime
 from ..session.hidden import collecting
-from ..session.session import Session
+from ..session.session import Session, prompt_checkpoints
 from .choice import Choice
 from .fanout import Fanout
 from .events import Chunk, Failure, Finish, GenRequest, Progress, StepFailed, TokenLogprob, Usage
@@ -86,6 +86,8 @@ class Engine:
             with the other ranks, and batches draft without the cost gate (it times each rank's own
             steps, so the ranks' widths would differ); no prompt waits for another's (fanout.py).
         hot: the recent conversations' runtimes a next turn continues from (serve/hot.py); None: none.
+        whole_prompt: every request's Session is `whole` (session.py): a prompt the store holds whole
+            runs no forward before its first token, and each prompt's end is published with its logits.
 
     Attributes:
         prefill_chunk: with several rows, prompt tokens a joining request feeds per scheduler
@@ -102,7 +104,7 @@ class Engine:
                  num_draft_tokens: int = 4, prefill_step: int = 2048, checkpoint_interval: int = 256,
                  decode_concurrency: int = 1, prompt_concurrency: int = 8, vocab_size: Optional[int] = None,
                  grammars: Optional[Grammars] = None, kv=None, group=None, mtp=None, hot=None,
-                 draft_tree: int = 0, dflash=None):
+                 draft_tree: int = 0, dflash=None, whole_prompt: bool = True):
         self.model, self.tokenizer, self.store, self.draft_model = model, tokenizer, store, draft_model
         self.prompt_lookup, self.num_draft_tokens = prompt_lookup, num_draft_tokens
         self.prefill_step, self.checkpoint_interval = prefill_step, checkpoint_interval
@@ -112,6 +114,7 @@ class Engine:
         self.kv, self.vocab_size = kv, vocab_size or len(tokenizer.vocab)
         self.grammars, self.decode_concurrency, self.group = grammars, decode_concurrency, group
         self.prompt_concurrency, self.mtp, self.hot = prompt_concurrency, mtp, hot or HotRuntimes(0)
+        self.whole_prompt = whole_prompt
         drafting = dflash is None and (prompt_lookup or draft_model is not None or mtp is not None)
         one = decode_concurrency == 1
         # One row: the width adapts per round, as stream_generate's (the gate is for batches: a wider verify x rows)
@@ -259,13 +262,14 @@ class Engine:
                 self.model, store=self.store, cache_salt=req.cache_salt, gdn_prefill="auto", group=self.group,
                 **self._kv_options())
             session = Session(self.decoder, rt, req.ids, draft=self._draft_runtime(req), keep=self.hot.enabled,
-                              checkpoints=self._checkpoints(req), prefill_step=self.prefill_step, agree=self.agree)
+                              checkpoints=prompt_checkpoints(req.checkpoints, len(req.ids), self.checkpoint_interval),
+                              prefill_step=self.prefill_step, agree=self.agree, whole=self.whole_prompt)
             plan = session.begin()  # where the prompt resumed from: this request's own answer
             self.fanout.lead(req, session)
             # the first event: what the store restored (the surfaces' usage split before the first token)
             restored = Progress(plan.resume.tokens, len(req.ids))
             one = self.decoder.one_row
-            if one or not plan.left or plan.resume.tokens > plan.left:
+            if one or plan.left <= plan.last_alone or plan.resume.tokens > plan.left:
                 yield restored  # another scheduler step: the running rows decode before the first chunk
                 forwards = plan.left > 0
                 chunk = self.prefill_step if one else min(self.prefill_step, self.prefill_chunk)
@@ -333,12 +337,6 @@ class Engine:
             choice.log()
 
     # -- helpers ----------------------------------------------------------------------
-
-    def _checkpoints(self, req: GenRequest) -> list[int]:
-        """The request's own boundaries, plus every `checkpoint_interval` tokens of its prompt."""
-        every = self.checkpoint_interval
-        grid = range(every, len(req.ids) - 1, every) if every > 0 else ()
-        return sorted(set(req.checkpoints).union(grid))
 
     def _grammars(self, controls: Controls):
         """The model's grammar compiler, built on the first structured request."""

@@ -100,7 +100,7 @@ class Fanout:
         itself; return at once when there is none."""
         if not self.enabled or not self.leads:
             return
-        ids = req.ids[:-1]  # what a session prefills: the decoder feeds the last token
+        ids = req.ids[:-1]  # what it may wait for: its last token has a forward of its own (session.py)
         shared, lead = max(((common_prefix(ids, lead.session.plan.ids), lead) for lead in self.leads.values()
                             if lead.salt == req.cache_salt), key=lambda t: t[0], default=(0, None))
         if shared < MIN_SHARED:
@@ -143,8 +143,8 @@ class Fanout:
 
     def _ask(self, lead: Lead, position: int) -> bool:
         """Make the lead stop at `position` and publish its prefix there; False if it cannot."""
-        s = self.engine.prefill_batch
-        if lead.session.in_batch and not s.stop_at(lead.request_id, position):
+        s = self.engine.prefill_batch  # past the batch row's end the session feeds on alone (`whole`)
+        if lead.session.in_batch and position <= lead.session.batch_end and not s.stop_at(lead.request_id, position):
             return False
         return lead.session.plan.share(position)
 

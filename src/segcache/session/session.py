@@ -37,7 +37,14 @@ import mlx.core as mx
 from ..errors import InvariantError
 from ..runtime import Runtime
 from .. import prefill as store_prefill
-from .hidden import Hidden, carry_head, collecting
+from .hidden import SEGMENT_MODES, Hidden, carry_segment, collecting
+
+
+def prompt_checkpoints(boundaries: Iterable[int], total: int, every: int) -> list[int]:
+    """A request's checkpoints: its own `boundaries` (chat messages), plus every `every` tokens of
+    its `total` (0: none), so a later prompt sharing only part of it resumes within that many."""
+    grid = range(every, total - 1, every) if every > 0 else ()
+    return sorted(set(boundaries).union(grid))
 
 
 @dataclass
@@ -76,7 +83,11 @@ class Session:
         whole: prefill the whole prompt, its last token too, and start the rows from its
             last position's logits (`BatchDecoder.add(logits=)`): a prompt the store holds
             whole (its end's checkpoint keeps the logits) runs no forward before its first
-            token. False: all but the last token (the decoder's first step feeds it).
+            token. The last token is fed in a forward of its own (alone on the runtime, after
+            a `PrefillBatch` row's end too), the forward a decoder's first step would run, so
+            the answer is the one without `whole`, bit for bit on one row; with a store both
+            ends are published (the prompt but its last token, and all of it with its logits).
+            False: all but the last token (the decoder's first step feeds it).
 
     Raises:
         ValueError: the draft runtime holds tokens that are not a prefix of `history`,
@@ -145,11 +156,12 @@ class Session:
         logits) from the store; nothing is fed yet."""
         ids = self.history if self.whole else self.history[:-1]
         held = self.held = len(self.runtime.tokens)
-        if self.decoder.mode in ("mtp", "dflash", "lookup+dflash"):  # the drafter's cache rides with the runtime: fed, stored, resumed
+        if self.decoder.mode in SEGMENT_MODES:  # the drafter's cache rides with the runtime: fed, stored, resumed
             self.decoder.drafter.attach(self.runtime)
         if held < len(ids):
             self.plan = store_prefill.begin(self.runtime, ids, store_prefill.held_prefix(self.runtime, ids),
-                                            self.checkpoints, self.agree, want_logits=self.whole)
+                                            self.checkpoints, self.agree, want_logits=self.whole,
+                                            last_alone=self.whole)
         else:  # it holds the prompt already (a one-token prompt after its conversation)
             self.plan = store_prefill.Prefill(ids, store_prefill.Resume(held), None, [], None, False)
         return self.plan
@@ -166,36 +178,52 @@ class Session:
                         next(steps)
                     except StopIteration:
                         break
-                yield Progress(plan.pos, total)
+                if not (self.whole and plan.pos == total - 1):  # the last token's forward follows at once
+                    yield Progress(plan.pos, total)
         finally:
             steps.close()  # closed mid-prefill: stop there, publish nothing
         plan.finish(self.runtime)
 
+    @property
+    def batch_end(self) -> int:
+        """Where a `PrefillBatch` row of this prompt ends (`whole`: its last token is fed alone)."""
+        return len(self.plan.ids) - self.plan.last_alone
+
     def join_batch(self, batch, row_id: Hashable) -> None:
         """Feed the rest as row `row_id` of a `PrefillBatch` (its forwards run by the caller,
-        each row's outcome handed to `reached`)."""
-        batch.add(row_id, self.runtime, self.plan.ids, self.plan.stops)
+        each row's outcome handed to `reached`), up to `batch_end`."""
+        end = self.batch_end
+        batch.add(row_id, self.runtime, self.plan.ids[:end], [p for p in self.plan.stops if p <= end])
         self.in_batch, self.fed = True, self.plan.pos
 
     def reached(self, fed: int, seconds: float, stop=None) -> None:
         """A batch forward fed the prompt up to `fed` in `seconds` (its share). At a stop, `stop`
         (a `PrefillBatch` `Reached`) holds the prompt up to there in a runtime of its own, which
-        becomes the session's at the prompt's end (then published)."""
-        plan = self.plan
+        becomes the session's at the row's end (`batch_end`; `whole`: then its last token is fed
+        alone on it) and the prompt is published."""
+        plan, end = self.plan, self.batch_end
         self.fed, plan.seconds = fed, plan.seconds + seconds
         if stop is not None:
-            if stop.position == len(plan.ids) and stop.runtime is not self.runtime:  # fed elsewhere: the
-                carry_head(self.runtime, stop.runtime, self.hidden, plan.ids)  # head's segment goes on with it
+            if stop.position == end and stop.runtime is not self.runtime:  # fed elsewhere: the drafter's
+                carry_segment(self.runtime, stop.runtime, self.hidden, plan.ids[:end])  # segment goes on with it
             plan.reached(stop.runtime, stop.position, stop.logits)
-            if not plan.left:
+            if stop.position == end:
                 self.runtime, self.in_batch = stop.runtime, False
-                plan.finish(stop.runtime)
+                try:
+                    with collecting([self.hidden]):
+                        for _ in plan.feed(self.runtime, 1):  # `whole`: the last token, one forward
+                            pass
+                except Exception as exc:  # as a failed batch forward: this prompt fails, publishing nothing
+                    self.failed = f"{type(exc).__name__}: {exc}"
+                    return
+                self.fed = plan.pos
+                plan.finish(self.runtime)
 
     def ready(self):
         """The draft's side of the prompt: its runtime resumed from its own records and fed up
         to the target's prompt but its last token (the decoder feeds what it still lacks); with
         MTP the prefill's hidden states. Returns what a row joins with as its draft."""
-        if self.hidden.tap is not None:
+        if self.hidden.hands_states:
             return self.hidden.states(len(self.plan.ids))
         drt, ids = self.draft, self.history[:-1]
         if drt is not None and drt.store is not None and len(drt.tokens) < len(ids):
