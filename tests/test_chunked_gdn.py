@@ -322,12 +322,19 @@ def test_checkpoints_of_a_chunked_prefill_resume_exactly(tmp_path):
         # the checkpoint at 100 holds what a chunked forward of those 100 tokens produced
         before = store.stats()["hit_tokens"]
         mid = Runtime(model, store=store, gdn_prefill="chunked")
-        mid.prefill(prompt[:100] + [1, 2])
+        got = mid.prefill(prompt[:100] + [1, 2])
         assert store.stats()["hit_tokens"] - before == 100
         solo = Runtime(model, gdn_prefill="chunked")
         solo.forward(prompt[:100])
-        solo.forward([1, 2])
-        assert_states_equal(mid, solo)
+        alone = solo.forward([1, 2])[:, -1]
+        # The checkpoint at 100 is kept inside the 150-token forward, whose projections ran over
+        # more rows than a 100-token forward's: bit for bit where the BLAS rounds a product's
+        # rows alike whatever their number (the reference BLAS, OpenBLAS on Intel), within
+        # rounding where it does not (OpenBLAS on AMD EPYC), as the test below allows.
+        for la, lb in zip(runtime_state(mid), runtime_state(solo)):
+            for x, y in zip(la, lb):
+                assert x.shape == y.shape and rel(x, y) <= 1e-4
+        assert rel(got, alone) <= LOGIT_RTOL and mx.argmax(got).item() == mx.argmax(alone).item()
 
 
 @pytest.mark.parametrize("family, forwards", [("qwen3_next", 1), ("qwen3_5", 1), ("llama", 1), ("gemma3_text", 4)])
