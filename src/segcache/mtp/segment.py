@@ -48,12 +48,10 @@ from ..errors import BranchError, InvariantError
 from ..layers.kv import BatchKVLayer
 from .module import MTPHead
 
-# A catch-up of at most this many pairs per row (a width-1 round after a round: 1 + accepted) takes
-# the head's state at each row's last pair from the call that writes their K/V (the layer's output
-# on at most one more position per row, for one layer call fewer); a longer one computes only the
-# K/V there and asks one query per row at its last pair in a second call (at 8 pairs per row the
-# full layer on every pair cost 0.87 forwards against 0.60: docs/mtp.md).
-SHORT_CATCH_UP = 2
+# A catch-up of at most this many pairs per row takes the head's state at each row's last pair from
+# the call that writes their K/V (the layer on every pair: as cheap as one more query where rows
+# are few positions long); a longer one asks one query per row at its last pair in a second call.
+SHORT_CATCH_UP = 4
 
 
 class HeadKV(BatchKVLayer):
