@@ -48,11 +48,6 @@ from ..errors import BranchError, InvariantError
 from ..layers.kv import BatchKVLayer
 from .module import MTPHead
 
-# A catch-up of at most this many pairs per row takes the head's state at each row's last pair from
-# the call that writes their K/V (the layer on every pair: as cheap as one more query where rows
-# are few positions long); a longer one asks one query per row at its last pair in a second call.
-SHORT_CATCH_UP = 4
-
 
 class HeadKV(BatchKVLayer):
     """A batched KV layer of the head: rows of one length take mlx-lm's `KVCache` path
@@ -330,20 +325,14 @@ class HeadRows:
         module, layer = self.head.module, self.layers[0]
         before = list(layer.lengths)
         z = module.combine(self.head.embed(mx.array(toks, dtype=mx.uint32)), self.tail[:, :S])
-        # every pair's K/V; a short catch-up (a round after a round feeds 1 + accepted pairs) keeps
-        # the layer's output too, read at each row's last pair (one layer call per round, not two);
-        # a long one (after plain steps) computes only the K/V here (the output is never read) ...
-        out = module.run_layer(z, 0, self.layers[0])
+        # every pair's K/V (the layer's output here is never read, so only the K/V are computed) ...
+        module.run_layer(z, 0, self.layers[0])
         layer.lengths = [L + n for L, n in zip(before, feeds)]  # pads lie past each row's end
         self.held = [b + n for b, n in zip(self.held, feeds)]
         self.tail, self.lags = _shift(self.tail, self.lags, feeds)
         self._fed = feeds
-        if S == 1 and SHORT_CATCH_UP:
-            return out
-        last = mx.array([max(n - 1, 0) for n in feeds], dtype=mx.int32)[:, None, None]
-        if S <= SHORT_CATCH_UP:
-            return mx.take_along_axis(out, last, axis=1)
         # ... and the layer's output at each row's last pair only: one query per row
+        last = mx.array([max(n - 1, 0) for n in feeds], dtype=mx.int32)[:, None, None]
         return module.run_layer(mx.take_along_axis(z, last, axis=1), 0, _LastQuery(layer))
 
     def depth(self, h: mx.array, tokens: mx.array, depth: int) -> tuple:
