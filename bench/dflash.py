@@ -2,6 +2,7 @@
 
     python bench/dflash.py --dflash PATH [--blocks 4,8,16] [--rows 1,8] [--tokens 48]
                            [--prompts 8] [--repeats 3] [--drafters mtp,lookup,dflash,lookup+dflash]
+    python bench/dflash.py ... [--gate-clock default|wall]   (the gated rows' clock)
     python bench/dflash.py --random      (a random drafter of the target's width: a smoke run
                                           of the bench itself; its drafts are almost never accepted)
 
@@ -51,6 +52,9 @@ MODELS = Path(segcache.__file__).parent / "models"
 GATED_WIDTH = 4  # the gated width of prompt lookup and the MTP head (the server's --num-draft-tokens)
 
 
+GATE_CLOCK = None  # --gate-clock: None is the gate's default (CPU time on a CPU)
+
+
 def decoder(model, kinds: dict, name: str, rows: int, how):
     """`how`: a block size B (ungated, B-1 drafts a round), "gated" or "adaptive"."""
     one = rows == 1
@@ -61,7 +65,8 @@ def decoder(model, kinds: dict, name: str, rows: int, how):
         extra["prompt_lookup"] = True
     if how == "gated":
         width = 0 if "dflash" in name else GATED_WIDTH
-        return make_decoder(model, num_draft_tokens=width, gate=Gate(), adaptive=False, one_row=one, **extra)
+        return make_decoder(model, num_draft_tokens=width, gate=Gate(clock=GATE_CLOCK), adaptive=False, one_row=one,
+                            **extra)
     if how == "adaptive":
         return make_decoder(model, gate=False, adaptive=True, one_row=one, **extra)
     return make_decoder(model, num_draft_tokens=how - 1, gate=False, adaptive=False, one_row=one, **extra)
@@ -154,8 +159,12 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--gate-clock", choices=("default", "wall"), default="default",
+                    help="the gated rows' clock: the gate's default (CPU time on a CPU) or the wall clock")
     ap.add_argument("--drafters", default="mtp,lookup,dflash,lookup+dflash")
     args = ap.parse_args()
+    global GATE_CLOCK
+    GATE_CLOCK = time.perf_counter if args.gate_clock == "wall" else None
     model, tok = mlx_lm.load(str(MODELS / "target"))
     if args.dflash:
         drafter, source = load_dflash(args.dflash, model), args.dflash
