@@ -217,6 +217,35 @@ def test_greedy_dflash_one_row_and_batched_with_late_joins_equals_plain_greedy(t
 RUNS = 300
 
 
+def sampled_first_tokens(model, drafter, prompt, seed: int, **options) -> tuple[dict, int]:
+    """RUNS first tokens after `prompt` at temperature 1 with `drafter` (each from a clone of one
+    runtime holding the prompt but its last token): their counts, and how many came from a draft."""
+    rt = Runtime(model)
+    rt.forward(prompt[:-1])
+    tk = test_tokenizer.tokenizer(eos=False)
+    mx.random.seed(seed)
+    counts, from_draft = {}, 0
+    for _ in range(RUNS):
+        gen = stream_generate(model, tk, prompt[-1:], runtime=rt.clone(), dflash=drafter, max_tokens=2,
+                              sampler=Sampler(1.0), **options)
+        r = next(gen)
+        gen.close()
+        counts[r.token] = counts.get(r.token, 0) + 1
+        from_draft += r.from_draft
+    return counts, from_draft
+
+
+def assert_exact(counts: dict, from_draft: int, p, accept: float, q=None, slack: float = 0.0) -> None:
+    """The sampled tokens are the target's distribution `p` (chi-square), far from the drafter's own
+    `q` when given (the test's power), and drafts were accepted at the rate `accept` they should be."""
+    stat, df = chi2(counts, p, RUNS)
+    assert df >= 3 and stat < chi2_critical(df), f"chi2 {stat:.1f} at df {df}: not the target's distribution"
+    if q is not None:
+        stat_q, df_q = chi2(counts, q, RUNS)
+        assert stat_q > 3 * chi2_critical(df_q), f"chi2 {stat_q:.1f} against q: no power"
+    assert abs(from_draft - RUNS * accept) < 4.5 * (RUNS * accept * (1 - accept)) ** 0.5 + slack
+
+
 def test_dflash_sampling_matches_the_target_distribution(tmp_path):
     model = models.build("qwen3_5")
     prompt = [5, 17, 33, 2, 40, 11, 9]
@@ -229,23 +258,8 @@ def test_dflash_sampling_matches_the_target_distribution(tmp_path):
     drafter.cfg.mask_token_id = mask
     q, accept = qs[mask].tolist(), overlap[mask]
     assert 0.2 < accept < 0.8
-    rt = Runtime(model)
-    rt.forward(prompt[:-1])
-    tk = test_tokenizer.tokenizer(eos=False)
-    mx.random.seed(5)
-    counts, from_draft = {}, 0
-    for _ in range(RUNS):
-        gen = stream_generate(model, tk, prompt[-1:], runtime=rt.clone(), dflash=drafter, max_tokens=2,
-                              sampler=Sampler(1.0))
-        r = next(gen)
-        gen.close()
-        counts[r.token] = counts.get(r.token, 0) + 1
-        from_draft += r.from_draft
-    stat, df = chi2(counts, p, RUNS)
-    assert df >= 3 and stat < chi2_critical(df), f"chi2 {stat:.1f} at df {df}: not the target's distribution"
-    stat_q, df_q = chi2(counts, q, RUNS)
-    assert stat_q > 3 * chi2_critical(df_q)  # power: far from the drafter's own distribution
-    assert abs(from_draft - RUNS * accept) < 4.5 * (RUNS * accept * (1 - accept)) ** 0.5
+    counts, from_draft = sampled_first_tokens(model, drafter, prompt, seed=5)
+    assert_exact(counts, from_draft, p, accept, q)
 
 
 def test_processors_shape_every_drafted_position_as_plain_decoding(tmp_path):

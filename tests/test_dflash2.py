@@ -30,13 +30,12 @@ from segcache.errors import UnsupportedModelError
 from segcache.generation import generate, stream_generate
 from segcache.processors import make_processors, normalize
 from segcache.runtime import Runtime
-from segcache.sampling import Sampler
 from segcache.testing import models
 from segcache.testing import tokenizer as test_tokenizer
 from segcache.testing.dflash import random_module, tiny_config, write_checkpoint
-from test_dflash import PROMPT, _run_batched, ref_module  # noqa: F401  (ref_module: the reference fixture)
+from test_dflash import ref_module  # noqa: F401  (the reference package's fixture)
+from test_dflash import PROMPT, _run_batched, assert_exact, sampled_first_tokens
 from test_dflash_surfaces import CODE, TARGET, cli
-from test_generate_sampling import chi2, chi2_critical
 from test_mtp_decode import reference
 
 OTHER = [(t * 11 + 5) % 60 + 2 for t in range(14)]
@@ -218,7 +217,6 @@ def test_processors_shape_every_position_the_selector_rescores(tmp_path):
     assert [r.token for r in got] == want
 
 
-RUNS = 300
 
 
 def test_dflash2_sampling_matches_the_target_distribution(tmp_path):
@@ -238,23 +236,8 @@ def test_dflash2_sampling_matches_the_target_distribution(tmp_path):
     drafter.cfg.mask_token_id = mask
     q, accept = qs[mask].tolist(), overlap[mask]
     assert 0.2 < accept < 0.8
-    rt = Runtime(model)
-    rt.forward(prompt[:-1])
-    tk = test_tokenizer.tokenizer(eos=False)
-    mx.random.seed(5)
-    counts, from_draft = {}, 0
-    for _ in range(RUNS):
-        gen = stream_generate(model, tk, prompt[-1:], runtime=rt.clone(), dflash=drafter, max_tokens=2,
-                              sampler=Sampler(1.0))
-        r = next(gen)
-        gen.close()
-        counts[r.token] = counts.get(r.token, 0) + 1
-        from_draft += r.from_draft
-    stat, df = chi2(counts, p, RUNS)
-    assert df >= 3 and stat < chi2_critical(df), f"chi2 {stat:.1f} at df {df}: not the target's distribution"
-    stat_q, df_q = chi2(counts, q, RUNS)
-    assert stat_q > 3 * chi2_critical(df_q)  # power: far from the selector's own distribution
-    assert abs(from_draft - RUNS * accept) < 4.5 * (RUNS * accept * (1 - accept)) ** 0.5
+    counts, from_draft = sampled_first_tokens(model, drafter, prompt, seed=5)
+    assert_exact(counts, from_draft, p, accept, q)
 
 
 def test_the_surfaces_take_a_dflash2_directory(tmp_path, capsys):

@@ -13,13 +13,10 @@ from segcache.dflash.with_lookup import WithLookup, agreed
 from segcache.drafters import make_decoder, make_drafter
 from segcache.generation import stream_generate
 from segcache.lookup import PromptLookup
-from segcache.runtime import Runtime
-from segcache.sampling import Sampler
 from segcache.testing import models
 from segcache.testing import tokenizer as test_tokenizer
 from segcache.testing.dflash import write_checkpoint
-from test_dflash import PROMPT, _blind, _run_batched, _shipped
-from test_generate_sampling import chi2, chi2_critical
+from test_dflash import PROMPT, _blind, _run_batched, _shipped, assert_exact, sampled_first_tokens
 from test_mtp_decode import reference
 
 REPEATS = [3, 4, 5, 6, 7, 8, 3, 4, 5, 6, 7, 8, 3, 4, 5]  # its suffix matches earlier: lookup proposes
@@ -99,7 +96,6 @@ def test_agreement_is_a_censored_count():
     assert lookup.match(3) == (0, [])
 
 
-RUNS = 300
 
 
 def test_sampling_with_a_lookup_match_is_exact(tmp_path):
@@ -117,23 +113,10 @@ def test_sampling_with_a_lookup_match_is_exact(tmp_path):
     p = mx.softmax(model(mx.array(prompt)[None])[0, -1]).tolist()
     path = write_checkpoint(model, tmp_path / "q", seed=4, blind=True, block_size=3)
     drafter = load_dflash(path, model)
-    rt = Runtime(model)
-    rt.forward(prompt[:-1])
-    tk = test_tokenizer.tokenizer(eos=False)
-    mx.random.seed(6)
-    counts, from_draft = {}, 0
-    for _ in range(RUNS):
-        gen = stream_generate(model, tk, prompt[-1:], runtime=rt.clone(), dflash=drafter, prompt_lookup=True,
-                              max_tokens=2, sampler=Sampler(1.0))
-        r = next(gen)
-        gen.close()
-        counts[r.token] = counts.get(r.token, 0) + 1
-        from_draft += r.from_draft
-    stat, df = chi2(counts, p, RUNS)
-    assert df >= 3 and stat < chi2_critical(df), f"chi2 {stat:.1f} at df {df}: not the target's distribution"
+    counts, from_draft = sampled_first_tokens(model, drafter, prompt, seed=6, prompt_lookup=True)
     accept = p[d]
     assert 0.05 < accept < 0.95
-    assert abs(from_draft - RUNS * accept) < 4.5 * (RUNS * accept * (1 - accept)) ** 0.5 + 1
+    assert_exact(counts, from_draft, p, accept, slack=1)
 
 
 def test_prompt_lookup_goes_beside_dflash_only(tmp_path):
