@@ -35,7 +35,7 @@ from segcache.testing import tokenizer as test_tokenizer
 from segcache.testing.dflash import random_module, tiny_config, write_checkpoint
 from test_dflash import ref_module  # noqa: F401  (the reference package's fixture)
 from test_dflash import PROMPT, _run_batched, assert_exact, sampled_first_tokens
-from test_dflash_surfaces import CODE, TARGET, cli
+from test_dflash_surfaces import CODE, TARGET, assert_cli_generates
 from test_mtp_decode import reference
 
 OTHER = [(t * 11 + 5) % 60 + 2 for t in range(14)]
@@ -247,10 +247,4 @@ def test_the_surfaces_take_a_dflash2_directory(tmp_path, capsys):
     path = write_checkpoint(model, tmp_path / "d2", seed=7, block_size=4, dflash2=True)
     expected = mlx_lm.generate(model, tok, CODE[:300], max_tokens=16)
     assert generate(model, tok, CODE[:300], max_tokens=16, dflash=str(path)) == expected
-    base = ["generate", "--model", str(TARGET), "--prompt", CODE[:300], "--max-tokens", "16", "--verbose", "False"]
-    code, out = cli(base + ["--dflash", str(path), "--block-size", "3"], capsys)
-    assert code == 0, out.err
-    assert out.out == expected + "\n"
-    code, out = cli(base + ["--draft-model", str(path)], capsys)
-    assert code == 0, out.err
-    assert out.out == expected + "\n" and "is a DFlash drafter" in out.err
+    assert_cli_generates(path, expected, capsys)

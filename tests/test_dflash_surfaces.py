@@ -32,9 +32,9 @@ def cli(argv, capsys):
     return code, capsys.readouterr()
 
 
-def test_cli_generate_dflash_matches_mlx_lm(target, capsys):
-    model, tok, path = target
-    expected = mlx_lm.generate(model, tok, CODE[:300], max_tokens=16)
+def assert_cli_generates(path, expected: str, capsys) -> list[str]:
+    """`segcache generate` with the drafter at `path`, by --dflash and by --draft-model (which must
+    say it took a DFlash drafter), prints `expected`; returns the command's common arguments."""
     base = ["generate", "--model", str(TARGET), "--prompt", CODE[:300], "--max-tokens", "16", "--verbose", "False"]
     code, out = cli(base + ["--dflash", str(path), "--block-size", "3"], capsys)
     assert code == 0, out.err
@@ -42,6 +42,13 @@ def test_cli_generate_dflash_matches_mlx_lm(target, capsys):
     code, out = cli(base + ["--draft-model", str(path)], capsys)
     assert code == 0, out.err
     assert out.out == expected + "\n" and "is a DFlash drafter" in out.err
+    return base
+
+
+def test_cli_generate_dflash_matches_mlx_lm(target, capsys):
+    model, tok, path = target
+    expected = mlx_lm.generate(model, tok, CODE[:300], max_tokens=16)
+    base = assert_cli_generates(path, expected, capsys)
     code, out = cli(base + ["--dflash", str(path), "--prompt-lookup"], capsys)  # both: per row the better
     assert code == 0, out.err
     assert out.out == expected + "\n"
