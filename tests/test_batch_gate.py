@@ -127,12 +127,25 @@ def test_a_batch_that_stopped_drafting_is_probed_and_recovers():
     assert widths[-1] == 4  # probes come sooner as the estimate rises: back to full width
 
 
-def test_acceptance_is_the_geometric_maximum_likelihood():
+def test_acceptance_is_the_two_rate_maximum_likelihood():
+    """A round's first draft and each later one (given the one before it) have rates of their own,
+    each the maximum-likelihood estimate from the rounds: counted here from the rounds directly."""
+    rounds = [(4, 2), (3, 3), (5, 0), (2, 1)]  # (drafted, accepted)
     row = Acceptance(hits=0.0, tries=0.0)
-    row.update(4, 2, 1.0)  # accepted 2, rejected the 3rd: 3 tried
-    row.update(3, 3, 1.0)  # all 3 accepted: 3 tried, none rejected
-    assert (row.hits, row.tries) == (5.0, 6.0)
-    assert row.expected(2) == pytest.approx(5 / 6 + (5 / 6) ** 2)
+    for drafted, accepted in rounds:
+        row.update(drafted, accepted, 1.0)
+        row.check()
+    first = [a > 0 for _, a in rounds]  # every round tried its first draft
+    later_hits = sum(max(a - 1, 0) for _, a in rounds)
+    later_tries = sum(min(a + 1, d) - 1 for d, a in rounds if a > 0)  # drafts 2.. up to the first rejected
+    p1, p = sum(first) / len(first), later_hits / later_tries
+    assert (row.first_rate, row.later_rate) == (pytest.approx(p1), pytest.approx(p))
+    assert (row.hits, row.tries) == (6.0, 9.0)  # all positions: 2 + 3 + 0 + 1 of 3 + 3 + 1 + 2
+    assert row.expected(3) == pytest.approx(p1 * (1 + p + p * p))
+    # one rate for both where nothing says otherwise: a constructed estimate, the default prior
+    for est in (Acceptance(hits=9.0, tries=10.0), Acceptance()):
+        assert est.first_rate == pytest.approx(est.rate) and est.later_rate == pytest.approx(est.rate)
+        assert est.expected(2) == pytest.approx(est.rate + est.rate ** 2)
 
 
 def test_measured_cost_plain_first_then_each_width_then_scaled_across_row_counts():
@@ -325,3 +338,76 @@ def test_a_width_costs_its_ratio_to_the_plain_steps_timed_just_before_it():
     cost.record(4, 0, 6.0)
     assert cost.estimate(4, 1) == pytest.approx(9.6)  # another row count: the same ratio
     cost.check()
+
+
+def _measured(costs: dict, rows: int = 1) -> MeasuredCost:
+    """Plain steps at 1.0 each (three of them, as the gate asks), then each width's one timing."""
+    cost = MeasuredCost()
+    for _ in range(3):
+        cost.record(rows, 0, 1.0)
+    for width, seconds in costs.items():
+        cost.record(rows, width, seconds)
+    return cost
+
+
+def test_a_blockwise_drafter_guesses_wider_widths_from_verify_positions_only():
+    """Width 1 costs 2.0 plain steps: for a drafter paying a draft per width, width 2 is guessed at
+    3.0 (not worth a try for 1 + 0.9 + 0.81 tokens); for a block drafter, whose width 1 is mostly
+    its one call, width 2 is guessed at width 1's 2.0, so it is tried."""
+    row = Acceptance(hits=9.0, tries=10.0)  # 0.9 at every position
+    for blockwise, want in ((False, 0), (True, 2)):
+        gate = Gate(_measured({1: 2.0}), probe=0, blockwise=blockwise)
+        assert gate.choose([7], [row]) == want, blockwise
+        if blockwise:  # 2.71 tokens for 2.0: the untried guess, tried once
+            assert gate.last["rates"][2] == pytest.approx((1 + 0.9 + 0.81) / 2.0)
+
+
+def test_a_blockwise_probe_drafts_its_best_rated_width():
+    """Nothing pays (a row accepting 0.5: 1.875 tokens at width 3 for 2.02 plain steps): a probe
+    drafts width 1 for a drafter paying per width, and the best-rated width for a block drafter
+    (there, width 3 costs little over width 1)."""
+    row = Acceptance(hits=0.5, tries=1.0)
+    for blockwise, want in ((False, 1), (True, 3)):
+        gate = Gate(_measured({1: 2.0, 2: 2.01, 3: 2.02}), probe=2, blockwise=blockwise)
+        widths = [gate.choose([3], [row]) for _ in range(3)]
+        assert widths == [0, 0, want], blockwise
+
+
+def test_a_joining_row_starts_at_the_rates_pooled_over_earlier_rows():
+    """Rows before it accepted every first draft and half of the later ones: a new row's estimate
+    has those rates, worth the rounds a row that drafted long holds (1 / (1 - decay) = 5)."""
+    from segcache.batch.gate import DraftPolicy
+
+    gate = Gate(_measured({}), decay=0.8)
+    policy = DraftPolicy(4, gate=gate)
+    assert policy.new_estimate() == Acceptance()  # nothing pooled yet: the default prior
+    for _ in range(200):
+        for accepted in (1, 2):  # drafted 4: first accepted always, a later one half the time
+            policy.update(4, Acceptance(), 4, accepted)
+    gate.check()
+    new = policy.new_estimate()
+    new.check()
+    assert new.first_rate == pytest.approx(1.0) and new.later_rate == pytest.approx(gate.pooled.later_rate)
+    assert gate.pooled.later_rate == pytest.approx(1 / 3, abs=0.02)  # 1 of 3 later tries: 0 or 1 accepted + a miss
+    assert new.first_tries == pytest.approx(5.0)
+
+
+def test_the_plain_step_before_a_drafting_step_is_not_timed_as_a_plain_step():
+    """A pipelined plain step that launches no lookahead (the next step drafts) runs no forward of
+    its own: timed, it would price plain steps near 0 and every width far above them. With a clock
+    counting the target's forwards, every plain step the gate records ran one."""
+    model = tiny("qwen3_5")
+    forwards = [0]
+    dec = make_decoder(model, num_draft_tokens=K, draft_model=model,
+                       gate=Gate(proportional, probe=2, clock=lambda: float(forwards[0])))
+    call = dec.batch.forward
+    dec.batch.forward = lambda *a, **k: (forwards.__setitem__(0, forwards[0] + 1), call(*a, **k))[1]
+    recorded = []
+    record = dec.gate.record
+    dec.gate.record = lambda rows, width, seconds: (recorded.append((width, seconds)), record(rows, width, seconds))
+    got, widths, _ = run(dec, model)
+    for i, p in enumerate(PROMPTS):
+        assert got[i][:MAX] == alone(model, p), f"row {i}"
+    plain = [s for w, s in recorded if w == 0]
+    assert any(widths) and len(plain) > 5
+    assert min(plain) >= 1.0, plain

@@ -48,6 +48,7 @@ class Lookup:
     min_prob = 0.0
     draft_runtimes = False
     offers_rooms = False  # the match of the token just emitted
+    blockwise = False
 
     def __init__(self, tree: int = 0):
         if not isinstance(tree, int) or isinstance(tree, bool) or tree < 0:
@@ -137,6 +138,7 @@ class DraftModel:
     mode = "draft"
     draft_runtimes = True
     offers_rooms = True
+    blockwise = False  # one draft forward per width
 
     def __init__(self, rows, *, min_prob: float = 0.0, prefill_step: int = 2048, tree: int = 0):
         self.rows = rows

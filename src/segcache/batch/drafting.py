@@ -154,6 +154,8 @@ class Drafter(Protocol):
             (a draft model, the MTP head; not prompt lookup, whose offer is the match of
             the token just emitted), so a gated decoder can choose the next step's width
             before that token is read and pipeline its plain steps.
+        blockwise: whether a round of any width is one drafter call (a DFlash block), so a
+            wider width costs only more verify positions (the gate's guess, `Gate.blockwise`).
         tree: (optional: the drafters that propose trees) draft nodes per round of a row's
             tree (`Draft.trees`; 0: chains); a gated decoder's tree gate sets it before each
             speculative round (batch/tree_gate.py).
@@ -163,6 +165,7 @@ class Drafter(Protocol):
     min_prob: float
     draft_runtimes: bool
     offers_rooms: bool
+    blockwise: bool
 
     def add(self, row_id, history: list, runtime: Runtime, draft_runtime) -> None:
         """A row joins holding `history[:-1]` in `runtime`; raises (changing nothing) if it cannot."""

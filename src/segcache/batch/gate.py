@@ -7,18 +7,21 @@ step the gate picks the batch's draft width K (0: a plain step, no fork) that
 maximises expected emitted tokens per second ("goodput", as SmartSpec's
 dynamic speculation length):
 
-    E(K) = sum_i 1 + sum_{j=1..min(K, avail_i)} a_i^j      a_i: row i's per-draft acceptance
+    E(K) = sum_i 1 + p1_i (1 + p_i + ... + p_i^(min(K, avail_i) - 1))
     K*   = argmax_K  E(K) / cost(rows, K)                    cost(rows, 0): a plain step
 
 avail_i is what row i can draft (its room; with prompt lookup, its match).
-a_i is the ratio of two decayed counts: drafts accepted over drafts tried,
-where a round that accepted n of k drafts tried n + (n < k) of them (the
-maximum-likelihood estimate of a geometric acceptance). Estimates only move
-when rows draft, so after `probe` plain steps in a row the batch drafts one
-token (every row that can), and estimates that collapsed after a miss streak
-can recover; a probe finding the estimates no better than the last one did
-doubles the wait (up to `max_probe`), so while speculation does not pay
-probes cost one one-draft step per `probe`..`max_probe` steps. While the gate
+p1_i is row i's rate of accepting a round's first draft and p_i its rate of
+accepting each later one after the one before it, each the ratio of two decayed
+counts (`Acceptance`: the maximum-likelihood estimates of a run that stops at
+its first rejection). A joining row starts at the rates pooled over every
+row's rounds (`Gate.pooled`). Estimates only move when rows draft, so after
+`probe` plain steps in a row the batch drafts (one token; a blockwise drafter
+its best-rated width, which costs it about as much), and estimates that
+collapsed after a miss streak can recover; a probe finding the estimates no
+better than the last one did doubles the wait (up to `max_probe`), so while
+speculation does not pay probes cost one drafting step per `probe`..`max_probe`
+steps. While the gate
 keeps choosing plain steps from unchanged inputs (offers, acceptance counts, the
 cost records that can move a choice) and no probe is due, it answers plain
 without pricing the widths again, so a quiet step's choice costs O(rows). Where every
@@ -29,11 +32,16 @@ where the drafter costs half a forward) probes wait `max_probe`.
 Costs are measured on the gate's clock (CPU time where MLX computes on the
 CPU), a width's as its ratio to the plain steps timed just before it
 (`MeasuredCost`), never below a narrower width's; an untried width is guessed
-at the widest measured one's cost plus the least a width added, and a measured
+at the widest measured one's cost plus the least a width added (for a blockwise
+drafter, a DFlash block, not counting width 1's step over plain: that is the
+drafter's one call, which wider widths do not repeat), and a measured
 width must beat plain steps by `margin`. A decoder asks once per step, and with
 a drafter that offers every row its room it asks for the next step while this
 step's tokens are still lazy (`BatchDecoder._plan`), so its plain steps
-pipeline as a plain decoder's do.
+pipeline as a plain decoder's do. A plain step that only reads its lookahead
+and launches none (the one before a drafting step) is not timed: its forward
+ran in the step before it, and it timed 0.2x a plain step, which once priced
+DFlash widths at 12-18 plain steps against the plain steps just before them.
 
 The gate only sets widths: rows verify their drafts exactly as before, so
 every row's output is the same whatever it decides.
@@ -56,6 +64,9 @@ from ..errors import InvariantError
 # among the fastest settings on held-out code prompts with 4 drafts per round
 # (docs/benchmarks.md).
 DRAFT_MIN_PROB = 0.25
+
+# The weight of the past in `Gate.pooled`, per round of any row: about the last 20 rounds.
+POOL_DECAY = 0.95
 
 
 def default_clock() -> Callable[[], float]:
@@ -166,35 +177,73 @@ class MeasuredCost:
 
 @dataclass
 class Acceptance:
-    """One row's acceptance estimate: decayed counts of drafts accepted and tried.
+    """One row's acceptance estimate: decayed counts of drafts accepted and tried, over all
+    positions and at the first position alone.
 
-    Invariant: 0 <= hits <= tries, tries > 0.
+    Two rates: p1 = first_hits / first_tries for a round's first draft, and p = the rest's
+    (hits - first_hits) / (tries - first_tries) for each later draft given the one before it
+    was accepted, each the maximum-likelihood estimate of a geometric run from its counts. A
+    later draft is accepted more often than a first: DFlash's shipped drafter accepts 0.65-0.70
+    of first drafts and 0.75-0.87 of each later one, where one rate for both expected 2.0
+    tokens of a block of 8 that gave 3.5, and kept the gate plain where blocks paid 1.3x.
+
+    Invariant: 0 <= first_hits <= first_tries <= tries, first_hits <= hits,
+    hits - first_hits <= tries - first_tries, tries > 0.
     """
 
     hits: float = 1.0  # prior: a rate of 0.5 worth two tries, soon outweighed
     tries: float = 2.0
+    # None: the overall rate, worth one try (of `tries`), as the prior's first position
+    first_hits: Optional[float] = None
+    first_tries: Optional[float] = None
+
+    def __post_init__(self):
+        if self.first_tries is None:
+            self.first_tries = min(1.0, self.tries)
+            self.first_hits = self.hits / self.tries * self.first_tries if self.tries > 0 else 0.0
 
     def check(self) -> None:
-        if not 0 <= self.hits <= self.tries or self.tries <= 0:
-            raise InvariantError(f"acceptance counts {self.hits} of {self.tries} tries: need 0 <= hits <= tries, tries > 0")
+        h, t, h1, t1 = self.hits, self.tries, self.first_hits, self.first_tries
+        if not (0 <= h1 <= t1 <= t and h1 <= h and h - h1 <= t - t1 + 1e-9 and t > 0):
+            raise InvariantError(f"acceptance counts {h} of {t} tries, {h1} of {t1} first: need 0 <= first hits "
+                                 f"<= first tries <= tries, and no more later hits than later tries, tries > 0")
 
     @property
     def rate(self) -> float:
+        """Drafts accepted per draft tried, over all positions."""
         return self.hits / self.tries
+
+    @property
+    def first_rate(self) -> float:
+        return self.first_hits / self.first_tries if self.first_tries > 0 else self.rate
+
+    @property
+    def later_rate(self) -> float:
+        later = self.tries - self.first_tries
+        return min(1.0, (self.hits - self.first_hits) / later) if later > 1e-9 else self.rate
 
     def update(self, drafted: int, accepted: int, decay: float) -> None:
         if drafted == 0:
             return
         self.hits = decay * self.hits + accepted
         self.tries = decay * self.tries + accepted + (accepted < drafted)
+        self.first_hits = decay * self.first_hits + (accepted > 0)
+        self.first_tries = decay * self.first_tries + 1
+
+    def scaled(self, rounds: float) -> "Acceptance":
+        """The same rates, worth `rounds` rounds (first tries)."""
+        f = rounds / self.first_tries
+        return Acceptance(self.hits * f, self.tries * f, self.first_hits * f, rounds)
 
     def expected(self, k: int) -> float:
-        """Drafts expected accepted out of k: a + a^2 + ... + a^k."""
-        a, total, p = self.rate, 0.0, 1.0
-        for _ in range(k):
-            p *= a
-            total += p
-        return total
+        """Drafts expected accepted out of k: p1 (1 + p + p^2 + ... + p^(k-1))."""
+        if k <= 0:
+            return 0.0
+        p, total, run = self.later_rate, 0.0, 1.0
+        for _ in range(k - 1):
+            run *= p
+            total += run
+        return self.first_rate * (1.0 + total)
 
 
 class Gate:
@@ -217,10 +266,16 @@ class Gate:
         margin: a measured width is chosen over plain steps only when its expected tokens per
             second beat theirs by this fraction (a table's too: a width that barely pays by its
             estimates gains little where it is right and loses where it is not).
+        blockwise: the drafter proposes any width in one call (a DFlash block), so a wider width
+            adds only verify positions: an untried width is guessed at the widest measured one's
+            cost plus the least a measured width past the first added (nothing while only the
+            first is measured), since what width 1 adds over a plain step is mostly the drafter's
+            fixed call. The decoder sets it from its drafter (`Drafter.blockwise`).
     """
 
     def __init__(self, cost=None, *, decay: float = 0.8, probe: int = 8, max_probe: int = 256,
-                 clock: Optional[Callable[[], float]] = None, plain_samples: int = 3, margin: float = 0.05):
+                 clock: Optional[Callable[[], float]] = None, plain_samples: int = 3, margin: float = 0.05,
+                 blockwise: bool = False):
         if cost is None:
             cost = MeasuredCost()
         elif callable(cost) and not isinstance(cost, (TableCost, MeasuredCost)):
@@ -234,6 +289,7 @@ class Gate:
         self.clock = clock if clock is not None else default_clock()
         self.plain_samples = plain_samples
         self.margin = margin
+        self.blockwise = blockwise
         self.last: dict = {}  # the last choice: width, expected tokens per second of each width
         # What the last full evaluation that chose plain was computed from: (avail, each row's
         # (hits, tries), `_costs`), or None. While a choice sees the same inputs and no probe is due
@@ -245,6 +301,16 @@ class Gate:
         # measured (`plain_samples`). Plain steps measured past that only rescale costs the ratios
         # already set (a width's rate over plain's stays).
         self._costs = 0
+        self.pooled = Acceptance()  # every row's rounds, decayed by POOL_DECAY per round
+
+    def prior(self) -> Acceptance:
+        """The pooled rates, worth as many rounds as a row that has drafted long holds (1 / (1 -
+        decay)), or as the pool has seen where that is fewer (at first the default prior)."""
+        pooled, default = self.pooled, Acceptance()
+        if pooled.first_tries <= default.first_tries:
+            return default
+        held = 1.0 / (1.0 - self.decay) if self.decay < 1 else default.first_tries
+        return pooled.scaled(min(held, pooled.first_tries))
 
     def choose(self, avail: list[int], rows: list[Acceptance]) -> int:
         """The width K for a step where row i can draft avail[i] tokens."""
@@ -277,9 +343,7 @@ class Gate:
                 # shared CPU must not make verifying more look cheaper than verifying less
                 c = max(c, floor)
                 measured.add(k)
-                if k > 1 or c > plain:
-                    step = c - floor
-                    slope = step if slope is None else min(slope, step)
+                slope = self._slope(k, c, floor, plain, slope)
                 floor = c
             gain = sum(1 + r.expected(min(k, a)) for a, r in zip(avail, rows))
             rates[k] = gain / (guess if c is None else c)
@@ -292,18 +356,31 @@ class Gate:
             self.quiet, self.wait = 0, self.probe
         elif self.probe and self.quiet >= self.wait and (self.quiet >= self.max_probe
                                                          or not self._hopeless(B, top, plain)):
+            # a probe drafts the width that comes nearest to paying: width 1 where each width costs a
+            # draft of its own; a blockwise drafter's wider block costs a few verify positions more
+            # and tells the estimates of every position (its width 1 cost 2.0 plain steps, its 7
+            # 2.4, for 1.7 and 3.5 tokens)
+            probe = max((k for k in rates if k), key=lambda k: (rates[k], -k)) if self.blockwise else 1
             # back off while probes show the estimates no better than at the last probe
-            ratio = rates[1] / rates[0]
+            ratio = rates[probe] / rates[0]
             # better by the margin: a ratio drawn from noisy step times is better than the last
             # one half the time, and every such reset brought probes back to every `probe` steps
             better = self.probed is not None and ratio > self.probed * (1.0 + self.margin)
-            best, self.quiet, self.probed = 1, 0, ratio
+            best, self.quiet, self.probed = probe, 0, ratio
             self.wait = self.probe if better else min(2 * self.wait, self.max_probe)
         else:
             self.quiet += 1
             self._quiet_key = key or (tuple(avail), tuple((r.hits, r.tries) for r in rows), self._costs)
         self.last = {"width": best, "rates": rates}
         return best
+
+    def _slope(self, k: int, c: float, floor: float, plain: float, slope: Optional[float]) -> Optional[float]:
+        """The least a measured width added over the one below it, width k (cost c, the narrower
+        one's `floor`) counted; a blockwise drafter's width 1 is not (its step over plain is the
+        drafter's call, which wider widths do not repeat)."""
+        if (k > 1 or c > plain) and not (k == 1 and self.blockwise):
+            return c - floor if slope is None else min(slope, c - floor)
+        return slope
 
     def _hopeless(self, rows: int, top: int, plain: float) -> bool:
         """Every width up to `top` the gate could choose costs more than 1 + K plain steps: not even
@@ -318,12 +395,17 @@ class Gate:
             if c is None:
                 return slope is not None and floor + slope > (1 + k) * plain
             c = max(c, floor)
-            if k > 1 or c > plain:
-                slope = c - floor if slope is None else min(slope, c - floor)
+            slope = self._slope(k, c, floor, plain, slope)
             floor = c
             if c <= (1 + k) * plain:
                 return False
         return True
+
+    def check(self) -> None:
+        """The pooled estimate's invariant and the measured costs' (a fixed table has none)."""
+        self.pooled.check()
+        if isinstance(self.cost, MeasuredCost):
+            self.cost.check()
 
     def record(self, rows: int, width: int, seconds: float) -> None:
         self.cost.record(rows, width, seconds)
@@ -342,7 +424,10 @@ class DraftPolicy:
         width_i  = min(avail_i, K), K = gate.choose(avail, estimates) with a cost `Gate`; else avail_i
         drafting stops early for row i after a draft its draft model gives less than `min_prob`
 
-    and after each round `update` moves the row's estimate (for the gate) and its
+    and after each round `update` moves the row's estimate (for the gate), the gate's
+    estimate pooled over every row's rounds (`Gate.pooled`: a joining row's estimate starts
+    at its rates, `new_estimate`, so a row of a few dozen tokens does not spend its life
+    probing its way up from an even prior where the rows before it accepted 70%), and its
     cap: with `adaptive` and neither a cost gate nor `min_prob`, the cap halves
     after a round that accepted nothing and doubles after one that accepted
     everything (1..width). None of it changes what a row emits, only how fast.
@@ -364,6 +449,10 @@ class DraftPolicy:
         self.min_prob = min_prob
         self.adaptive = adaptive and gate is None and not min_prob
 
+    def new_estimate(self) -> Acceptance:
+        """A joining row's estimate (`Gate.prior`; without a gate, the default prior)."""
+        return self.gate.prior() if self.gate is not None else Acceptance()
+
     def room(self, cap: int, remaining: int) -> int:
         """Drafts a row with this cap may propose when it may still emit `remaining` tokens (-1: no limit)."""
         if not self.width:
@@ -380,6 +469,8 @@ class DraftPolicy:
     def update(self, cap: int, estimate: Acceptance, drafted: int, accepted: int) -> int:
         """Record a row's round; returns its new cap."""
         estimate.update(drafted, accepted, self.gate.decay if self.gate is not None else 1.0)
+        if self.gate is not None:
+            self.gate.pooled.update(drafted, accepted, POOL_DECAY)
         if self.adaptive and drafted:
             if accepted == 0:
                 return max(1, cap // 2)

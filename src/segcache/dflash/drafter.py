@@ -69,6 +69,7 @@ class DFlash:
     min_prob = 0.0
     draft_runtimes = False
     offers_rooms = True  # every row drafts from its context whatever the last token was
+    blockwise = True  # one drafter forward per block, whatever the width
 
     def __init__(self, drafter: Drafter, *, block_size: int | None = None, prefill_step: int = 2048):
         self.drafter = drafter

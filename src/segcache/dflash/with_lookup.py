@@ -55,6 +55,7 @@ class WithLookup:
     min_prob = 0.0
     draft_runtimes = False
     offers_rooms = True  # DFlash can draft every row its room; lookup's match only picks the proposal
+    blockwise = True  # either proposal, any width, in one call
 
     def __init__(self, lookup, dflash: DFlash, *, decay: float = 0.8):
         self.lookup, self.dflash, self.decay = lookup, dflash, decay

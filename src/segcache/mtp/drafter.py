@@ -76,6 +76,7 @@ class MTP:
     min_prob = 0.0
     draft_runtimes = True  # the prefill's HiddenStates
     offers_rooms = True  # every row has a hidden state to draft from after a plain step
+    blockwise = False  # one head call per depth
 
     def __init__(self, head: MTPHead, *, prefill_step: int = 2048, plain_first: bool = True, tree: int = 0):
         head = head.for_drafting()  # float16 weights of a float32 target: a float32 copy (same drafts)
