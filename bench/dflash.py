@@ -2,7 +2,9 @@
 
     python bench/dflash.py --dflash PATH [--blocks 4,8,16] [--rows 1,8] [--tokens 48]
                            [--prompts 8] [--repeats 3] [--drafters mtp,lookup,dflash,lookup+dflash]
-    python bench/dflash.py ... [--gate-clock default|wall]   (the gated rows' clock)
+    python bench/dflash.py ... [--gate-clock default|wall|cpu|both]   (the gated rows' clock;
+                                          both: a "gated" row on the default and a "gated-cpu"
+                                          row on the process's CPU time, in the same repeats)
     python bench/dflash.py --random      (a random drafter of the target's width: a smoke run
                                           of the bench itself; its drafts are almost never accepted)
 
@@ -52,20 +54,23 @@ MODELS = Path(segcache.__file__).parent / "models"
 GATED_WIDTH = 4  # the gated width of prompt lookup and the MTP head (the server's --num-draft-tokens)
 
 
-GATE_CLOCK = None  # --gate-clock: None is the gate's default (CPU time on a CPU)
+GATE_CLOCK = None  # --gate-clock: None is the gate's default (the wall clock)
+CLOCKS = {"default": None, "wall": time.perf_counter, "cpu": time.process_time}
 
 
 def decoder(model, kinds: dict, name: str, rows: int, how):
-    """`how`: a block size B (ungated, B-1 drafts a round), "gated" or "adaptive"."""
+    """`how`: a block size B (ungated, B-1 drafts a round), "gated", "gated-cpu" (timed by the
+    process's CPU time) or "adaptive"."""
     one = rows == 1
     if name == "plain":
         return BatchDecoder(model, one_row=one)
     extra = {"dflash": kinds["dflash"]} if "dflash" in name else {"mtp": kinds["mtp"]} if name == "mtp" else {}
     if name == "lookup+dflash":
         extra["prompt_lookup"] = True
-    if how == "gated":
+    if how in ("gated", "gated-cpu"):
         width = 0 if "dflash" in name else GATED_WIDTH
-        return make_decoder(model, num_draft_tokens=width, gate=Gate(clock=GATE_CLOCK), adaptive=False, one_row=one,
+        clock = time.process_time if how == "gated-cpu" else GATE_CLOCK
+        return make_decoder(model, num_draft_tokens=width, gate=Gate(clock=clock), adaptive=False, one_row=one,
                             **extra)
     if how == "adaptive":
         return make_decoder(model, gate=False, adaptive=True, one_row=one, **extra)
@@ -159,12 +164,13 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--gate-clock", choices=("default", "wall"), default="default",
-                    help="the gated rows' clock: the gate's default (CPU time on a CPU) or the wall clock")
+    ap.add_argument("--gate-clock", choices=("default", "wall", "cpu", "both"), default="default",
+                    help="the gated rows' clock: the gate's default (the wall clock), the wall clock, the "
+                         "process's CPU time, or both (the default and a gated-cpu row)")
     ap.add_argument("--drafters", default="mtp,lookup,dflash,lookup+dflash")
     args = ap.parse_args()
     global GATE_CLOCK
-    GATE_CLOCK = time.perf_counter if args.gate_clock == "wall" else None
+    GATE_CLOCK = CLOCKS.get(args.gate_clock)
     model, tok = mlx_lm.load(str(MODELS / "target"))
     if args.dflash:
         drafter, source = load_dflash(args.dflash, model), args.dflash
@@ -183,6 +189,8 @@ def main() -> int:
     _, want, _ = run(BatchDecoder(model, one_row=True), model, toks, args.tokens, 1)
     for rows in [int(x) for x in args.rows.split(",")]:
         configs = [("plain", None)] + [(nm, b) for nm in names for b in blocks] + [(nm, "gated") for nm in names]
+        if args.gate_clock == "both":
+            configs += [(nm, "gated-cpu") for nm in names]
         if rows == 1:
             configs += [(nm, "adaptive") for nm in names if "dflash" in nm]
         costs = {(nm, b): draft_cost(decoder(model, kinds, nm, rows, b), model, toks, rows, b - 1)

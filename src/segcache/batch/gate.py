@@ -54,8 +54,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
-import mlx.core as mx
-
 from ..errors import InvariantError
 
 # The default `min_prob` of a draft model's rows (DraftPolicy; `stream_generate`'s
@@ -70,11 +68,14 @@ POOL_DECAY = 0.95
 
 
 def default_clock() -> Callable[[], float]:
-    """What the gate times steps by: the process's CPU time where MLX computes on the CPU (every
-    forward runs on this process's threads, and other processes sharing the cores, which move
-    wall times by 2-8x on a loaded machine, barely move it), else the wall clock (a GPU's work
-    is not this process's CPU time)."""
-    return time.process_time if mx.default_device().type == mx.DeviceType.cpu else time.perf_counter
+    """What the gate times steps by: the wall clock, on every device. A step's cost is kept as
+    its ratio to the plain steps just before it (`MeasuredCost`), so load from other processes
+    moves both alike. The process's CPU time, the default before, counts the BLAS threads'
+    time: on a CPU it charged a plain one-token step of 8 rows 1.7x its wall time and an MTP
+    round 1.5x, so the gate ran width-1 rounds it measured at 1.5 plain steps where they took
+    1.65-1.86 (gated MTP at 8 rows 0.91x plain on CPU time, 1.02x on the wall clock, the same
+    run); pass `clock=time.process_time` for it."""
+    return time.perf_counter
 
 
 class StepCost(Protocol):
@@ -257,7 +258,7 @@ class Gate:
             (0: never probe); doubled after each probe finding the estimates no
             better than the last, up to `max_probe`.
         clock: seconds, for measuring steps (the decoder times its steps by it); None:
-            `default_clock()` (CPU time where MLX computes on the CPU, else wall time).
+            `default_clock()` (the wall clock).
         plain_samples: with measured costs, a row count's plain steps are measured
             this many times before any width is tried at it: the first step at a
             row count often also computes what a join or a leave left lazy (the

@@ -11,8 +11,7 @@ forward they do). So the gate measures both, as the cost gate measures widths:
 
 Each shape is tried `trial` rounds first (the chain first), then the other
 shape runs one round in every `probe`, so a machine whose load changes is
-followed. Seconds are the cost gate's clock (CPU time where MLX computes on the
-CPU). The gate sets the drafter's budget for the next round; what a row emits
+followed. Seconds are the cost gate's clock (the wall clock by default). The gate sets the drafter's budget for the next round; what a row emits
 is the same either way (batch/tree.py).
 
 What a gate measured outlives its decoder: `TreeGate.of(model, key)` is one
