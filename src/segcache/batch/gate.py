@@ -29,8 +29,7 @@ width it could choose (the measured ones, the narrowest untried at its guess)
 costs more than 1 + K plain steps (not even drafts all accepted could pay: a CPU
 where the drafter costs half a forward) probes wait `max_probe`.
 
-Costs are measured on the gate's clock (CPU time where MLX computes on the
-CPU), a width's as its ratio to the plain steps timed just before it
+Costs are measured on the gate's clock (the wall clock by default), a width's as its ratio to the plain steps timed just before it
 (`MeasuredCost`), never below a narrower width's; an untried width is guessed
 at the widest measured one's cost plus the least a width added (for a blockwise
 drafter, a DFlash block, not counting width 1's step over plain: that is the
