@@ -40,7 +40,7 @@ step's tokens are still lazy (`BatchDecoder._plan`), so its plain steps
 pipeline as a plain decoder's do. A plain step that only reads its lookahead
 and launches none (the one before a drafting step) is not timed: its forward
 ran in the step before it, and it timed 0.2x a plain step, which once priced
-DFlash widths at 12-18 plain steps against the plain steps just before them.
+DFlash widths at 11-18 plain steps against the plain steps just before them.
 
 The gate only sets widths: rows verify their drafts exactly as before, so
 every row's output is the same whatever it decides.
