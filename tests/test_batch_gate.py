@@ -411,3 +411,37 @@ def test_the_plain_step_before_a_drafting_step_is_not_timed_as_a_plain_step():
     plain = [s for w, s in recorded if w == 0]
     assert any(widths) and len(plain) > 5
     assert min(plain) >= 1.0, plain
+
+
+def test_a_draft_models_catch_up_is_not_priced_as_its_rounds_cost():
+    """Rows join with draft runtimes holding nothing, so the first drafting step feeds each its
+    prompt (`DraftModel.prepare`) before the round. That is a draft prefill, paid once: with a clock
+    counting the positions the draft rows are fed, no drafting step the gate records costs more than
+    its own round (up to K draft positions, and a lag short enough to ride along), while the
+    catch-up itself fed the longest prompt's lag in one forward."""
+    from segcache.drafters import GAP_IN_FORK
+
+    model = tiny("qwen3_5")
+    fed = [0]
+    dec = make_decoder(model, num_draft_tokens=K, draft_model=model,
+                       gate=Gate(proportional, probe=2, clock=lambda: float(fed[0])))
+    rows, widest = dec.drafter.rows, []
+    for name in ("forward", "forward_padded"):
+        call = getattr(rows, name)
+
+        def counted(tokens, *a, _call=call, **k):
+            n = tokens.shape[1] if isinstance(tokens, mx.array) else max(map(len, tokens))
+            fed[0] += n
+            widest.append(n)
+            return _call(tokens, *a, **k)
+
+        setattr(rows, name, counted)
+    recorded = []
+    record = dec.gate.record
+    dec.gate.record = lambda r, width, seconds: (recorded.append((width, seconds)), record(r, width, seconds))
+    got, widths, _ = run(dec, model)
+    for i, p in enumerate(PROMPTS):
+        assert got[i][:MAX] == alone(model, p), f"row {i}"
+    rounds = [s for w, s in recorded if w > 0]
+    assert rounds and max(widest) >= max(len(p) for p in PROMPTS)  # a catch-up ran (the prompts, 2 plain steps)
+    assert max(rounds) <= K + GAP_IN_FORK, rounds

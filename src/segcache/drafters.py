@@ -178,6 +178,11 @@ class DraftModel:
     def offer(self, states, rooms):
         return list(rooms)
 
+    def prepare(self, states) -> None:
+        """Feed the draft rows the lags that do not ride along in a round's first forward (a row that
+        joined holding a prefix: its draft prefill, paid once and never in a round's timing)."""
+        self._catch_up(states)
+
     def draft(self, states, widths):
         J = max(widths, default=0)
         if J == 0:

@@ -159,6 +159,10 @@ class Drafter(Protocol):
         tree: (optional: the drafters that propose trees) draft nodes per round of a row's
             tree (`Draft.trees`; 0: chains); a gated decoder's tree gate sets it before each
             speculative round (batch/tree_gate.py).
+
+    A drafter may also have `prepare(states)`: bring its rows up to date before a round (a draft
+    model's rows that joined holding less than the target), called by the decoder before `draft`
+    and not counted in the round's cost, which the gate weighs against later rounds.
     """
 
     mode: str
