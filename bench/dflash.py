@@ -14,7 +14,9 @@ each row taking the proposal it expects more of):
   * at every block size B (ungated, non-adaptive: every round drafts B-1, the MTP head B-1
     deep) and gated (the cost gate choosing each step's width from measured costs, 0: plain;
     widths up to B-1 of the drafter's own block, 4 for prompt lookup and the head, as the
-    server runs them), and at one row adaptive (the width halved / doubled per round, as
+    server runs them), gated-warm (one gate kept across the repeats, as `segcache serve` keeps
+    its decoder's gate across requests: it explores once, where a fresh gate explores in every
+    48-token run), and at one row adaptive (the width halved / doubled per round, as
     `stream_generate` runs it) for the DFlash drafters:
       tokens per step (emitted / steps, plain steps counted), acceptance per block position
       (rounds that reached position j and accepted it), end-to-end tokens per second and its
@@ -58,20 +60,22 @@ GATE_CLOCK = None  # --gate-clock: None is the gate's default (the wall clock)
 CLOCKS = {"default": None, "wall": time.perf_counter, "cpu": time.process_time}
 
 
-def decoder(model, kinds: dict, name: str, rows: int, how):
+def decoder(model, kinds: dict, name: str, rows: int, how, warm: dict | None = None):
     """`how`: a block size B (ungated, B-1 drafts a round), "gated", "gated-cpu" (timed by the
-    process's CPU time) or "adaptive"."""
+    process's CPU time), "gated-warm" (one gate kept in `warm` across the repeats, as a server's
+    decoder keeps its gate across requests: what it measured and learned, exploring once) or
+    "adaptive"."""
     one = rows == 1
     if name == "plain":
         return BatchDecoder(model, one_row=one)
     extra = {"dflash": kinds["dflash"]} if "dflash" in name else {"mtp": kinds["mtp"]} if name == "mtp" else {}
     if name == "lookup+dflash":
         extra["prompt_lookup"] = True
-    if how in ("gated", "gated-cpu"):
+    if how in ("gated", "gated-cpu", "gated-warm"):
         width = 0 if "dflash" in name else GATED_WIDTH
         clock = time.process_time if how == "gated-cpu" else GATE_CLOCK
-        return make_decoder(model, num_draft_tokens=width, gate=Gate(clock=clock), adaptive=False, one_row=one,
-                            **extra)
+        gate = Gate(clock=clock) if how != "gated-warm" else warm.setdefault((name, rows), Gate(clock=clock))
+        return make_decoder(model, num_draft_tokens=width, gate=gate, adaptive=False, one_row=one, **extra)
     if how == "adaptive":
         return make_decoder(model, gate=False, adaptive=True, one_row=one, **extra)
     return make_decoder(model, num_draft_tokens=how - 1, gate=False, adaptive=False, one_row=one, **extra)
@@ -189,18 +193,20 @@ def main() -> int:
     _, want, _ = run(BatchDecoder(model, one_row=True), model, toks, args.tokens, 1)
     for rows in [int(x) for x in args.rows.split(",")]:
         configs = [("plain", None)] + [(nm, b) for nm in names for b in blocks] + [(nm, "gated") for nm in names]
+        configs += [(nm, "gated-warm") for nm in names]
         if args.gate_clock == "both":
             configs += [(nm, "gated-cpu") for nm in names]
         if rows == 1:
             configs += [(nm, "adaptive") for nm in names if "dflash" in nm]
         costs = {(nm, b): draft_cost(decoder(model, kinds, nm, rows, b), model, toks, rows, b - 1)
                  for nm in names for b in blocks}
+        warm: dict = {}  # the gated-warm rows' gates, one per drafter, kept across the repeats
         tps = {c: [] for c in configs}
         rounds = {c: [] for c in configs}
         chosen = {c: {"lookup": 0, "dflash": 0} for c in configs}
         for r in range(args.repeats):
             for c in configs[r % len(configs):] + configs[: r % len(configs)]:  # rotated per repeat
-                dec = decoder(model, kinds, c[0], rows, c[1])
+                dec = decoder(model, kinds, c[0], rows, c[1], warm)
                 t, got, steps = run(dec, model, toks, args.tokens, rows)
                 assert got == want, f"{rows} rows, {c}: not plain decoding's tokens"
                 tps[c].append(t)
