@@ -56,6 +56,20 @@ def run(dec, model, prompts=PROMPTS):
     return got, widths, list(states.values())
 
 
+def recording(gate) -> list:
+    """The (width, cost) of every step `gate` records, in order."""
+    recorded = []
+    record = gate.record
+    gate.record = lambda rows, width, seconds: (recorded.append((width, seconds)), record(rows, width, seconds))
+    return recorded
+
+
+def assert_alone(got, model, prompts=PROMPTS):
+    """Every row emitted what it emits decoded alone."""
+    for i, p in enumerate(prompts):
+        assert got[i][:MAX] == alone(model, p), f"row {i}"
+
+
 def counting(dec):
     """Count the target batch's verify forwards: a forward of more than one position per row,
     which a plain step never runs (its pipelined lookahead is one token per row, in a branch)."""
@@ -79,8 +93,7 @@ def test_speculation_that_does_not_pay_never_forks_and_rows_stay_exact(drafter):
                        gate=Gate(proportional, probe=0))
     forks = counting(dec)
     got, widths, states = run(dec, model)
-    for i, p in enumerate(PROMPTS):
-        assert got[i][:MAX] == alone(model, p), f"row {i}"
+    assert_alone(got, model)
     assert not forks and set(widths) == {0}
 
 
@@ -90,8 +103,7 @@ def test_speculation_that_pays_drafts_full_width_with_a_draft_model(family):
     dec = make_decoder(model, num_draft_tokens=K, draft_model=model, gate=Gate(flat))
     forks = counting(dec)
     got, widths, states = run(dec, model)
-    for i, p in enumerate(PROMPTS):
-        assert got[i][:MAX] == alone(model, p), f"row {i}"
+    assert_alone(got, model)
     # all accepted, so each step emits K + 1 per row until a row's room is smaller
     assert widths[:3] == [K] * 3 and len(forks) == sum(1 for w in widths if w)
     assert all(s.accepted == s.drafted > 0 for s in states)
@@ -102,8 +114,7 @@ def test_lookup_rows_draft_their_match_up_to_the_width_the_gate_picks():
     # positions past 2 cost far more: K = 2 is the best width for rows that accept all
     dec = make_decoder(model, num_draft_tokens=K, gate=Gate(lambda r, w: 1.0 + 0.01 * w + 10.0 * max(0, w - 2)))
     got, widths, states = run(dec, model)
-    for i, p in enumerate(PROMPTS):
-        assert got[i][:MAX] == alone(model, p), f"row {i}"
+    assert_alone(got, model)
     assert max(widths) == 2 and 2 in widths
 
 
@@ -181,8 +192,7 @@ def test_the_draft_batch_skips_plain_steps_and_catches_up_before_drafting(family
     check = dec.check
     dec.check = lambda: (check(), lags.append([len(dec.rows[r.id].history) - 1 - len(r.tokens) for r in dec.drafter.rows.rows]))
     got, widths, states = run(dec, model)
-    for i, p in enumerate(PROMPTS):
-        assert got[i][:MAX] == alone(model, p), f"row {i}"
+    assert_alone(got, model)
     assert widths[:8] == [0, 0, 1, 0, 0, 0, 0, 1]
     # the prompt (fed to the draft when the row first drafts) and two plain steps: never fed yet
     assert lags[1] == [len(p) - 1 + 2 for p in PROMPTS]
@@ -402,12 +412,9 @@ def test_the_plain_step_before_a_drafting_step_is_not_timed_as_a_plain_step():
                        gate=Gate(proportional, probe=2, clock=lambda: float(forwards[0])))
     call = dec.batch.forward
     dec.batch.forward = lambda *a, **k: (forwards.__setitem__(0, forwards[0] + 1), call(*a, **k))[1]
-    recorded = []
-    record = dec.gate.record
-    dec.gate.record = lambda rows, width, seconds: (recorded.append((width, seconds)), record(rows, width, seconds))
+    recorded = recording(dec.gate)
     got, widths, _ = run(dec, model)
-    for i, p in enumerate(PROMPTS):
-        assert got[i][:MAX] == alone(model, p), f"row {i}"
+    assert_alone(got, model)
     plain = [s for w, s in recorded if w == 0]
     assert any(widths) and len(plain) > 5
     assert min(plain) >= 1.0, plain
@@ -436,12 +443,9 @@ def test_a_draft_models_catch_up_is_not_priced_as_its_rounds_cost():
             return _call(tokens, *a, **k)
 
         setattr(rows, name, counted)
-    recorded = []
-    record = dec.gate.record
-    dec.gate.record = lambda r, width, seconds: (recorded.append((width, seconds)), record(r, width, seconds))
-    got, widths, _ = run(dec, model)
-    for i, p in enumerate(PROMPTS):
-        assert got[i][:MAX] == alone(model, p), f"row {i}"
+    recorded = recording(dec.gate)
+    got, _, _ = run(dec, model)
+    assert_alone(got, model)
     rounds = [s for w, s in recorded if w > 0]
     assert rounds and max(widest) >= max(len(p) for p in PROMPTS)  # a catch-up ran (the prompts, 2 plain steps)
     assert max(rounds) <= K + GAP_IN_FORK, rounds

@@ -500,7 +500,8 @@ class BatchDecoder:
                 if prepare is not None:  # rows brought up to date (a draft prefill): not the round's cost
                     p0 = gate.clock() if gate is not None else 0.0
                     prepare(states)
-                    g0 += gate.clock() - p0 if gate is not None else 0.0
+                    if gate is not None:
+                        g0 += gate.clock() - p0
                 draft = drafter.draft(states, widths)
             t1 = time.perf_counter()
             branch = bool(draft)
