@@ -7,7 +7,7 @@ import pytest
 
 from conftest import tiny
 from segcache.batch import decoder as decoder_module
-from segcache.drafters import make_decoder
+from segcache.drafters import GAP_IN_FORK, make_decoder
 from segcache.batch.gate import Acceptance, Gate, MeasuredCost
 from segcache.generation import stream_generate
 from segcache.runtime import Runtime
@@ -426,8 +426,6 @@ def test_a_draft_models_catch_up_is_not_priced_as_its_rounds_cost():
     counting the positions the draft rows are fed, no drafting step the gate records costs more than
     its own round (up to K draft positions, and a lag short enough to ride along), while the
     catch-up itself fed the longest prompt's lag in one forward."""
-    from segcache.drafters import GAP_IN_FORK
-
     model = tiny("qwen3_5")
     fed = [0]
     dec = make_decoder(model, num_draft_tokens=K, draft_model=model,
