@@ -1,6 +1,7 @@
 """The field policy: every request field the official clients define is honoured, refused
 with a 400 naming it, or accepted and ignored and listed in docs/serve.md; unknown fields
-are refused. The clients' own parameter types are the list walked."""
+are accepted, ignored and named (`accepted_and_ignored`), and refused with --strict-fields
+(`strict=True`). The clients' own parameter types are the list walked."""
 
 import segcache  # noqa: F401, I001  (binds the system BLAS before mlx loads)
 
@@ -39,8 +40,8 @@ def _apis():
     }
 
 
-def _parse(kind, body):
-    return schemas.parse(json.dumps(body).encode(), kind)
+def _parse(kind, body, strict=False):
+    return schemas.parse(json.dumps(body).encode(), kind, strict=strict)
 
 
 def _documented_ignored() -> dict:
@@ -60,16 +61,22 @@ def _documented_ignored() -> dict:
 def test_every_client_field_is_honoured_refused_or_documented_as_ignored(api):
     kind, client_fields, minimal = _apis()[api]
     honoured = set(kind.model_fields)
-    assert not (honoured & kind.ignored) and not (honoured & set(kind.refused)) \
-        and not (kind.ignored & set(kind.refused))
-    undecided = client_fields - honoured - kind.ignored - set(kind.refused)
+    hints = set(kind.hints)
+    policies = [honoured, set(kind.ignored), set(kind.refused), hints]
+    assert all(not (a & b) for i, a in enumerate(policies) for b in policies[i + 1:])
+    undecided = client_fields - honoured - kind.ignored - set(kind.refused) - hints
     assert not undecided, f"{api}: the client sends fields the server has no policy for: {sorted(undecided)}"
-    assert _documented_ignored()[api] == set(kind.ignored)
+    assert _documented_ignored()[api] == set(kind.ignored) | hints
     _parse(kind, minimal)
-    for name in sorted(client_fields):
-        if name in kind.ignored:
-            _parse(kind, {**minimal, name: {"any": "value"}})  # accepted, whatever it holds
+    for name in sorted(client_fields | hints):
+        if name in kind.ignored or name in hints:
+            req = _parse(kind, {**minimal, name: {"any": "value"}})  # accepted, whatever it holds
+            assert req.accepted_and_ignored == [name]
             _parse(kind, {**minimal, name: None})
+        if name in hints:  # --strict-fields refuses a hint as a field it cannot honour
+            with pytest.raises(APIError) as e:
+                _parse(kind, {**minimal, name: {"any": "value"}}, strict=True)
+            assert (e.value.status, e.value.param, e.value.code) == (400, name, "unsupported_field")
         elif name in kind.refused:
             with pytest.raises(APIError) as e:
                 _parse(kind, {**minimal, name: {"any": "value"}})
@@ -78,13 +85,45 @@ def test_every_client_field_is_honoured_refused_or_documented_as_ignored(api):
 
 
 @pytest.mark.parametrize("api", ["completions", "chat", "responses", "messages"])
-def test_unknown_fields_are_refused_naming_them(api):
+def test_unknown_fields_are_refused_naming_them_with_strict_fields(api):
     kind, _, minimal = _apis()[api]
     for body, param in [({**minimal, "max_token": 5}, "max_token"), ({**minimal, "typical_p": 0.9},
                                                                      "typical_p")]:
         with pytest.raises(APIError) as e:
-            _parse(kind, body)
+            _parse(kind, body, strict=True)
         assert (e.value.status, e.value.param, e.value.code) == (400, param, "unknown_field")
+
+
+@pytest.mark.parametrize("api", ["completions", "chat", "responses", "messages"])
+def test_unknown_fields_are_ignored_and_named_by_default(api, caplog):
+    kind, _, minimal = _apis()[api]
+    with caplog.at_level("DEBUG", logger="segcache.serve"):
+        req = _parse(kind, {**minimal, "max_token": 5, "client_extra": {"x": [1]}})
+    assert req.accepted_and_ignored == ["max_token", "client_extra"]
+    assert req.model_dump() == _parse(kind, minimal).model_dump()  # the same request as without them
+    assert any("accepted and ignored max_token, client_extra" in r.message for r in caplog.records)
+
+
+UNKNOWN_NESTED = [
+    (schemas.ChatRequest, {"messages": [{"role": "user", "content": "x", "colour": 1}]}, "messages.0.colour"),
+    (schemas.ChatRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "z": 1}]}]},
+     "messages.0.content.0.z"),
+    (schemas.ResponsesRequest, {"input": "x", "tools": [{"type": "custom", "name": "p", "colour": 1}]},
+     "tools.0.colour"),
+    (schemas.ResponsesRequest, {"input": [{"role": "user", "content": "x", "phase": "a"}]}, "input.0.phase"),
+    (schemas.MessagesRequest, {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+                               "tools": [{"name": "f", "input_schema": {}, "defer_loading": True}]},
+     "tools.0.defer_loading"),
+]
+
+
+@pytest.mark.parametrize("kind, body, path", UNKNOWN_NESTED, ids=[n[2] for n in UNKNOWN_NESTED])
+def test_unknown_nested_fields_are_dropped_at_their_path_by_default(kind, body, path):
+    req = _parse(kind, body)
+    assert req.accepted_and_ignored == [path]
+    with pytest.raises(APIError) as e:
+        _parse(kind, body, strict=True)
+    assert (e.value.status, e.value.param) == (400, path)
 
 
 NESTED = [
@@ -138,5 +177,5 @@ NESTED = [
 @pytest.mark.parametrize("kind, body, param", NESTED, ids=[n[2] for n in NESTED])
 def test_bad_nested_fields_are_refused_naming_their_path(kind, body, param):
     with pytest.raises(APIError) as e:
-        _parse(kind, body)
+        _parse(kind, body, strict=True)
     assert (e.value.status, e.value.param) == (400, param), e.value.message

@@ -207,7 +207,7 @@ def _message(mid: str, model: str, content: list, stop_reason, stop_sequence, us
 
 
 async def messages(server: ChatService, request, raw: bytes, key) -> Response:
-    req = schemas.parse(raw, schemas.MessagesRequest)
+    req = schemas.parse(raw, schemas.MessagesRequest, strict=server.strict_fields)
     server.check_model(req.model)
     run = await server.start_chat(turn(req, server.keep_volatile_system), "msg", key)
     mid = run.gen.id  # the request's id: its access line and request-id header say the same
@@ -224,7 +224,7 @@ async def messages(server: ChatService, request, raw: bytes, key) -> Response:
 
 
 async def count_tokens(server: ChatService, request, raw: bytes) -> Response:
-    req = schemas.parse(raw, schemas.CountTokensRequest)
+    req = schemas.parse(raw, schemas.CountTokensRequest, strict=server.strict_fields)
     server.check_model(req.model)
     prompt = await server.render(turn(req, server.keep_volatile_system))
     return JSONResponse({"input_tokens": len(prompt.ids)})

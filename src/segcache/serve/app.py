@@ -66,6 +66,8 @@ class Settings:
             server applies (--adapter-path, as given and resolved); empty: none.
         keep_volatile_system: render a first system block holding Claude Code's billing
             header (a nonce per request) instead of leaving it out (anthropic.system_blocks).
+        strict_fields: refuse unknown request fields and a hosted service's hints (400s)
+            instead of accepting and ignoring them (schemas.parse).
     """
 
     served_name: str
@@ -89,6 +91,7 @@ class Settings:
     keep_volatile_system: bool = False  # --keep-volatile-system: render Claude Code's billing header block
     served_names: list = field(default_factory=list)  # --served-model-name, in order (empty: served_name)
     strict_max_tokens: bool = False  # --strict-max-tokens: a max_tokens beyond the context is a 400
+    strict_fields: bool = False  # --strict-fields: unknown fields and service hints are 400s
 
 
 class Server:
@@ -147,6 +150,10 @@ class Server:
     @property
     def keep_volatile_system(self) -> bool:
         return self.settings.keep_volatile_system
+
+    @property
+    def strict_fields(self) -> bool:
+        return self.settings.strict_fields
 
     @property
     def tokenizer(self):
@@ -284,7 +291,8 @@ class Server:
 
     async def completions(self, request: Request) -> Response:
         key = self._authorize(request)
-        req = schemas.parse(await self._body(request), schemas.CompletionRequest)
+        req = schemas.parse(await self._body(request), schemas.CompletionRequest,
+                            strict=self.settings.strict_fields)
         self.check_model(req.model)
         self._check_adapter(req.adapters)
         loop = asyncio.get_running_loop()
@@ -305,7 +313,7 @@ class Server:
 
     async def chat_completions(self, request: Request) -> Response:
         key = self._authorize(request)
-        req = schemas.parse(await self._body(request), schemas.ChatRequest)
+        req = schemas.parse(await self._body(request), schemas.ChatRequest, strict=self.settings.strict_fields)
         self.check_model(req.model)
         self._check_adapter(req.adapters)
         run = await self.start_chat(shapes.chat_turn(req), "chatcmpl", key)

@@ -49,6 +49,7 @@ import bisect
 import collections
 import importlib
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -56,6 +57,8 @@ from mlx_lm import tokenizer_utils
 
 from .errors import APIError
 from .output import REASONING, TEXT, TOOL, Markup
+
+log = logging.getLogger("segcache.serve")
 
 PLAIN_ROLES = {
     "system": "ASSISTANT's RULE: ",
@@ -242,7 +245,18 @@ class Prompter:
                 return _plain(dicts, generation_prompt)
             return self._template(dicts, generation_prompt, tools or None, args, param)
 
-        text = render(messages, True)
+        try:
+            text = render(messages, True)
+        except APIError:
+            # a template that takes one system message, first (Qwen's), refusing the system and
+            # developer messages an agent sends in a row or later on (Codex CLI): rendered as one
+            # message at the start, as the template expects, instead of a 400
+            merged = merge_system_messages(messages)
+            if merged == messages:
+                raise
+            log.debug("the chat template refused the system messages as sent: merged into the first")
+            messages = merged
+            text = render(messages, True)
         start = TEXT
         think = self.markup.think
         if think is not None and text.rfind(think[0]) > text.rfind(think[1]):
@@ -386,6 +400,17 @@ def template_messages(messages: list[dict]) -> list[dict]:
             d["reasoning_content"] = d["reasoning"]
         out.append(d)
     return out
+
+
+def merge_system_messages(messages: list[dict]) -> list[dict]:
+    """The messages with every system message's text joined into one system message at the start
+    (blank-line separated, in order), the others in their order. Template-ready dicts only
+    (`template_messages`: content as text)."""
+    system = [m for m in messages if m["role"] in _SYSTEM]
+    if not system or (len(system) == 1 and messages[0] is system[0]):
+        return messages
+    head = dict(system[0], role="system", content="\n\n".join(m["content"] for m in system if m["content"]))
+    return [head] + [m for m in messages if m["role"] not in _SYSTEM]
 
 
 def _plain(dicts: list[dict], generation_prompt: bool) -> str:

@@ -187,6 +187,9 @@ def _add_agent_flags(p: argparse.ArgumentParser) -> None:
 def _add_mlx_lm_flags(p: argparse.ArgumentParser) -> None:
     dropin.add_load_flags(p)
     dropin.add_default_template_flag(p)
+    p.add_argument("--strict-fields", action="store_true",
+                   help="refuse (400) request fields the server does not know and a hosted service's hints "
+                        "(context_management, client_metadata, ...) instead of accepting and ignoring them")
     p.add_argument("--prompt-cache-bytes", type=parse_decimal_size, default=None,
                    help="the RAM tier's budget (as --ram-bytes) in mlx_lm.server's units: 2G = 2*10^9, "
                         "500MB = 5*10^8 (what leaves RAM goes to the disk tier, --disk-bytes)")
@@ -315,6 +318,7 @@ def _settings(args, model, tokenizer, keys):
         served_name=name, names={*served, Path(resolved).name, args.model, resolved, DEFAULT_MODEL},
         served_names=served, keep_volatile_system=args.keep_volatile_system,
         strict_max_tokens=args.strict_max_tokens,
+        strict_fields=args.strict_fields,
         vocab_size=_lookup(cfg, "vocab_size") or len(tokenizer.vocab),
         context_length=_lookup(cfg, "max_position_embeddings", "max_seq_len", "n_positions", "seq_length"),
         max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, top_k=args.top_k,

@@ -297,7 +297,7 @@ def checked(pieces, checks: dict) -> list:
 
 
 async def create(server: ChatService, request, raw: bytes, key) -> Response:
-    req = schemas.parse(raw, schemas.ResponsesRequest)
+    req = schemas.parse(raw, schemas.ResponsesRequest, strict=server.strict_fields)
     server.check_model(req.model)
     checks = await _grammar_checks(server, req)
     forced = forced_grammar(req)

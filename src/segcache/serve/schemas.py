@@ -11,17 +11,27 @@ dropped in silence. So a model forbids unknown fields (a typo is a 400 too),
 why (a 400 when sent with a value other than null), and `ignored` lists
 those it takes and ignores (clients send them for OpenAI's or Anthropic's
 own services: `user`, `metadata`, `store`, ...).
+
+Coding agents (Claude Code, Codex CLI) also send hints for a hosted service's own
+machinery (`context_management`, `client_metadata`) and fields newer than this
+server. By default (`parse(..., strict=False)`) a request is served all the same:
+`hints` are ignored like `ignored`, fields no model knows are dropped wherever they
+are, and each request names what it dropped (`accepted_and_ignored`, logged at debug
+level). `--strict-fields` (`strict=True`) refuses both with a 400 naming the field.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Annotated, Any, ClassVar, Dict, List, Literal, Optional, Union
 
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError, model_validator
 
 from .errors import APIError
+
+log = logging.getLogger("segcache.serve")
 
 MAX_STOP = 4  # stop strings per request, as OpenAI
 MAX_N = 16  # choices per request: each is a row (a copy-on-write clone of the prompt) while it decodes
@@ -42,13 +52,33 @@ class _Common(_Strict):
 
     ignored: ClassVar[frozenset] = frozenset()
     refused: ClassVar[dict] = {}
+    # a hosted service's hints that change nothing a local model can honour: ignored unless strict,
+    # then refused with the reason given
+    hints: ClassVar[dict] = {}
 
     model: Optional[str] = None
     stream: bool = False
     cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=1024)  # vLLM's: the prefix-cache domain
+    # the fields `parse` accepted and ignored, as paths ("metadata", "tools.3.defer_loading")
+    _ignored_paths: list = PrivateAttr(default_factory=list)
 
     def check(self) -> None:
         """Refusals that need more than a field's type (400 naming the field)."""
+
+    @property
+    def accepted_and_ignored(self) -> list[str]:
+        """The fields of the request that were accepted and ignored, as paths."""
+        return list(self._ignored_paths)
+
+    @classmethod
+    def lenient(cls, body: dict, note) -> dict:
+        """Rewrite a body's parts a local model cannot run into ones it can (not in strict mode).
+
+        Args:
+            body: the request body (a dict, not validated yet); not mutated.
+            note: called with (path, why) for each part dropped or rewritten.
+        """
+        return body
 
 
 class StreamOptions(_Strict):
@@ -457,8 +487,11 @@ class ResponsesRequest(_Common):
         "image": "image generation is not available",
         "background_options": "responses run in the foreground here",
         "access_programs": "not available",
-        "context_management": "not available",
         "moderation": "segcache serve runs no moderation",
+    }
+    hints: ClassVar[dict] = {
+        "context_management": "the server does not compact conversations (send what the model should read)",
+        "client_metadata": "not available",
     }
 
     input: Union[str, List[InputItem]]
@@ -583,7 +616,9 @@ class _AnthropicBase(_Common):
     refused: ClassVar[dict] = {
         "container": "code-execution containers are not available",
         "mcp_servers": "MCP servers are not available; give the tools in 'tools'",
-        "context_management": "not available",
+    }
+    hints: ClassVar[dict] = {
+        "context_management": "the server clears no tool results or thinking (send what the model should read)",
         "diagnostics": "not available",
     }
 
@@ -676,43 +711,117 @@ _TYPE_NAMES = {"str", "int", "bool", "float", "none", "dict", "TextPart", "Named
                "InputText", "OutputText", "function-tool", "custom-tool"}
 
 
-def _check_fields(body: dict, kind: type[_Common]) -> dict:
-    """Refuse the fields `kind` refuses; drop the ones it ignores (docs/serve.md lists both)."""
-    for name, why in kind.refused.items():
+def _check_fields(body: dict, kind: type[_Common], strict: bool, dropped: list) -> dict:
+    """Refuse the fields `kind` refuses (and in strict mode its hints); drop the ones it ignores."""
+    refused = {**kind.refused, **kind.hints} if strict else kind.refused
+    for name, why in refused.items():
         if body.get(name) is not None:
             raise APIError(400, f"'{name}' is not supported by segcache serve: {why}", param=name,
                            code="unsupported_field")
-    return {k: v for k, v in body.items() if k not in kind.ignored and k not in kind.refused}
+    drop = kind.ignored | kind.hints.keys()
+    dropped.extend(k for k in body if k in drop and body[k] is not None)
+    return {k: v for k, v in body.items() if k not in drop and k not in kind.refused}
 
 
-def parse(raw: bytes, kind: type[_Common]) -> _Common:
+_MAX_DROPS = 8  # validation passes that drop unknown fields; a body past that is refused as it stands
+
+
+def parse(raw: bytes, kind: type[_Common], *, strict: bool = False) -> _Common:
     """Decode and validate a request body.
+
+    Args:
+        raw: the body's bytes.
+        kind: the route's request model.
+        strict: refuse unknown fields and `kind.hints` (--strict-fields) instead of
+            ignoring them.
 
     Raises:
         APIError: 400 naming the field: malformed JSON, not an object, a missing,
-            unknown or mistyped field, a value out of range, or a feature we cannot honour.
+            mistyped (or in strict mode unknown) field, a value out of range, or a
+            feature we cannot honour.
     """
     body = _decode(raw)
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", param="body")
-    body = _check_fields(body, kind)
-    try:
-        req = kind.model_validate(body)
-    except ValidationError as exc:
-        # the deepest error: a union reports a mismatch for each of its members first
-        err = max(exc.errors(), key=lambda e: (len(_param(e["loc"]).split(".")), e["type"] != "missing"))
-        param = _param(err["loc"])
-        if err["type"] == "missing":
-            raise APIError(400, f"'{param}' is required", param=param, code="missing_field") from None
-        if err["type"] == "extra_forbidden":
-            raise APIError(400, f"'{param}' is not a field segcache serve knows (it refuses what it would "
-                                "otherwise ignore; docs/serve.md lists the fields)", param=param,
-                           code="unknown_field") from None
-        got = err.get("input")
-        shown = json.dumps(got)[:60] if isinstance(got, (str, int, float, bool, type(None))) else type(got).__name__
-        raise APIError(400, f"'{param}': {err['msg']} (got {shown})", param=param, code="invalid_value") from None
+    dropped: list[str] = []
+    body = _check_fields(body, kind, strict, dropped)
+    if not strict:
+        def note(path: str, why: str) -> None:
+            dropped.append(path)
+            log.info("%s: '%s' %s", kind.__name__, path, why)
+
+        body = kind.lenient(body, note)
+    for attempt in range(_MAX_DROPS + 1):
+        try:
+            req = kind.model_validate(body)
+            break
+        except ValidationError as exc:
+            errors = exc.errors()
+            unknown = [e["loc"] for e in errors if e["type"] == "extra_forbidden"]
+            body = None if strict or attempt == _MAX_DROPS else _without(body, unknown, dropped)
+            if body is None:
+                _refuse(errors)
+    req._ignored_paths = dropped
+    if dropped:
+        log.debug("%s: accepted and ignored %s", kind.__name__, ", ".join(dropped))
+        _warn_unknown(kind, dropped)
     req.check()
     return req
+
+
+_warned: set = set()  # (route, field) pairs already named at warning level by this process
+
+
+def _warn_unknown(kind: type[_Common], dropped: list[str]) -> None:
+    """Name at warning level, once per process, a top-level field the docs do not list (a typo, or
+    a client's newer field): the operator sees what the server ignores without --strict-fields."""
+    known = kind.ignored | kind.hints.keys()
+    for path in dropped:
+        name = path.split(".")[0]
+        if name not in known and "." not in path and (kind.__name__, name) not in _warned:
+            _warned.add((kind.__name__, name))
+            log.warning("%s: '%s' is not a field segcache serve knows: ignored (--strict-fields refuses it)",
+                        kind.__name__, name)
+
+
+def _without(body, locations: list[tuple], dropped: list) -> Optional[dict]:
+    """`body` less the unknown fields at `locations` (pydantic's error locations, which also hold
+    union members' names and tags: steps that are no key or index of the value are passed over);
+    None when there is none to drop (validating again would fail the same way)."""
+    body = json.loads(json.dumps(body))  # a copy to change; the caller's body stays as sent
+    removed = False
+    for loc in locations:
+        value, path = body, []
+        for step in loc[:-1]:
+            if isinstance(value, dict) and isinstance(step, str) and step in value:
+                value = value[step]
+            elif isinstance(value, list) and isinstance(step, int) and 0 <= step < len(value):
+                value = value[step]
+            else:
+                continue
+            path.append(str(step))
+        key = loc[-1]
+        if isinstance(value, dict) and key in value:
+            del value[key]
+            dropped.append(".".join(path + [str(key)]))
+            removed = True
+    return body if removed else None
+
+
+def _refuse(errors: list[dict]) -> None:
+    """Raise the 400 for a body that failed validation: its deepest error."""
+    # the deepest error: a union reports a mismatch for each of its members first
+    err = max(errors, key=lambda e: (len(_param(e["loc"]).split(".")), e["type"] != "missing"))
+    param = _param(err["loc"])
+    if err["type"] == "missing":
+        raise APIError(400, f"'{param}' is required", param=param, code="missing_field") from None
+    if err["type"] == "extra_forbidden":
+        raise APIError(400, f"'{param}' is not a field segcache serve knows (--strict-fields refuses what it "
+                            "would otherwise ignore; docs/serve.md lists the fields)", param=param,
+                       code="unknown_field") from None
+    got = err.get("input")
+    shown = json.dumps(got)[:60] if isinstance(got, (str, int, float, bool, type(None))) else type(got).__name__
+    raise APIError(400, f"'{param}': {err['msg']} (got {shown})", param=param, code="invalid_value") from None
 
 
 def _decode(raw: bytes):

@@ -28,6 +28,10 @@ class ChatService(Protocol):
         """Whether a client's volatile first system block (Claude Code's billing header) is rendered."""
 
     @property
+    def strict_fields(self) -> bool:
+        """Whether unknown fields and a hosted service's hints are refused (--strict-fields)."""
+
+    @property
     def tokenizer(self):
         """The model's tokenizer (mlx-lm's TokenizerWrapper)."""
 
