@@ -177,3 +177,29 @@ def test_cli_refuses_bad_flags_and_missing_models(tmp_path, capsys):
     assert "cannot load the model" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["serve", "--model", str(TARGET), "--draft-model", "d", "--prompt-lookup"])  # one drafter
+
+
+QWEN_LIKE = (TARGET.parent / "chat_template.jinja").read_text()  # one system message, first (Qwen's rule)
+
+
+def test_system_messages_a_template_refuses_are_merged_into_the_first(tokenizer):
+    """Codex CLI sends two developer messages in a row (and agents add system text later on):
+    where the template takes one system message first, they render as one, in order."""
+    p = Prompter(tokenizer, QWEN_LIKE)
+
+    def rendered(msgs):
+        return tokenizer.apply_chat_template(msgs, chat_template=QWEN_LIKE, add_generation_prompt=True,
+                                             tokenize=False)
+
+    with pytest.raises(Exception, match="system message must come first"):
+        rendered(_msgs(("system", "A"), ("system", "B"), ("user", "Q")))  # the template's own refusal
+    expected = tokenizer.encode(rendered(_msgs(("system", "A\n\nB"), ("user", "Q"))), add_special_tokens=False)
+    assert p.chat(_msgs(("developer", "A"), ("developer", "B"), ("user", "Q"))).ids == expected
+    assert p.chat(_msgs(("system", "A"), ("user", "Q"), ("system", "B"))).ids == expected
+    # one system message first is rendered as sent
+    one = _msgs(("system", "A"), ("user", "Q"))
+    assert p.chat(one).ids == tokenizer.encode(rendered(one), add_special_tokens=False)
+    # what the template refuses for another reason is still a 400 naming the field
+    with pytest.raises(APIError) as e:
+        p.chat(_msgs(("system", "A"), ("assistant", "B")))
+    assert e.value.status == 400 and e.value.param == "messages"
