@@ -117,6 +117,33 @@ def test_a_session_keeps_its_invariants_through_its_life(tmp_path):
         again.check()
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "llama"])
+def test_a_whole_prompt_computes_logits_at_its_end_only(tmp_path, family):
+    """A whole session feeds the prompt's last token alone: the forward before it evaluates the
+    layers' states and no logits (its last layer's attention at every query would be wasted, 1.9x
+    the chunk's forward after a long context), so the checkpoint before the last token holds
+    none, and the prompt's end holds a from-scratch forward's logits."""
+    prompt, _ = eos_case(family)
+    target = model(family)
+    history = prompt + [7, 8, 9] * 20
+    with open_store(tmp_path / "s") as store:
+        session = Session(BatchDecoder(target, one_row=True), Runtime(target, store=store), history,
+                          checkpoints=[30], prefill_step=16, whole=True)
+        plan = session.begin()
+        for _ in session.feed(16):
+            pass
+        assert [s.length for s in plan.snaps] == [30, len(history) - 1, len(history)]
+        assert plan.snaps[1].logits is None
+        ref = target(mx.array([history]))[:, -1, :]
+        assert mx.allclose(plan.snaps[2].logits, ref, atol=1e-4).item()
+        assert mx.array_equal(plan.logits, plan.snaps[2].logits).item()
+        # a later prompt of exactly all but the last token resumes before it, not from logits it lacks
+        again = Session(BatchDecoder(target, one_row=True), Runtime(target, store=store), history[:-1] + [5],
+                        whole=True)
+        resumed = again.begin().resume
+        assert resumed.tokens == len(history) - 1 and resumed.logits is None
+
+
 def test_the_surfaces_see_progress_unless_told_not_to():
     """A request's `Progress` events reach its HTTP side; the surfaces' event stream passes them
     on (keepalives, pings) unless told not to, as a non-streaming collect is."""
