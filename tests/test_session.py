@@ -119,10 +119,10 @@ def test_a_session_keeps_its_invariants_through_its_life(tmp_path):
 
 @pytest.mark.parametrize("family", ["qwen3_5", "llama"])
 def test_a_whole_prompt_computes_logits_at_its_end_only(tmp_path, family):
-    """A whole session feeds the prompt's last token alone: the forward before it evaluates the
-    layers' states and no logits (its last layer's attention at every query would be wasted, 1.9x
-    the chunk's forward after a long context), so the checkpoint before the last token holds
-    none, and the prompt's end holds a from-scratch forward's logits."""
+    """The forwards before the prompt's end evaluate the layers' states and no logits (the last
+    layer's attention at every query of a chunk would be wasted, 1.9x the chunk's forward after a
+    long context), so the checkpoints inside the prompt hold none, and the prompt's end holds a
+    from-scratch forward's logits."""
     prompt, _ = eos_case(family)
     target = model(family)
     history = prompt + [7, 8, 9] * 20
@@ -133,7 +133,7 @@ def test_a_whole_prompt_computes_logits_at_its_end_only(tmp_path, family):
         for _ in session.feed(16):
             pass
         assert [s.length for s in plan.snaps] == [30, len(history) - 1, len(history)]
-        assert plan.snaps[1].logits is None
+        assert plan.snaps[0].logits is None and plan.snaps[1].logits is None
         ref = target(mx.array([history]))[:, -1, :]
         assert mx.allclose(plan.snaps[2].logits, ref, atol=1e-4).item()
         assert mx.array_equal(plan.logits, plan.snaps[2].logits).item()

@@ -107,16 +107,16 @@ class Prefill:
                 # it never runs: nothing evaluated below depends on it
                 out = rt.forward(self.ids[self.pos : end], last_only=True)
                 state = [layer.state for layer in rt.cache] + rt.drafters.state + [layer.cut_states for layer in layers]
-                # logits only where a checkpoint or the caller needs them; not at the stop before a last
-                # token fed alone: that forward computes the prompt's, and these would cost the last
-                # layer's attention for every query of the chunk, where the state needs none of it
-                # (1.9x a 200-token chunk's forward after a 16k context)
-                if end == stop and self.want_logits and not self._before_last_alone(stop):
+                # logits at the prompt's end only: elsewhere they would cost the last layer's attention at
+                # every query of the chunk, which the layers' states never need (mlx-lm's prefill skips it
+                # too): a 200-token chunk after a 16k context took 1.9x the forward. A checkpoint inside
+                # the prompt holds none then; only a later prompt ending exactly there would read them.
+                if end == stop == len(self.ids) and self.want_logits:
                     self.logits = out[:, -1, :] * 1  # own buffer: a model not split slices its [S, vocab] logits
                     mx.eval(self.logits, state)
                 else:
                     mx.eval(state)
-                    if end == stop and self._before_last_alone(stop):
+                    if end == stop:
                         self.logits = None  # its checkpoint holds none (an earlier stop's are not these)
                 del out, state
                 if end - self.pos >= step_size:  # a long prompt's chunks would otherwise keep their buffers cached;
@@ -131,9 +131,6 @@ class Prefill:
                 self._stop(rt, self.logits)
             self.seconds += time.perf_counter() - tic  # not the time the caller spent between steps
         return self.logits
-
-    def _before_last_alone(self, stop: int) -> bool:
-        return self.last_alone and stop == len(self.ids) - 1
 
     def _cuts(self, rt, step_size: int) -> tuple[list[int], list, int]:
         """(the stops the next chunk passes inside it, the layers told to keep their states there,
