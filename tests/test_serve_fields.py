@@ -179,3 +179,25 @@ def test_bad_nested_fields_are_refused_naming_their_path(kind, body, param):
     with pytest.raises(APIError) as e:
         _parse(kind, body, strict=True)
     assert (e.value.status, e.value.param) == (400, param), e.value.message
+
+
+def test_tools_a_local_model_cannot_run_are_rewritten_or_dropped_by_default():
+    """Codex CLI's `namespace` tools become their functions; hosted and server tools are dropped,
+    each named; --strict-fields refuses them as before."""
+    fn = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    body = {"input": "x", "tools": [{"type": "web_search"}, fn, {"type": "namespace", "name": "mcp__fs",
+            "description": "files", "tools": [{"type": "function", "name": "read", "parameters": {}},
+                                               {"name": "write", "parameters": {}}]}, {"type": "local_shell"}]}
+    req = _parse(schemas.ResponsesRequest, body)
+    assert [(t.type, t.name) for t in req.tools] == [("function", "f"), ("function", "read"), ("function", "write")]
+    assert req.accepted_and_ignored == ["tools.0", "tools.2", "tools.3"]
+    with pytest.raises(APIError) as e:
+        _parse(schemas.ResponsesRequest, body, strict=True)
+    assert e.value.param == "tools.0.type"
+    anthropic_body = {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+                      "tools": [{"type": "web_search_20250305", "name": "web_search"},
+                                {"name": "f", "input_schema": {"type": "object"}}]}
+    req = _parse(schemas.MessagesRequest, anthropic_body)
+    assert [t.name for t in req.tools] == ["f"] and req.accepted_and_ignored == ["tools.0"]
+    with pytest.raises(APIError):
+        _parse(schemas.MessagesRequest, anthropic_body, strict=True)

@@ -508,6 +508,29 @@ class ResponsesRequest(_Common):
     background: Optional[bool] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None
 
+    @classmethod
+    def lenient(cls, body: dict, note) -> dict:
+        """Tools a local model can be given: a `namespace`'s functions (Codex CLI groups its MCP
+        servers' tools so) as functions of their own; the hosted tools the server cannot run
+        (`local_shell`, `web_search`, `file_search`, `computer_use_preview`, `image_generation`,
+        `code_interpreter`, `mcp`, ...) dropped, each with a logged note."""
+        tools = body.get("tools")
+        if not isinstance(tools, list):
+            return body
+        kept = []
+        for i, tool in enumerate(tools):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind in ("function", "custom") or not isinstance(tool, dict):
+                kept.append(tool)
+            elif kind == "namespace" and isinstance(tool.get("tools"), list):
+                inner = [t for t in tool["tools"] if isinstance(t, dict) and t.get("type", "function") == "function"]
+                kept += [{"type": "function", **{k: v for k, v in t.items() if k != "type"}} for t in inner]
+                note(f"tools.{i}", f"(namespace '{tool.get('name')}'): its {len(inner)} functions given as tools "
+                                   "of their own")
+            else:
+                note(f"tools.{i}", f"(a '{kind}' tool) dropped: the server cannot run it and the model is not told of it")
+        return {**body, "tools": kept}
+
     def response_format(self) -> Optional[dict]:
         """`text.format` as chat's response_format (None: plain text)."""
         fmt = self.text.format if self.text is not None else None
@@ -629,6 +652,22 @@ class _AnthropicBase(_Common):
     thinking: Optional[AThinkingConfig] = None
     output_config: Optional[AOutputConfig] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None
+
+    @classmethod
+    def lenient(cls, body: dict, note) -> dict:
+        """Server tools (`web_search_20250305`, `code_execution_...`, `web_fetch_...`: a `type` other
+        than "custom") dropped with a logged note: the server cannot run them."""
+        tools = body.get("tools")
+        if not isinstance(tools, list):
+            return body
+        kept = []
+        for i, tool in enumerate(tools):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind in (None, "custom"):
+                kept.append(tool)
+            else:
+                note(f"tools.{i}", f"(the server tool '{kind}') dropped: the server cannot run it")
+        return {**body, "tools": kept}
 
     def check(self) -> None:
         choice = self.tool_choice
