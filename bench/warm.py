@@ -1,7 +1,10 @@
 """A conversation's next turn, resumed from RAM: time to first token and bytes held, against `mlx_lm.server`.
 
     python bench/warm.py [--model DIR] [--contexts 1000,2000,3200] [--turns 5] [--rounds 3] [--tokens 16]
-                         [--no-servers] [--no-inproc] [--mlx-blas same|wheel]
+                         [--no-servers] [--no-inproc] [--mlx-blas same|wheel] [--api chat|completions]
+
+`--api completions` sends the servers' turns to /v1/completions as completion-style agents and
+editors do: each prompt is the previous prompt, its answer and the next question, as text.
 
 TTFT: three servers on the same model, started side by side on 127.0.0.1 and
 driven by the official `openai` client (streamed greedy chat completions):
@@ -75,6 +78,21 @@ def ttft_of(client, messages: list, tokens: int) -> tuple[float, str, int]:
     return (ttft if ttft is not None else time.perf_counter() - tic), "".join(text), cached
 
 
+def completion_ttft_of(client, prompt: str, tokens: int) -> tuple[float, str, int]:
+    """(seconds to the first text chunk, the answer, cached tokens reported) of one completion."""
+    tic = time.perf_counter()
+    ttft, text, cached = None, [], -1
+    for ev in client.completions.create(model="default_model", prompt=prompt, max_tokens=tokens, temperature=0.0,
+                                        stream=True, stream_options={"include_usage": True}):
+        piece = ev.choices[0].text if ev.choices else None
+        if piece and ttft is None:
+            ttft = time.perf_counter() - tic
+        text.append(piece or "")
+        if ev.usage is not None and ev.usage.prompt_tokens_details is not None:
+            cached = ev.usage.prompt_tokens_details.cached_tokens or 0
+    return (ttft if ttft is not None else time.perf_counter() - tic), "".join(text), cached
+
+
 def conversation_text(corpus: str, chars_per_token: float, context: int, r: int) -> tuple[str, list[str]]:
     """A system prompt of about `context` tokens (round r's own slice) and the questions of its turns."""
     n = int(context * chars_per_token)
@@ -113,17 +131,24 @@ def run_ttft(args, model: Path, work: Path, cpt: float) -> None:
             cached = {p.name: [] for p in procs}
             for r in range(args.rounds):
                 system, questions = conversation_text(corpus, cpt, context, r)
-                histories = [[{"role": "system", "content": system}, {"role": "user", "content": questions[0]}]
-                             for _ in procs]
+                if args.api == "chat":
+                    histories = [[{"role": "system", "content": system}, {"role": "user", "content": questions[0]}]
+                                 for _ in procs]
+                else:
+                    histories = [system + "\n" + questions[0] for _ in procs]
                 for turn in range(args.turns):
                     order = [(turn + r + i) % len(procs) for i in range(len(procs))]  # rotate who goes first
                     for i in order:
-                        t, text, c = ttft_of(clients[i], histories[i], args.tokens)
+                        if args.api == "chat":
+                            t, text, c = ttft_of(clients[i], histories[i], args.tokens)
+                            histories[i] += [{"role": "assistant", "content": text},
+                                             {"role": "user", "content": questions[turn + 1]}]
+                        else:
+                            t, text, c = completion_ttft_of(clients[i], histories[i], args.tokens)
+                            histories[i] += text + "\n" + questions[turn + 1]
                         if turn:  # turn 1 is cold
                             ttfts[procs[i].name].append(t)
                             cached[procs[i].name].append(c)
-                        histories[i] += [{"role": "assistant", "content": text},
-                                         {"role": "user", "content": questions[turn + 1]}]
             med = {n: statistics.median(v) for n, v in ttfts.items()}
             rows.append((context, med, cached))
             print(f"context ~{context} tokens: " + ", ".join(f"{n} {m * 1000:.1f} ms" for n, m in med.items())
@@ -131,7 +156,7 @@ def run_ttft(args, model: Path, work: Path, cpt: float) -> None:
                   f"{med['segcache-nohot'] / med['mlx_lm.server']:.2f}x", flush=True)
             for n, v in cached.items():
                 print(f"    {n:<15} cached tokens per warm turn: {v}")
-        print("\nwarm-turn TTFT, medians (ms) and ratios to mlx_lm.server (same run, interleaved):")
+        print(f"\nwarm-turn TTFT ({args.api}), medians (ms) and ratios to mlx_lm.server (same run, interleaved):")
         print(f"{'context':>8} {'segcache':>9} {'no hot':>9} {'mlx_lm':>9} {'ratio':>7} {'no hot':>7}")
         for context, med, _ in rows:
             m = med["mlx_lm.server"]
@@ -274,6 +299,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="conversations per context size (default 3)")
     ap.add_argument("--tokens", type=int, default=16, help="tokens per answer at most (default 16)")
     ap.add_argument("--mlx-blas", choices=["same", "wheel"], default="same")
+    ap.add_argument("--api", choices=["chat", "completions"], default="chat",
+                    help="the servers' route: chat turns, or completion prompts that extend the last prompt and answer")
     ap.add_argument("--no-servers", action="store_true", help="skip the three servers' pass")
     ap.add_argument("--no-inproc", action="store_true", help="skip the in-process pass (same tokens; bytes held)")
     args = ap.parse_args()
