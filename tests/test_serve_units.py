@@ -183,8 +183,9 @@ QWEN_LIKE = (TARGET.parent / "chat_template.jinja").read_text()  # one system me
 
 
 def test_system_messages_a_template_refuses_are_merged_into_the_first(tokenizer):
-    """Codex CLI sends two developer messages in a row (and agents add system text later on):
-    where the template takes one system message first, they render as one, in order."""
+    """Codex CLI sends two developer messages in a row, Claude Code system messages later on:
+    where the template takes one system message first, the leading ones render as one, in order,
+    and later ones as user messages."""
     p = Prompter(tokenizer, QWEN_LIKE)
 
     def rendered(msgs):
@@ -195,7 +196,12 @@ def test_system_messages_a_template_refuses_are_merged_into_the_first(tokenizer)
         rendered(_msgs(("system", "A"), ("system", "B"), ("user", "Q")))  # the template's own refusal
     expected = tokenizer.encode(rendered(_msgs(("system", "A\n\nB"), ("user", "Q"))), add_special_tokens=False)
     assert p.chat(_msgs(("developer", "A"), ("developer", "B"), ("user", "Q"))).ids == expected
-    assert p.chat(_msgs(("system", "A"), ("user", "Q"), ("system", "B"))).ids == expected
+    # a system message after another message: a user message where it is, so the prefix before it
+    # renders as it did before it came (the prefix cache keeps serving it)
+    later = _msgs(("system", "A"), ("user", "Q"), ("assistant", "R"), ("system", "B"), ("user", "Q2"))
+    assert p.chat(later).ids == tokenizer.encode(rendered(_msgs(("system", "A"), ("user", "Q"), ("assistant", "R"),
+                                                                ("user", "B"), ("user", "Q2"))),
+                                                  add_special_tokens=False)
     # one system message first is rendered as sent
     one = _msgs(("system", "A"), ("user", "Q"))
     assert p.chat(one).ids == tokenizer.encode(rendered(one), add_special_tokens=False)

@@ -94,6 +94,8 @@ def turn(req, keep_volatile: bool = False) -> ChatTurn:
             messages.append({"role": m.role, "content": m.content})
         elif m.role == "user":
             messages.extend(_user(i, m.content))
+        elif m.role == "system":
+            messages.append(_system(i, m.content))
         else:
             messages.append(_assistant(i, m.content))
     tools = None
@@ -145,6 +147,14 @@ def _user(i: int, blocks) -> list[dict]:
     if texts or not out:
         out.append({"role": "user", "content": "".join(texts)})
     return out
+
+
+def _system(i: int, blocks) -> dict:
+    for j, b in enumerate(blocks):
+        if not isinstance(b, schemas.AText):
+            raise APIError(400, f"'messages.{i}.content.{j}': a system message holds text blocks only, not "
+                                f"a {b.type} block", param=f"messages.{i}.content.{j}")
+    return {"role": "system", "content": "".join(b.text for b in blocks)}
 
 
 def _assistant(i: int, blocks) -> dict:

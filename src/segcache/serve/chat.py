@@ -249,12 +249,13 @@ class Prompter:
             text = render(messages, True)
         except APIError:
             # a template that takes one system message, first (Qwen's), refusing the system and
-            # developer messages an agent sends in a row or later on (Codex CLI): rendered as one
-            # message at the start, as the template expects, instead of a 400
+            # developer messages an agent sends in a row (Codex CLI) or later on (Claude Code):
+            # rendered as the template expects (merge_system_messages) instead of a 400
             merged = merge_system_messages(messages)
             if merged == messages:
                 raise
-            log.debug("the chat template refused the system messages as sent: merged into the first")
+            log.debug("the chat template refused the system messages as sent: the leading ones merged, later "
+                      "ones rendered as user messages")
             messages = merged
             text = render(messages, True)
         start = TEXT
@@ -403,14 +404,18 @@ def template_messages(messages: list[dict]) -> list[dict]:
 
 
 def merge_system_messages(messages: list[dict]) -> list[dict]:
-    """The messages with every system message's text joined into one system message at the start
-    (blank-line separated, in order), the others in their order. Template-ready dicts only
-    (`template_messages`: content as text)."""
-    system = [m for m in messages if m["role"] in _SYSTEM]
-    if not system or (len(system) == 1 and messages[0] is system[0]):
-        return messages
-    head = dict(system[0], role="system", content="\n\n".join(m["content"] for m in system if m["content"]))
-    return [head] + [m for m in messages if m["role"] not in _SYSTEM]
+    """The messages as a template taking one system message, first, expects: the system messages
+    before any other joined into one (blank-line separated, in order), and those after another
+    message given as user messages where they are, so a conversation's rendered prefix stays the
+    same when an agent adds system text later on (Claude Code's mid-conversation system
+    messages). Template-ready dicts only (`template_messages`: content as text)."""
+    lead = next((i for i, m in enumerate(messages) if m["role"] not in _SYSTEM), len(messages))
+    out = []
+    if lead:
+        text = "\n\n".join(m["content"] for m in messages[:lead] if m["content"])
+        out.append(dict(messages[0], role="system", content=text))
+    out += [dict(m, role="user") if m["role"] in _SYSTEM else m for m in messages[lead:]]
+    return out
 
 
 def _plain(dicts: list[dict], generation_prompt: bool) -> str:

@@ -592,7 +592,9 @@ ABlock = Annotated[Union[AText, AToolUse, AToolResult, AThinking], Field(discrim
 
 
 class AMessage(_Strict):
-    role: Literal["user", "assistant"]
+    # "system": Claude Code's mid-conversation system messages (its beta
+    # mid-conversation-system-2026-04-07), text only
+    role: Literal["user", "assistant", "system"]
     content: Union[str, List[ABlock]]
 
 
