@@ -431,6 +431,7 @@ def build_app(server: Server, lifespan=None) -> Starlette:
     """The ASGI app over `server`'s routes."""
     routes = [
         Route("/health", server.health, methods=["GET"]),
+        Route("/", server.health, methods=["GET"]),  # Claude Code checks the base URL with a HEAD first
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),
         Route("/stats", server.stats, methods=["GET"]),
