@@ -149,3 +149,18 @@ def test_parameters_grow_as_asked(wide_dir, source):
     # 4 widened MLPs of 3 * 256 * 256 more, and 2 appended layers of the source's kinds at MLP 1024
     grown = count(wide) - count(source[0])
     assert grown > 4 * 3 * 256 * (WIDTH - 768) + 2 * 3 * 256 * WIDTH
+
+
+def test_quantized_wide_target_computes_the_quantized_source(wide_dir, tmp_path, prompt):
+    """4-bit copies: the zero groups quantize to zeros, and the quantized product sums group by group,
+    so here even the wider MLPs give the quantized source's logits bit for bit."""
+    from segcache.testing.widen import quantize_target
+
+    wide, _ = mlx_lm.load(str(quantize_target(wide_dir, tmp_path / "wide-q4")))
+    small, _ = mlx_lm.load(str(quantize_target(SOURCE, tmp_path / "source-q4")))
+    assert json.loads((tmp_path / "wide-q4" / "config.json").read_text())["quantization"]["bits"] == 4
+    logits, _ = forward_with_hidden(wide, prompt)
+    want, _ = forward_with_hidden(small, prompt)
+    assert mx.array_equal(logits, want)
+    head = load_head(wide, tmp_path / "wide-q4")
+    assert head.module.layers[0].mlp.down_proj.bits == 4

@@ -28,6 +28,7 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from ..errors import ModelError
 
@@ -207,3 +208,39 @@ def _widen_head(source: Path, out: Path, width: int, seed: int) -> None:
     wide = _widened_mlps(weights, width, seed, "mtp")
     metadata = dict(metadata, source=f"{metadata.get('source', '')}; MLP widened to {width} (seed {seed})")
     mx.save_safetensors(str(out), wide, metadata=metadata)
+
+
+def quantize_target(source_dir, out_dir, *, bits: int = 4, group_size: int = 64) -> Path:
+    """Writes an affine-quantized copy of the mlx-lm model at `source_dir` (mlx-lm's own
+    `quantize_model`, as `mlx_lm.convert -q` does), its MTP head quantized alike when it has one.
+
+    Raises:
+        ModelError: the source is quantized already, or does not load.
+    """
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model, quantize_model
+
+    from ..mtp import load_head, save_head
+
+    source, out = Path(source_dir), Path(out_dir)
+    config = json.loads((source / "config.json").read_text())
+    if "quantization" in config:
+        raise ModelError(f"{source}: quantized already")
+    try:
+        model, _ = load_model(source)
+    except (FileNotFoundError, ValueError) as exc:
+        raise ModelError(f"cannot load the model at {source}: {exc}") from exc
+    head = load_head(model, source) if (source / HEAD_FILE).is_file() else None  # before: it reads float weights
+    model, config = quantize_model(model, config, group_size, bits)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / WEIGHTS_FILE), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"})
+    if head is not None:
+        quantization = {"group_size": group_size, "bits": bits, "mode": "affine"}
+        nn.quantize(head.module, group_size=group_size, bits=bits,
+                    class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0)
+        save_head(head, out / HEAD_FILE, quantization=quantization, source=f"{source.name}'s head, {bits}-bit")
+    for name in COPIED_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out / name)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
