@@ -17,8 +17,9 @@ import mlx_lm
 import pytest
 from mlx.utils import tree_flatten
 
-from segcache.dflash import tap
+from segcache.dflash import load_dflash, tap
 from segcache.errors import ModelError
+from segcache.generation import stream_generate
 from segcache.mtp import forward_with_hidden, load_head
 from segcache.testing.widen import widen_target
 
@@ -107,6 +108,30 @@ def test_widened_mtp_head_drafts_what_the_shipped_head_drafts(source, wide_dir, 
         else:
             assert mx.abs(got - want).max().item() < ROUNDING * 10  # a float16 head: coarser rounding
             assert mx.array_equal(got.argmax(-1), want.argmax(-1))
+
+
+def _drafted(model, tokenizer, prompt, directory, kind):
+    """(tokens, how many came from drafts) of 32 greedy tokens drafted by the shipped `kind`."""
+    drafter = load_dflash(MODELS / "dflash", model) if kind == "dflash" else load_head(model, directory)
+    try:
+        out = list(stream_generate(model, tokenizer, prompt[0].tolist(), max_tokens=32, adaptive=False,
+                                   **{kind: drafter}))
+    finally:
+        tap.uninstall(model)
+    return [r.token for r in out], sum(r.from_draft for r in out)
+
+
+@pytest.mark.parametrize("kind", ("dflash", "mtp"))
+def test_the_shipped_drafters_draft_for_the_wide_target_as_for_the_shipped(source, deep_dir, wide_dir, prompt,
+                                                                           kind):
+    want, accepted = _drafted(*source, prompt, SOURCE, kind)
+    assert accepted > 0  # the drafters are trained for this target: a test that can tell
+    deep, tokenizer = mlx_lm.load(str(deep_dir))
+    # layers alone: every state a drafter reads is the source's, so it drafts and keeps the same
+    assert _drafted(deep, tokenizer, prompt, deep_dir, kind) == (want, accepted)
+    wide, tokenizer = mlx_lm.load(str(wide_dir))
+    got, wide_accepted = _drafted(wide, tokenizer, prompt, wide_dir, kind)
+    assert got == want and abs(wide_accepted - accepted) <= 2  # rounding may flip a near-tie draft
 
 
 def test_added_weights_are_real_work_and_recorded(wide_dir):
