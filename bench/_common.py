@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import os
 import platform
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import segcache  # noqa: I001  (first: binds OpenBLAS before mlx loads)
@@ -29,8 +33,10 @@ import segcache  # noqa: I001  (first: binds OpenBLAS before mlx loads)
 import mlx.core as mx
 import mlx_lm
 from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
 
 from segcache.testing import models
+from segcache.testing.widen import WIDEN_VERSION, quantize_target, weights_digest, widen_target
 
 # ~32M-parameter dense model and a hybrid of similar size (3 Gated DeltaNet
 # layers per full-attention layer, as Qwen3.5 does). Head dims are 64 so the
@@ -288,3 +294,145 @@ def peak_of(setup: Callable[[], Callable[[], list]]) -> tuple[int, int]:
     mx.eval(run())
     peak = peak_since(base)
     return peak, active() - base
+
+
+# -- the speculative benches' target ---------------------------------------------
+
+MODELS_DIR = Path(segcache.__file__).resolve().parent / "models"
+CACHE_DIR = Path(__file__).resolve().parent / ".cache"  # gitignored: built, never committed
+TARGETS = ("shipped", "wide")
+
+
+def add_target_args(parser: argparse.ArgumentParser, *, directories: bool = False) -> None:
+    """--target shipped|wide (or a model directory, where `directories`), --wide-layers, --wide-mlp,
+    --wide-bits: which target a speculative bench runs on (default: the shipped one, as before)."""
+    more = " or a model directory" if directories else ""
+    parser.add_argument("--target", default="shipped", choices=None if directories else TARGETS,
+                        help=f"the target: shipped (models/target), wide (the same function at a large model's "
+                             f"cost: segcache.testing.widen, built once into bench/.cache){more}")
+    parser.add_argument("--wide-layers", type=int, default=16, help="--target wide: decoder layers (default 16)")
+    parser.add_argument("--wide-mlp", type=int, default=12288, help="--target wide: MLP width (default 12288)")
+    parser.add_argument("--wide-bits", type=int, default=0, help="--target wide: quantize to these bits (0: float32)")
+
+
+def target_dir(args: argparse.Namespace) -> Path:
+    """The model directory `add_target_args`' flags name (the wide target built on first use)."""
+    if args.target == "shipped":
+        return MODELS_DIR / "target"
+    if args.target == "wide":
+        return wide_target(args.wide_layers, args.wide_mlp, bits=args.wide_bits)
+    return Path(args.target)
+
+
+def target_label(args: argparse.Namespace) -> str:
+    """What the output calls the target."""
+    if args.target == "wide":
+        q = f", {args.wide_bits}-bit" if args.wide_bits else ""
+        return f"wide ({args.wide_layers} layers, MLP {args.wide_mlp}{q}; the shipped target's function)"
+    return "shipped (models/target)" if args.target == "shipped" else str(args.target)
+
+
+def wide_target(layers: int = 16, mlp: int = 12288, *, seed: int = 0, bits: int = 0) -> Path:
+    """The shipped target widened (and quantized to `bits`, 0: not), built once into bench/.cache/.
+
+    The folder is keyed by the options, the builder's version and the shipped weights' hash, so a
+    retrained target or another builder builds anew. Built aside and renamed into place, so two
+    benches starting at once never read a half-written one.
+    """
+    source = MODELS_DIR / "target"
+    key = hashlib.sha256(f"{weights_digest(source)}|{layers}|{mlp}|{seed}|v{WIDEN_VERSION}".encode()).hexdigest()[:12]
+    name = f"wide-L{layers}-I{mlp}-s{seed}-{key}"
+    out = CACHE_DIR / name
+    if not (out / "config.json").is_file():
+        print(f"building the wide target ({layers} layers, MLP {mlp}) into {out}", flush=True)
+        _built_into(out, lambda tmp: widen_target(source, tmp, layers=layers, intermediate_size=mlp, seed=seed))
+    if not bits:
+        return out
+    quantized = CACHE_DIR / f"{name}-q{bits}"
+    if not (quantized / "config.json").is_file():
+        print(f"quantizing it to {bits} bits into {quantized}", flush=True)
+        _built_into(quantized, lambda tmp: quantize_target(out, tmp, bits=bits))
+    return quantized
+
+
+def _built_into(out: Path, build: Callable[[Path], Path]) -> None:
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=CACHE_DIR))
+    try:
+        build(tmp)
+        try:
+            tmp.rename(out)
+        except OSError:  # another bench built it meanwhile: keep theirs
+            if not (out / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# -- c(k): what a verify of k positions costs ------------------------------------
+
+VERIFY_WIDTHS = (2, 4, 8, 16)
+
+
+@dataclass
+class VerifyCosts:
+    """c(k) = a forward of k positions / a one-token forward, by the wall clock and by CPU time."""
+
+    wall: dict[int, float]
+    cpu: dict[int, float]
+    one_wall_s: float
+    one_cpu_s: float
+    context: int
+    repeats: int
+
+
+def verify_costs(model, context: list[int], widths=VERIFY_WIDTHS, repeats: int = 7) -> VerifyCosts:
+    """c(k) of `model` after a prefill of `context`, on mlx-lm's own cache (no segcache runtime).
+
+    Each sample is one forward of k positions (all k positions' logits, as a verify computes)
+    evaluated with the cache state it leaves, then rolled back: KV offsets trimmed, recurrent
+    states put back (mlx arrays are values, so the saved ones are intact). The widths are
+    interleaved, the order rotated per repeat; figures are medians over the one-token median.
+    """
+    cache = make_prompt_cache(model)
+    prefill(model, cache, context)
+    sizes = [1, *[k for k in widths if k != 1]]
+    feed = [context[-1]] * max(sizes)  # what the tokens are does not change the cost
+
+    def once(k: int) -> tuple[float, float]:
+        marks = [c.offset if c.is_trimmable() else list(c.cache) for c in cache]
+        gc.disable()
+        wall, cpu = time.perf_counter(), time.process_time()
+        mx.eval(model(mx.array(feed[:k], dtype=mx.uint32)[None], cache=cache), cache_arrays(cache))
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        gc.enable()
+        for c, mark in zip(cache, marks):
+            if c.is_trimmable():
+                c.trim(c.offset - mark)
+            else:
+                c.cache = mark
+        return wall, cpu
+
+    for k in sizes:  # warm-up: kernels, and the KV buffers grown once to the widest
+        once(k)
+    samples: dict[int, list] = {k: [] for k in sizes}
+    for r in range(repeats):
+        for k in rotated(sizes, r):
+            samples[k].append(once(k))
+    wall = {k: statistics.median(s[0] for s in samples[k]) for k in sizes}
+    cpu = {k: statistics.median(s[1] for s in samples[k]) for k in sizes}
+    return VerifyCosts({k: wall[k] / wall[1] for k in sizes}, {k: cpu[k] / cpu[1] for k in sizes},
+                       wall[1], cpu[1], len(context), repeats)
+
+
+def print_verify_costs(model, context: list[int], label: str, repeats: int = 7) -> VerifyCosts:
+    """Measure and print c(k) for the target a bench runs on."""
+    costs = verify_costs(model, context, repeats=repeats)
+    widths = list(costs.wall)
+    print(f"c(k) of the target, {label}: a forward of k positions / a one-token forward "
+          f"(mlx-lm's cache after {costs.context} tokens; medians of {costs.repeats})")
+    print("  k     " + "".join(f"{k:>7}" for k in widths))
+    print("  wall  " + "".join(f"{costs.wall[k]:>7.2f}" for k in widths))
+    print("  cpu   " + "".join(f"{costs.cpu[k]:>7.2f}" for k in widths))
+    print(f"  one-token forward: {costs.one_wall_s * 1e3:.2f} ms wall, {costs.one_cpu_s * 1e3:.2f} ms CPU", flush=True)
+    return costs
