@@ -7,6 +7,10 @@
                                           row on the process's CPU time, in the same repeats)
     python bench/dflash.py --random      (a random drafter of the target's width: a smoke run
                                           of the bench itself; its drafts are almost never accepted)
+    python bench/dflash.py ... --target wide [--wide-layers 16] [--wide-mlp 12288] [--wide-bits 4]
+                                         (the shipped target's function at a ~155M model's cost: a
+                                          drafter tapping layer i reads the same states; built once
+                                          into bench/.cache)
 
 One run, per row count (one row: `one_row`, the target's Runtime; 8 rows: a BatchRuntime), for
 each drafter (the shipped MTP head, prompt lookup, DFlash, and DFlash beside prompt lookup,
@@ -31,7 +35,7 @@ models/heldout_stdlib.txt. The machine may be shared: read ratios, not absolute 
 
 from __future__ import annotations
 
-import _common  # noqa: F401  (first: binds OpenBLAS before mlx loads)
+import _common  # (first: binds OpenBLAS before mlx loads)
 
 import argparse
 import statistics
@@ -172,10 +176,12 @@ def main() -> int:
                     help="the gated rows' clock: the gate's default (the wall clock), the wall clock, the "
                          "process's CPU time, or both (the default and a gated-cpu row)")
     ap.add_argument("--drafters", default="mtp,lookup,dflash,lookup+dflash")
+    _common.add_target_args(ap)
     args = ap.parse_args()
     global GATE_CLOCK
     GATE_CLOCK = CLOCKS.get(args.gate_clock)
-    model, tok = mlx_lm.load(str(MODELS / "target"))
+    target = _common.target_dir(args)
+    model, tok = mlx_lm.load(str(target))
     if args.dflash:
         drafter, source = load_dflash(args.dflash, model), args.dflash
     elif args.random:
@@ -183,13 +189,15 @@ def main() -> int:
     else:
         print("bench/dflash.py: pass --dflash PATH (or --random for a smoke run)", file=sys.stderr)
         return 2
-    kinds = {"dflash": drafter, "mtp": load_head(model, MODELS / "target")}
+    kinds = {"dflash": drafter, "mtp": load_head(model, target)}
     names = [d for d in args.drafters.split(",") if d != "mtp" or kinds["mtp"] is not None]
     blocks = [int(x) for x in args.blocks.split(",")]
     text = (MODELS / "heldout_stdlib.txt").read_text()
     toks = [tok.encode(text[i * 1500 : i * 1500 + 400]) for i in range(args.prompts)]
     print(f"BLAS {segcache.BLAS}; drafter {source} (blocks of {drafter.cfg.block_size}); {args.prompts} prompts, "
           f"{args.tokens} tokens, {args.repeats} repeats; drafters {', '.join(names)}; machine may be shared")
+    print(f"target: {_common.target_label(args)}")
+    _common.print_verify_costs(model, toks[0], _common.target_label(args))
     _, want, _ = run(BatchDecoder(model, one_row=True), model, toks, args.tokens, 1)
     for rows in [int(x) for x in args.rows.split(",")]:
         configs = [("plain", None)] + [(nm, b) for nm in names for b in blocks] + [(nm, "gated") for nm in names]

@@ -31,6 +31,11 @@ acceptance it prints what the head would give where a verify of k+1 positions
 costs about one forward (a GPU): expected tokens per verify.
 
     python bench/mtp.py --serve ROUNDS [--tokens 64] [--prompts 8]
+    python bench/mtp.py ... --target wide [--wide-layers 16] [--wide-mlp 12288] [--wide-bits 4]
+
+`--target wide` runs it all on the shipped target widened (segcache.testing.widen: the same
+function, its head widened alike, at a ~155M model's cost; built once into bench/.cache); the
+output starts with that target's c(k) on mlx-lm's own cache.
 
 instead runs `segcache serve --decode-concurrency 8` plain, with --mtp and with
 --draft-model (fresh servers and stores, order rotated per round): 8 clients at
@@ -40,7 +45,7 @@ aggregate tok/s per round and the medians of the per-round ratios.
 
 from __future__ import annotations
 
-import _common  # noqa: F401  (first: binds OpenBLAS before mlx loads)
+import _common  # (first: binds OpenBLAS before mlx loads)
 
 import argparse
 import glob
@@ -128,12 +133,12 @@ def fit_head(model, tok, steps: int, seq: int = 256, batch: int = 4):
     return head
 
 
-def the_head(model, tok, args):
+def the_head(model, tok, args, target: Path):
     if args.head:
         return load_head(model, mtp_weights=args.head), args.head
-    shipped = load_head(model, MODELS / "target")
+    shipped = load_head(model, target)
     if shipped is not None:
-        return shipped, f"the shipped head (models/target/{HEAD_FILE})"
+        return shipped, f"the target's own head ({target / HEAD_FILE})"
     if CACHED_HEAD.is_file() and not args.refit:
         return load_head(model, mtp_weights=CACHED_HEAD), f"fitted earlier ({CACHED_HEAD})"
     print(f"no shipped head: fitting one for {args.fit_steps} steps (target frozen)", flush=True)
@@ -331,7 +336,7 @@ def gate_costs(gate, rows: int, costs: list[float]) -> str:
             + " ".join(f"K={w}: {cost.estimate(rows, w) / plain:.2f} (c({w + 1}) = {costs[w]:.2f})" for w in widths))
 
 
-def serve_rounds(args) -> int:
+def serve_rounds(args, target: Path) -> int:
     """`segcache serve --decode-concurrency 8` plain, with --mtp and with --draft-model: 8 clients at
     once on the held-out prompts (greedy, --tokens each), a fresh server per configuration and
     round, the order rotated per round; every answer must equal plain's."""
@@ -341,7 +346,7 @@ def serve_rounds(args) -> int:
     prompts = [text[i * 2000 : i * 2000 + 400] for i in range(args.prompts)]
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root / "src"), os.environ.get("PYTHONPATH")])))
-    base = [sys.executable, "-m", "segcache.cli", "serve", "--model", str(MODELS / "target"), "--log-level",
+    base = [sys.executable, "-m", "segcache.cli", "serve", "--model", str(target), "--log-level",
             "WARNING", "--decode-concurrency", str(len(prompts)), "--prompt-concurrency", str(len(prompts))]
     configs = {"plain": [], "mtp": ["--mtp"], "draft": ["--draft-model", str(MODELS / "draft")]}
     work = Path(tempfile.mkdtemp(prefix="segcache-bench-mtp-serve-"))
@@ -403,20 +408,23 @@ def main() -> int:
     ap.add_argument("--refit", action="store_true", help="fit a new head even if one is cached")
     ap.add_argument("--serve", type=int, default=0, metavar="ROUNDS",
                     help="instead: ROUNDS rounds through `segcache serve` (plain, --mtp, --draft-model)")
+    _common.add_target_args(ap)
     args = ap.parse_args()
+    target = _common.target_dir(args)
     if args.serve:
-        return serve_rounds(args)
+        return serve_rounds(args, target)
     global TABLE_CLOCK
     TABLE_CLOCK = time.process_time if args.table_clock == "cpu" else time.perf_counter
 
-    model, tok = mlx_lm.load(str(MODELS / "target"))
+    model, tok = mlx_lm.load(str(target))
     configs = args.configs.split(",")
     draft = mlx_lm.load(str(MODELS / "draft"))[0] if "draft" in configs else None
-    head, where = the_head(model, tok, args)
+    head, where = the_head(model, tok, args, target)
     text = (MODELS / "heldout_stdlib.txt").read_text()
     toks = [tok.encode(text[i * 2000 : i * 2000 + 400]) for i in range(args.prompts)]
-    print(f"target: models/target; head: {where}; {len(toks)} held-out prompts, {args.tokens} tokens each; "
+    print(f"target: {_common.target_label(args)}; head: {where}; {len(toks)} held-out prompts, {args.tokens} tokens each; "
           f"{args.repeats} repeats, configurations interleaved (medians; the machine may be shared)")
+    _common.print_verify_costs(model, toks[0], _common.target_label(args))
 
     for rows in [int(r) for r in args.rows.split(",")]:
         costs = verify_costs(model, toks, rows)

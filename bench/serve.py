@@ -6,6 +6,7 @@
     python bench/serve.py --join [--join-chars 7000] [--sweep-tokens 64]
     python bench/serve.py --cold [--rounds 5] [--cold-chars 1000] [--sweep-tokens 64] [--vllm-mlx PATH] [--base SRC]
     python bench/serve.py --lone [--rounds 5] [--cold-chars 1000] [--sweep-tokens 64] [--base SRC]
+    python bench/serve.py ... --target wide [--wide-layers 16] [--wide-mlp 12288] [--wide-bits 4]
 
 Both servers run the same model (the shipped hybrid target by default) as
 subprocesses on 127.0.0.1, driven by the official `openai` client with
@@ -54,6 +55,11 @@ change), so before and after are measured in the same rounds.
 --rounds rounds: medians of TTFT and of the decode rate after the first
 token (a lone request must be as fast at the default as one at a time);
 with `--base SRC`, the same two for another tree's sources.
+
+`--target wide` serves the shipped target widened (segcache.testing.widen: the same
+function and greedy text, at a ~155M model's cost, built once into bench/.cache) in place
+of --model, to every server of the run; `--sweep` (its speculative rows: lookup, draft)
+prints the target's c(k) on mlx-lm's own cache first.
 
 `--join`: 4 streams decode (--sweep-tokens each); once each has its first
 token a long prompt (--join-chars) arrives. Reports the longest gap between
@@ -475,6 +481,21 @@ def base_env(env: dict, src: str) -> dict:
     return dict(env, PYTHONPATH=os.pathsep.join([str(Path(src).resolve())] + rest))
 
 
+def verify_costs(common, args) -> None:
+    """Print c(k) of the served target (loaded here, then freed before any server starts)."""
+    import gc
+
+    import mlx.core as mx
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(args.model)
+    text = (MODELS / "heldout_stdlib.txt").read_text()[:400]
+    common.print_verify_costs(model, tokenizer.encode(text), common.target_label(args))
+    del model
+    gc.collect()
+    mx.clear_cache()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(MODELS / "target"))
@@ -502,7 +523,16 @@ def main() -> int:
     ap.add_argument("--base", default="",
                     help="--cold / --lone / --sweep: also serve another tree's src/ (e.g. a checkout of the commit "
                          "before a change), interleaved with this one")
+    import _common  # here, not at the top: it loads segcache and mlx, which the helpers mtp.py imports need not
+
+    _common.add_target_args(ap)
     args = ap.parse_args()
+    if args.target != "shipped":
+        if args.model != str(MODELS / "target"):
+            ap.error("--model and --target wide both name the target; pass one")
+        args.model = str(_common.target_dir(args))
+    if args.sweep:
+        verify_costs(_common, args)
     context = (MODELS / "heldout_other.txt").read_text()[: args.context_chars]
     work = Path(tempfile.mkdtemp(prefix="segcache-bench-serve-"))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))

@@ -20,6 +20,11 @@ never (a lower bound), which the output says.
 
     python bench/speculative.py [--quick] [--repeats N] [--max-tokens N] [--num-draft-tokens K]
                                 [--draft-min-prob P] [--heldout-prompts N] [--target DIR --draft DIR]
+                                [--target shipped|wide [--wide-layers 16] [--wide-mlp 12288] [--wide-bits 4]]
+
+`--target wide` runs on the shipped target widened (segcache.testing.widen: its function at a
+~155M model's cost, built once into bench/.cache); the hybrid draft stays its first layers. The
+c(k) of mlx-lm's own cache is printed for whichever target runs.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import fmt_ratio, header, interleave, paired_ratio, table  # noqa: E402  (imports segcache first)
+from _common import (  # noqa: E402  (imports segcache first)
+    add_target_args, fmt_ratio, header, interleave, paired_ratio, print_verify_costs, table, target_dir, target_label,
+)
 
 import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
@@ -160,14 +167,15 @@ def main() -> int:
     parser.add_argument("--draft-min-prob", type=float, default=DRAFT_MIN_PROB,
                         help=f"stop a round's drafting below this draft probability (default {DRAFT_MIN_PROB}; 0 = off)")
     parser.add_argument("--heldout-prompts", type=int, default=4, help="prompts in the held-out code case")
-    parser.add_argument("--target", help="target model directory (default: the shipped demo target)")
+    add_target_args(parser, directories=True)
     parser.add_argument("--draft", help="dense draft model directory (default: the shipped demo draft)")
     args = parser.parse_args()
     repeats = args.repeats or (2 if args.quick else 5)
     max_tokens = args.max_tokens or (64 if args.quick else 256)
     k, gate = args.num_draft_tokens, args.draft_min_prob
 
-    target, dense, hybrid, tokenizer, notes, specs = load_models(args.target, args.draft)
+    given = None if args.target == "shipped" else target_dir(args)
+    target, dense, hybrid, tokenizer, notes, specs = load_models(given, args.draft)
     params = lambda m: sum(v.size for _, v in tree_flatten(m.parameters()))  # noqa: E731
     sized = [(role, {"family": cfg.get("model_type", cfg.get("family")),
                      **{x: cfg[x] for x in ("hidden_size", "num_hidden_layers") if x in cfg}}, params(m))
@@ -179,6 +187,8 @@ def main() -> int:
           "(+1 warm-up), figures are medians; ratios are paired per round\n")
 
     heldout = heldout_prompts(tokenizer, args.heldout_prompts)
+    print_verify_costs(target, heldout[0], target_label(args))
+    print()
     drafting = {"num_draft_tokens": k, "draft_min_prob": gate}
     cases = [
         ("dense draft", [tokenizer.encode(PROMPT)], {"draft_model": dense, **drafting}),

@@ -22,6 +22,11 @@ corpus):
 
     python bench/tree.py [--quick] [--repeats N] [--max-tokens N] [--prompts N]
                          [--num-draft-tokens K] [--nodes 4,8,12,16] [--drafters lookup,draft,mtp]
+                         [--target shipped|wide [--wide-layers 16] [--wide-mlp 12288] [--wide-bits 4]]
+
+`--target wide`: the same on the shipped target widened (segcache.testing.widen: its function and
+head, at a ~155M model's cost; built once into bench/.cache); the c(k) of mlx-lm's own cache is
+printed first for whichever target runs.
 """
 
 from __future__ import annotations
@@ -35,7 +40,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Stats, fmt_ratio, header, paired_ratio, rotated, table  # noqa: E402  (imports segcache first)
+from _common import (  # noqa: E402  (imports segcache first)
+    Stats, add_target_args, fmt_ratio, header, paired_ratio, print_verify_costs, rotated, table, target_dir,
+    target_label,
+)
 
 import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
@@ -132,6 +140,7 @@ def main() -> int:
     parser.add_argument("--num-draft-tokens", type=int, default=4, help="the chain's (and the trees' depth) K")
     parser.add_argument("--nodes", default="4,8,12,16", help="tree budgets (draft nodes per round)")
     parser.add_argument("--drafters", default="lookup,draft,mtp", help="of lookup, draft (the draft model), mtp")
+    add_target_args(parser)
     args = parser.parse_args()
     repeats = args.repeats or (2 if args.quick else 3)
     max_tokens = args.max_tokens or (48 if args.quick else 128)
@@ -139,16 +148,19 @@ def main() -> int:
     budgets = [int(x) for x in args.nodes.split(",")]
     k = args.num_draft_tokens
 
-    model, tokenizer = mlx_lm.load(str(MODELS_DIR / "target"))
+    target = target_dir(args)
+    model, tokenizer = mlx_lm.load(str(target))
     draft, _ = mlx_lm.load(str(MODELS_DIR / "draft"))
-    head = load_head(model, MODELS_DIR / "target")
+    head = load_head(model, target)
     params = lambda m: sum(v.size for _, v in tree_flatten(m.parameters()))  # noqa: E731
     header("tree speculation: chains vs trees, prompt lookup, a draft model and the MTP head, one row, held-out code",
-           [("target", {"family": "qwen3_5 (demo)"}, params(model)),
+           [("target", {"family": f"qwen3_5 (demo, {target_label(args)})"}, params(model)),
             ("draft", {"family": "llama (demo)"}, params(draft))])
     prompts = heldout_prompts(tokenizer, count, args.prompt_tokens)
     print(f"{count} prompts of {args.prompt_tokens} tokens, max_tokens {max_tokens}, K {k}, repeats {repeats} "
           "(+1 warm-up); medians; the machine is shared (2 cores), ratios are paired per round\n")
+    print_verify_costs(model, prompts[0], target_label(args))
+    print()
 
     costs = verify_costs(model, prompts[0], sorted({1, 2, 4, 5, 8, 9, 12, 13, 16, 17}), max(5, repeats * 3))
     print(table([[str(n), f"{c:.2f}", f"{t:.2f}", f"{t / c:.2f}"] for n, (c, t) in costs.items()],
