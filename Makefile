@@ -6,12 +6,12 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-long bench compat blas redis clean mlx-lm-tests
+.PHONY: demo test test-long bench compat blas redis clean mlx-lm-tests agents
 
 demo: $(STAMP)
 	$(VENV)/bin/segcache demo
 
-test: $(STAMP) mlx-lm-tests
+test: $(STAMP) mlx-lm-tests agents
 	$(PY) -m pytest tests
 
 # The store's state machine for 5,000 programs (operations and damage), 2,000 fuzzed
@@ -85,5 +85,29 @@ redis:
 		echo "redis: cannot install redis-server here (no apt-get or not root; try brew install redis); the remote-tier tests will be skipped"; \
 	fi
 
+# The coding agents tests/test_agent_clients.py runs against segcache serve: Claude Code and
+# Codex CLI from npm (where npm exists), aider in a venv of its own; never in .venv, never
+# committed. A client that could not be installed is skipped by its test, saying why.
+AGENTS := tests/.agents
+AGENT_NPM := @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0
+AGENT_AIDER := aider-chat==0.86.2
+agents:
+	@if [ -x $(AGENTS)/npm/node_modules/.bin/claude ] && [ -x $(AGENTS)/npm/node_modules/.bin/codex ]; then \
+		echo "agents: Claude Code and Codex CLI present"; \
+	elif command -v npm >/dev/null 2>&1; then \
+		echo "agents: installing $(AGENT_NPM) with npm into $(AGENTS)/npm"; \
+		mkdir -p $(AGENTS)/npm && npm install --silent --no-audit --no-fund --prefix $(AGENTS)/npm $(AGENT_NPM) >/dev/null \
+			|| echo "agents: npm install failed; the Claude Code and Codex CLI tests will be skipped"; \
+	else \
+		echo "agents: no npm here; the Claude Code and Codex CLI tests will be skipped"; \
+	fi
+	@if [ -x $(AGENTS)/aider/bin/aider ]; then \
+		echo "agents: aider present"; \
+	else \
+		echo "agents: installing $(AGENT_AIDER) into its own venv $(AGENTS)/aider"; \
+		($(PYTHON) -m venv $(AGENTS)/aider && $(AGENTS)/aider/bin/pip install --quiet $(AGENT_AIDER) >/dev/null) \
+			|| echo "agents: installing aider failed; its test will be skipped"; \
+	fi
+
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis $(UPSTREAM)
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis $(UPSTREAM) $(AGENTS)
