@@ -189,3 +189,15 @@ def test_quantized_wide_target_computes_the_quantized_source(wide_dir, tmp_path,
     assert mx.array_equal(logits, want)
     head = load_head(wide, tmp_path / "wide-q4")
     assert head.module.layers[0].mlp.down_proj.bits == 4
+
+
+def test_a_spelled_out_layer_pattern_is_extended_alike(tmp_path):
+    """Hugging Face qwen3_5 configs list `layer_types`; the appended layers' kinds join the list."""
+    source = tmp_path / "source"
+    source.mkdir()
+    config = json.loads((SOURCE / "config.json").read_text())
+    config["layer_types"] = ["linear_attention", "full_attention"] * 2
+    (source / "config.json").write_text(json.dumps(config))
+    (source / "model.safetensors").symlink_to(SOURCE / "model.safetensors")
+    out = json.loads((widen_target(source, tmp_path / "out", layers=6, intermediate_size=768) / "config.json").read_text())
+    assert out["layer_types"] == ["linear_attention", "full_attention"] * 3

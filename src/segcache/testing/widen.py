@@ -82,6 +82,9 @@ def widen_target(source_dir, out_dir, *, layers: int = 16, intermediate_size: in
         if (source / name).is_file():
             shutil.copyfile(source / name, out / name)
     config.update(num_hidden_layers=layers, intermediate_size=intermediate_size)
+    if "layer_types" in config:  # Hugging Face configs spell the pattern out: extend it alike
+        config["layer_types"] = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                 for i in range(layers)]
     config["segcache_widened"] = {"source": str(source), "source_sha256": weights_digest(source), "seed": seed,
                                   "layers": layers, "intermediate_size": intermediate_size,
                                   "source_layers": old_layers, "source_intermediate_size": old_width,
