@@ -197,3 +197,42 @@ def test_a_batch_rows_last_token_forward_that_fails_fails_its_prompt_only(tmp_pa
         want = "".join(r.text for r in stream_generate(target, tk, prompts["b"], max_tokens=8))
         assert "".join(e.text for e in events["b"] if isinstance(e, Chunk)) == want
         assert engine._prefilling == 0 and len(engine.decoder) == 0
+
+
+@pytest.mark.parametrize("concurrency", [1, 3], ids=["alone", "batch"])
+def test_a_request_cancelled_mid_prefill_keeps_what_it_computed(tmp_path, concurrency):
+    """A client that gives up while its prompt is prefilled (Claude Code after 300 s without a
+    content event) leaves the prefix computed so far in the store: its retry resumes there and
+    answers as a fresh run does. Alone (chunks on its runtime) and as a PrefillBatch row."""
+    target = model("qwen3_5")
+    tk = test_tokenizer.tokenizer(eos=False)
+    prompt = tk.encode(PROMPT) + [7, 8, 9] * 60
+    want = mlx_lm.generate(target, tk, prompt=prompt, max_tokens=4)
+    with open_store(tmp_path / "s") as store:
+        engine = Engine(target, tk, store=store, decode_concurrency=concurrency, checkpoint_interval=32,
+                        prefill_step=32, vocab_size=models.VOCAB)
+        sched = Scheduler(engine, max_queue=2, max_running=concurrency, begin_step=engine.begin_step)
+        events = []
+        job = Job(GenRequest("gone", list(prompt), 4), events.append)
+        sched.submit(job)
+        for _ in range(100):
+            sched.step()
+            if any(isinstance(e, Progress) and e.processed >= 100 for e in events):
+                break
+        fed = max(e.processed for e in events if isinstance(e, Progress))
+        assert 64 <= fed < len(prompt) - 1  # cancelled mid-prefill
+        job.cancel()
+        for _ in range(100):
+            if not sched.step():
+                break
+        assert not any(isinstance(e, Chunk) for e in events)
+        kept = max(e.tokens for e in store.entries() if e.kind == "ckpt")
+        assert fed - 32 <= kept <= fed  # the last stop passed, at most a chunk back
+        again = []
+        sched.submit(Job(GenRequest("retry", list(prompt), 4), again.append))
+        for _ in range(200):
+            if not sched.step():
+                break
+        assert [e for e in again if isinstance(e, Progress)][0].processed == kept  # resumed there
+        assert isinstance(again[-1], Finish)
+        assert "".join(e.text for e in again if isinstance(e, Chunk)) == want

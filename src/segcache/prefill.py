@@ -201,6 +201,25 @@ class Prefill:
             return rt.prefix_cache()
         return self.cache
 
+    def keep_partial(self, rt) -> int:
+        """The prefill stopped before the prompt's end (its client left): publish the prefix `rt`
+        holds (a prefix of the prompt, between two forwards) with the snapshots taken up to there,
+        so a retry of the prompt resumes what was computed instead of computing it again (Claude
+        Code gives up on a stream after 300 s and sends the request again).
+
+        Returns the records written (0 without a store, with nothing new, or when it failed: a warning).
+        """
+        held = rt.committed_tokens
+        n = len(held)
+        if self.cache is None or not self.resume.tokens < n < len(self.ids) or held != self.ids[:n]:
+            return 0
+        try:
+            return self._cache_of(rt).prefilled(rt, self.ids[:n], self.resume,
+                                                [s for s in self.snaps if s.length <= n], self.seconds)
+        except Exception as exc:  # what was computed is lost, as before: never fail the cancel
+            self.cache.failed("publishing a cancelled prefill's prefix", exc)
+            return 0
+
     def finish(self, rt) -> int:
         """The whole prompt is in `rt`: count the prefill and publish it (pages, checkpoints).
 

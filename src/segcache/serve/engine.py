@@ -274,7 +274,7 @@ class Engine:
                 forwards = plan.left > 0
                 chunk = self.prefill_step if one else min(self.prefill_step, self.prefill_chunk)
                 with contextlib.closing(session.feed(chunk)) as feed:
-                    for progress in feed:  # closed mid-prefill: it stops there, publishing nothing
+                    for progress in feed:  # closed mid-prefill: it stops there, publishing what it computed
                         self.prefill_chunks += 1
                         yield progress
                 self.prefill_chunks += forwards  # the last forward
@@ -294,8 +294,10 @@ class Engine:
         finally:
             self._prefilling -= 1
             self.fanout.end(req.id)
-            if self._joining.pop(req.id, None) is not None and req.id in self.prefill_batch.prompts:
-                self.prefill_batch.remove(req.id)  # cancelled mid-prefill: its row leaves, nothing published
+            joining = self._joining.pop(req.id, None)
+            if joining is not None and req.id in self.prefill_batch.prompts:
+                self.prefill_batch.remove(req.id)  # cancelled mid-prefill: its row leaves,
+                joining.keep_partial()  # publishing the prompt up to the last stop it reached
 
     def _prefill_step(self) -> None:
         """One forward of the prefill batch per scheduler step: while rows decode, at most one

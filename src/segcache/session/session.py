@@ -110,6 +110,7 @@ class Session:
         self.failed: Optional[str] = None  # a forward of a batch that fed it failed
         self._check_start()
         self.in_batch = False  # a PrefillBatch row feeds it (then that row holds plan.pos, not `runtime`)
+        self._stop_runtime = None  # a runtime holding the prompt up to the last stop the batch row reached
         self.fed = 0  # prompt tokens fed so far (a PrefillBatch row's count, between its stops too)
         self.held = 0  # prompt tokens `runtime` held when it began (a clone of a hot runtime, serve/hot.py)
 
@@ -180,9 +181,22 @@ class Session:
                         break
                 if not (self.whole and plan.pos == total - 1):  # the last token's forward follows at once
                     yield Progress(plan.pos, total)
+        except GeneratorExit:  # closed mid-prefill (the request cancelled): stop there, keep what was computed
+            steps.close()
+            self.keep_partial()
+            raise
         finally:
-            steps.close()  # closed mid-prefill: stop there, publish nothing
+            steps.close()  # a failed forward: stop there, publish nothing
         plan.finish(self.runtime)
+
+    def keep_partial(self) -> int:
+        """The request left mid-prefill: publish the prefix computed so far (the runtime's, or the
+        last stop a `PrefillBatch` row reached), so a retry of the prompt resumes it. Returns the
+        records written."""
+        rt = self._stop_runtime if self.in_batch else self.runtime
+        if self.plan is None or rt is None or self.plan.left == 0:
+            return 0
+        return self.plan.keep_partial(rt)
 
     @property
     def batch_end(self) -> int:
@@ -207,6 +221,7 @@ class Session:
             if stop.position == end and stop.runtime is not self.runtime:  # fed elsewhere: the drafter's
                 carry_segment(self.runtime, stop.runtime, self.hidden, plan.ids[:end])  # segment goes on with it
             plan.reached(stop.runtime, stop.position, stop.logits)
+            self._stop_runtime = stop.runtime  # what a cancel publishes (keep_partial)
             if stop.position == end:
                 self.runtime, self.in_batch = stop.runtime, False
                 try:
