@@ -90,19 +90,24 @@ def test_a_padded_forward_with_the_last_logits_only_moves_every_row_as_the_full_
 
 
 def test_prefill_batch_hands_back_what_the_full_head_gives():
-    """The logits a `PrefillBatch` hands back at a stop are the full forward's at that position."""
+    """The logits a `PrefillBatch` hands back at a row's end are the full forward's at that position
+    (at a stop inside the prompt it hands back none: none are computed for a lone row)."""
     model = tiny("qwen3_5")
     ids = seqs(5, [30, 17])
     pb = PrefillBatch(model, gdn_prefill="chunked")
     ref = BatchRuntime(model, gdn_prefill="chunked")
     for i, p in enumerate(ids):
-        pb.add(i, segcache.Runtime(model), p, [10])
+        pb.add(i, segcache.Runtime(model), p[:10], [])
         ref.join(i)
-    reached = pb.step(2 * 16)  # row 0 to its stop at 10, row 1 to 10 as well
+    reached = pb.step(2 * 16)  # both rows to their ends at 10
     full = ref.forward_padded([p[:10] for p in ids])
     assert [r.position for r in reached] == [10, 10]
     for r in reached:
         assert _close(r.logits, full[r.row_id : r.row_id + 1, 9])
+    alone = PrefillBatch(model, gdn_prefill="chunked")
+    alone.add(0, segcache.Runtime(model), ids[0], [10])
+    [stop] = alone.step(16)
+    assert stop.position == 10 and stop.logits is None and not stop.done
 
 
 ONE_ROW = ("llama", "qwen3", "qwen3_next", "qwen3_5", "nemotron_h")  # dense, hybrid, one not split

@@ -126,7 +126,7 @@ def test_long_prompt_joins_in_chunks_between_decode_steps_and_every_row_is_exact
         [(0, total)] + [(min(k * CHUNK, n), total) for k in range(1, _chunks(n))]
 
 
-def test_cancel_mid_prefill_frees_the_slot_the_runtime_and_publishes_nothing(loaded, prompts, tmp_path):
+def test_cancel_mid_prefill_frees_the_slot_the_runtime_and_keeps_only_what_it_computed(loaded, prompts, tmp_path):
     with open_store(tmp_path / "store") as store:
         h = Harness(loaded, store=store)
         h.submit("a", prompts["a"], 40)
@@ -136,13 +136,17 @@ def test_cancel_mid_prefill_frees_the_slot_the_runtime_and_publishes_nothing(loa
         chunks = h.engine.prefill_chunks
         h.until(lambda: h.engine.prefill_chunks >= chunks + 3)
         assert h.engine._prefilling == 1
+        before = {(e.key, e.tokens) for e in store.entries() if e.kind == "ckpt"}
         job.cancel()
         h.step()
         assert job not in h.sched.running
         assert h.engine._prefilling == 0
         assert "long" not in h.engine._buffers and "long" not in h.engine.decoder.rows
         assert h.engine.decoder.batch.ids == ["a"]
-        assert store.stats()["prefills"] == prefills  # the half-fed prompt was not published
+        # the half-fed prompt is published as far as it was fed (a retry resumes there), no further
+        assert store.stats()["prefills"] == prefills + 1
+        kept = {(e.key, e.tokens) for e in store.entries() if e.kind == "ckpt"} - before
+        assert kept and all(0 < n < len(prompts["long"]) - 1 for _, n in kept)
         # the slot is free: the next prompt is prefilled and served, and a is undisturbed
         h.submit("c", prompts["c"], 8)
         h.run()

@@ -227,7 +227,7 @@ def test_a_request_cancelled_mid_prefill_keeps_what_it_computed(tmp_path, concur
                 break
         assert not any(isinstance(e, Chunk) for e in events)
         kept = max(e.tokens for e in store.entries() if e.kind == "ckpt")
-        assert fed - 32 <= kept <= fed  # the last stop passed, at most a chunk back
+        assert kept == fed  # where it stopped
         again = []
         sched.submit(Job(GenRequest("retry", list(prompt), 4), again.append))
         for _ in range(200):

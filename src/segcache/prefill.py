@@ -214,8 +214,11 @@ class Prefill:
         if self.cache is None or not self.resume.tokens < n < len(self.ids) or held != self.ids[:n]:
             return 0
         try:
-            return self._cache_of(rt).prefilled(rt, self.ids[:n], self.resume,
-                                                [s for s in self.snaps if s.length <= n], self.seconds)
+            cache = self._cache_of(rt)
+            snaps = [s for s in self.snaps if s.length <= n]
+            if not snaps or snaps[-1].length < n:  # the state where it stopped: a retry resumes there
+                snaps.append(cache.snapshot(rt, None))
+            return cache.prefilled(rt, self.ids[:n], self.resume, snaps, self.seconds)
         except Exception as exc:  # what was computed is lost, as before: never fail the cancel
             self.cache.failed("publishing a cancelled prefill's prefix", exc)
             return 0

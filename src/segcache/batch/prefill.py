@@ -115,7 +115,7 @@ class Reached:
     row_id: Hashable
     position: int
     runtime: Runtime  # the row up to `position`: a copy (arrays shared), or a lone row's own Runtime
-    logits: mx.array  # of the position before it, [1, V]
+    logits: mx.array | None  # of the position before it, [1, V]; at the row's last stop only (else None)
     done: bool  # its last stop: the row has left the batch
 
 
@@ -174,6 +174,11 @@ class PrefillBatch:
             self.batch.join(row_id, runtime)
         self.prompts[row_id] = _Prompt(list(ids), len(held), stops)
 
+    def runtime_of(self, row_id) -> Runtime:
+        """A Runtime holding the row's prompt up to where it is now (a lone row's own Runtime;
+        else a copy, arrays shared), e.g. to publish what a cancelled row computed."""
+        return self.solo[1] if self.solo is not None and self.solo[0] == row_id else self.batch.to_runtime(row_id)
+
     def stop_at(self, row_id, position: int) -> bool:
         """Row `row_id` also stops at `position` (its caller wants the state there); False
         (nothing changed) if the row is not in the batch or is at or past it."""
@@ -213,9 +218,14 @@ class PrefillBatch:
             rt = self.solo[1]
             (p,), (n,) = prompts, counts
             last = rt.forward(p.ids[p.pos : p.pos + n], last_only=True)[:, -1, :] * 1  # own buffer, as Prefill.feed
-            mx.eval(last, [layer.state for layer in rt.cache] + rt.drafters.state)
+            # logits only where the prompt ends: elsewhere they would cost the last layer's attention at
+            # every query, which the states never need (Prefill.feed likewise; a lone long prompt, such
+            # as a coding agent's first, is fed here)
+            ends = p.pos + n == len(p.ids)
+            mx.eval(*([last] if ends else []), [layer.state for layer in rt.cache] + rt.drafters.state)
         else:
-            # each row's logits at its last real position only (the head runs on those alone)
+            # each row's logits at its last real position only (the head runs on those alone); they
+            # evaluate every row's layers (batch layers of every kind), so they are computed each forward
             last = self.batch.forward_padded([p.ids[p.pos : p.pos + n] for p, n in zip(prompts, counts)],
                                              last_only=True)
             mx.eval(last)
@@ -227,7 +237,7 @@ class PrefillBatch:
             if p.pos == p.stops[0]:
                 p.stops.pop(0)
                 rt = self.solo[1] if self.solo is not None else self.batch.to_runtime(rid)
-                out.append(Reached(rid, p.pos, rt, last[i : i + 1], not p.stops))
+                out.append(Reached(rid, p.pos, rt, last[i : i + 1] if not p.stops else None, not p.stops))
         done = [r.row_id for r in out if r.done]
         if done:
             if self.solo is not None:

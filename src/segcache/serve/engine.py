@@ -296,8 +296,9 @@ class Engine:
             self.fanout.end(req.id)
             joining = self._joining.pop(req.id, None)
             if joining is not None and req.id in self.prefill_batch.prompts:
-                self.prefill_batch.remove(req.id)  # cancelled mid-prefill: its row leaves,
-                joining.keep_partial()  # publishing the prompt up to the last stop it reached
+                # cancelled mid-prefill: what its row computed is published, then it leaves
+                joining.keep_partial(self.prefill_batch, req.id)
+                self.prefill_batch.remove(req.id)
 
     def _prefill_step(self) -> None:
         """One forward of the prefill batch per scheduler step: while rows decode, at most one

@@ -28,6 +28,7 @@ runs one per request, its rows in the shared decoder.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Generator, Hashable, Iterable, Optional
@@ -38,6 +39,8 @@ from ..errors import InvariantError
 from ..runtime import Runtime
 from .. import prefill as store_prefill
 from .hidden import SEGMENT_MODES, Hidden, carry_segment, collecting
+
+log = logging.getLogger("segcache")
 
 
 def prompt_checkpoints(boundaries: Iterable[int], total: int, every: int) -> list[int]:
@@ -110,7 +113,6 @@ class Session:
         self.failed: Optional[str] = None  # a forward of a batch that fed it failed
         self._check_start()
         self.in_batch = False  # a PrefillBatch row feeds it (then that row holds plan.pos, not `runtime`)
-        self._stop_runtime = None  # a runtime holding the prompt up to the last stop the batch row reached
         self.fed = 0  # prompt tokens fed so far (a PrefillBatch row's count, between its stops too)
         self.held = 0  # prompt tokens `runtime` held when it began (a clone of a hot runtime, serve/hot.py)
 
@@ -189,12 +191,16 @@ class Session:
             steps.close()  # a failed forward: stop there, publish nothing
         plan.finish(self.runtime)
 
-    def keep_partial(self) -> int:
-        """The request left mid-prefill: publish the prefix computed so far (the runtime's, or the
-        last stop a `PrefillBatch` row reached), so a retry of the prompt resumes it. Returns the
-        records written."""
-        rt = self._stop_runtime if self.in_batch else self.runtime
-        if self.plan is None or rt is None or self.plan.left == 0:
+    def keep_partial(self, batch=None, row_id=None) -> int:
+        """The request left mid-prefill: publish the prefix computed so far (the runtime's, or, in
+        `batch` as `row_id`, the row's), so a retry of the prompt resumes it. Returns the records
+        written."""
+        if self.plan is None or self.plan.left == 0:
+            return 0
+        try:
+            rt = batch.runtime_of(row_id) if self.in_batch else self.runtime
+        except Exception as exc:  # what was computed is lost, as before: never fail the cancel
+            log.warning("a cancelled prefill's prefix could not be taken from its batch row: %s", exc)
             return 0
         return self.plan.keep_partial(rt)
 
@@ -221,7 +227,6 @@ class Session:
             if stop.position == end and stop.runtime is not self.runtime:  # fed elsewhere: the drafter's
                 carry_segment(self.runtime, stop.runtime, self.hidden, plan.ids[:end])  # segment goes on with it
             plan.reached(stop.runtime, stop.position, stop.logits)
-            self._stop_runtime = stop.runtime  # what a cancel publishes (keep_partial)
             if stop.position == end:
                 self.runtime, self.in_batch = stop.runtime, False
                 try:
