@@ -171,7 +171,7 @@ def run_inproc(args, model: Path, cpt: float) -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
     lm, tok = mlx_lm.load(str(model))
-    ids = tok.encode(system_text(args.context + 8 * args.new, cpt))
+    ids = tok.encode(system_text(int(1.3 * (args.context + 8 * args.new)), cpt))  # chars per token vary
     assert len(ids) >= args.context + 4 * args.new, len(ids)
     cache, pos, marks = make_prompt_cache(lm), 0, {}
     tic = time.perf_counter()
