@@ -222,14 +222,6 @@ def test_aider_runs_three_turns(server, tmp_path):
     prompts = [prompter.chat(json.loads(line)).ids for line in sent.read_text().splitlines()]
     assert [len(ids) for ids in prompts] == [int(n) for _, _, _, n, _ in lines]  # the prompts the server got
     for k in (1, 2):
-        shared = max(_common(prompts[k], prompts[j]) for j in range(k))
+        shared = max(len(os.path.commonprefix([prompts[k], prompts[j]])) for j in range(k))
         assert int(lines[k][4]) >= shared - 1, f"turn {k + 1} resumed {lines[k][4]} of the {shared} tokens it shares"
 
-
-def _common(a: list, b: list) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

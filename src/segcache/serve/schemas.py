@@ -514,22 +514,18 @@ class ResponsesRequest(_Common):
         servers' tools so) as functions of their own; the hosted tools the server cannot run
         (`local_shell`, `web_search`, `file_search`, `computer_use_preview`, `image_generation`,
         `code_interpreter`, `mcp`, ...) dropped, each with a logged note."""
-        tools = body.get("tools")
-        if not isinstance(tools, list):
-            return body
-        kept = []
-        for i, tool in enumerate(tools):
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            if kind in ("function", "custom") or not isinstance(tool, dict):
-                kept.append(tool)
-            elif kind == "namespace" and isinstance(tool.get("tools"), list):
+        def given(i: int, tool: dict, kind) -> list:
+            if kind in ("function", "custom"):
+                return [tool]
+            if kind == "namespace" and isinstance(tool.get("tools"), list):
                 inner = [t for t in tool["tools"] if isinstance(t, dict) and t.get("type", "function") == "function"]
-                kept += [{"type": "function", **{k: v for k, v in t.items() if k != "type"}} for t in inner]
                 note(f"tools.{i}", f"(namespace '{tool.get('name')}'): its {len(inner)} functions given as tools "
                                    "of their own")
-            else:
-                note(f"tools.{i}", f"(a '{kind}' tool) dropped: the server cannot run it and the model is not told of it")
-        return {**body, "tools": kept}
+                return [{"type": "function", **{k: v for k, v in t.items() if k != "type"}} for t in inner]
+            note(f"tools.{i}", f"(a '{kind}' tool) dropped: the server cannot run it and the model is not told of it")
+            return []
+
+        return _tools_given(body, given)
 
     def response_format(self) -> Optional[dict]:
         """`text.format` as chat's response_format (None: plain text)."""
@@ -659,17 +655,13 @@ class _AnthropicBase(_Common):
     def lenient(cls, body: dict, note) -> dict:
         """Server tools (`web_search_20250305`, `code_execution_...`, `web_fetch_...`: a `type` other
         than "custom") dropped with a logged note: the server cannot run them."""
-        tools = body.get("tools")
-        if not isinstance(tools, list):
-            return body
-        kept = []
-        for i, tool in enumerate(tools):
-            kind = tool.get("type") if isinstance(tool, dict) else None
+        def given(i: int, tool: dict, kind) -> list:
             if kind in (None, "custom"):
-                kept.append(tool)
-            else:
-                note(f"tools.{i}", f"(the server tool '{kind}') dropped: the server cannot run it")
-        return {**body, "tools": kept}
+                return [tool]
+            note(f"tools.{i}", f"(the server tool '{kind}') dropped: the server cannot run it")
+            return []
+
+        return _tools_given(body, given)
 
     def check(self) -> None:
         choice = self.tool_choice
@@ -703,6 +695,18 @@ class CountTokensRequest(_AnthropicBase):
 
 
 # -- shared checks -------------------------------------------------------------------------------
+
+
+def _tools_given(body: dict, given) -> dict:
+    """`body` with each of its tools (a dict) replaced by `given(index, tool, its type)`'s list;
+    anything else in `tools` is left for validation to refuse."""
+    tools = body.get("tools")
+    if not isinstance(tools, list):
+        return body
+    out = []
+    for i, tool in enumerate(tools):
+        out += given(i, tool, tool.get("type")) if isinstance(tool, dict) else [tool]
+    return {**body, "tools": out}
 
 
 def check_tool_choice(choice: Optional[str], names: list[str], param: str) -> None:
