@@ -138,7 +138,9 @@ def test_a_stored_prompt_with_mtp_runs_no_forward_before_its_first_draft(target,
     with open_store(tmp_path / "s", page_tokens=P, ram_bytes=0) as st, calls:
         calls.n = 0
         rt = Runtime(model, store=st, mtp=other)
-        resume = next(rt.prefill_steps(PROMPT[:-1], step_size=STEP))
+        # (the whole prompt: the checkpoint at its last token holds no logits, a generation's
+        # prefill computed none, so a prefill wanting them of PROMPT[:-1] could not end on it)
+        resume = next(rt.prefill_steps(PROMPT, step_size=STEP))
         assert resume.restored == len(PROMPT) - 1 and rt.drafters.get("mtp").stale
         calls.n = 0
         assert _generate(model, other, st, PROMPT) == plain
@@ -183,7 +185,9 @@ def test_a_store_without_drafter_records_resumes_and_recomputes(target, tmp_path
         assert not [e for e in st.entries() if e.kind.startswith("d")]
     with open_store(tmp_path / "s", page_tokens=P, ram_bytes=0) as st:
         rt = Runtime(model, store=st, mtp=head)
-        resume = next(rt.prefill_steps(PROMPT[:-1], step_size=STEP))
+        # (the whole prompt: the checkpoint at its last token holds no logits, a generation's
+        # prefill computed none, so a prefill wanting them of PROMPT[:-1] could not end on it)
+        resume = next(rt.prefill_steps(PROMPT, step_size=STEP))
         assert resume.restored == len(PROMPT) - 1 and rt.drafters.get("mtp").stale
         rt.check()
         assert _generate(model, head, st, PROMPT) == plain

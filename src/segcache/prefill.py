@@ -54,8 +54,13 @@ class Prefill:
         seconds: time spent in the forwards that fed it.
         logits: the last position's logits once known (restored with a whole
             prompt, or computed by the forward reaching the end), else None.
-        want_logits: compute the last position's logits (a store's checkpoint
-            keeps them; a caller may need them); without, no output head runs.
+        want_logits: compute the last position's logits (the caller reads them; the
+            store's checkpoint of the prompt then keeps them). Without, no output head
+            runs, and the last layer's attention runs for none of the last chunk's
+            queries: after a long context that is most of a short chunk's forward (mlx-lm's
+            generate skips it too: it evaluates a prefill's states and feeds the last
+            token alone, as a server's session does). The checkpoint at the end then
+            holds no logits: a later prompt ending there that wants them resumes before.
         share_at: stops another prompt waits for (serve/fanout.py): the prefix up to each
             is published as soon as it is reached, not only at the end.
         shared: the stops of `share_at` passed (published, or the publish failed: warned).
@@ -79,7 +84,7 @@ class Prefill:
         self.snaps: list = []
         self.seconds = 0.0
         self.logits = logits
-        self.want_logits = want_logits or cache is not None
+        self.want_logits = want_logits
         self.share_at: set[int] = set()
         self.shared: set[int] = set()  # Invariant: shared <= share_at, each <= pos
 
@@ -281,9 +286,9 @@ def begin(rt, ids: list[int], held: int, checkpoints: Iterable[int] = (), agree=
     cache = rt.prefix_cache() if rt.store is not None else None
     unquantized = None  # the layers to put back if a quantized resume does not load
     if cache is not None and _ends_quantized(rt, ids, held):
-        cache, resume, unquantized = _quantized_resume(rt, ids, held)
+        cache, resume, unquantized = _quantized_resume(rt, ids, held, want_logits)
     else:
-        resume = Resume(held) if cache is None else cache.resume(rt, ids, held)
+        resume = Resume(held) if cache is None else cache.resume(rt, ids, held, want_logits)
     if cache is not None and agree is not None:
         resume = _agreed(agree, resume, held)  # then every rank restores, or none (the same tokens)
     point = rt.savepoint() if resume.states is not None and agree is not None else None
@@ -361,7 +366,7 @@ def _ends_quantized(rt, ids: list[int], held: int) -> bool:
     return q is not None and held == 0 and len(ids) >= q.start and any(layer.kv_switches for layer in rt.cache)
 
 
-def _quantized_resume(rt, ids: list[int], held: int):
+def _quantized_resume(rt, ids: list[int], held: int, logits: bool = True):
     """The store's resume of a prompt that ends quantized: quantized pages first.
 
     The prompt is looked up under the quantized layout (empty quantized layers
@@ -376,12 +381,12 @@ def _quantized_resume(rt, ids: list[int], held: int):
     """
     own = rt.quantize_now()
     cache = rt.prefix_cache()
-    resume = cache.resume(rt, ids, held)
+    resume = cache.resume(rt, ids, held, logits)
     if resume.states is not None and resume.tokens >= rt.kv_quantization.start:  # below, mlx-lm holds them unquantized
         return cache, resume, own
     rt.put_back(own)
     cache = rt.prefix_cache()
-    return cache, cache.resume(rt, ids, held), None
+    return cache, cache.resume(rt, ids, held, logits), None
 
 
 def _agreed(agree, resume: Resume, held: int) -> Resume:

@@ -106,6 +106,7 @@ class _Prompt:
     ids: list
     pos: int
     stops: list = field(default_factory=list)
+    logits: bool = True  # its end's logits are computed (and handed back in its last `Reached`)
 
 
 @dataclass
@@ -115,7 +116,7 @@ class Reached:
     row_id: Hashable
     position: int
     runtime: Runtime  # the row up to `position`: a copy (arrays shared), or a lone row's own Runtime
-    logits: mx.array | None  # of the position before it, [1, V]; at the row's last stop only (else None)
+    logits: mx.array | None  # of the position before it, [1, V]; at the row's last stop only, if it wants them
     done: bool  # its last stop: the row has left the batch
 
 
@@ -145,9 +146,11 @@ class PrefillBatch:
         """The rows in the order of a forward's outputs."""
         return [self.solo[0]] if self.solo is not None else self.batch.ids
 
-    def add(self, row_id, runtime: Runtime, ids: list[int], stops) -> None:
+    def add(self, row_id, runtime: Runtime, ids: list[int], stops, *, logits: bool = True) -> None:
         """A row joins holding `runtime`'s state, a strict prefix of `ids`; `stops` are the
-        positions to stop at (the last one, len(ids), is added if missing).
+        positions to stop at (the last one, len(ids), is added if missing). `logits`: its end's
+        logits are computed (False: its last `Reached` holds None, and no forward runs the last
+        layer's attention for its queries, as `Prefill(want_logits=False)`).
 
         Raises:
             ValueError: the runtime does not hold a strict prefix of `ids`, is of another model,
@@ -172,7 +175,7 @@ class PrefillBatch:
                 self.batch.join(*self.solo)
                 self.solo = None
             self.batch.join(row_id, runtime)
-        self.prompts[row_id] = _Prompt(list(ids), len(held), stops)
+        self.prompts[row_id] = _Prompt(list(ids), len(held), stops, logits)
 
     def runtime_of(self, row_id) -> Runtime:
         """A Runtime holding the row's prompt up to where it is now (a lone row's own Runtime;
@@ -221,14 +224,17 @@ class PrefillBatch:
             # logits only where the prompt ends: elsewhere they would cost the last layer's attention at
             # every query, which the states never need (Prefill.feed likewise; a lone long prompt, such
             # as a coding agent's first, is fed here)
-            ends = p.pos + n == len(p.ids)
-            mx.eval(*([last] if ends else []), [layer.state for layer in rt.cache] + rt.drafters.state)
+            wanted = p.logits and p.pos + n == len(p.ids)
+            mx.eval(*([last] if wanted else []), [layer.state for layer in rt.cache] + rt.drafters.state)
         else:
-            # each row's logits at its last real position only (the head runs on those alone); they
-            # evaluate every row's layers (batch layers of every kind), so they are computed each forward
+            # each row's logits at its last real position only (the head runs on those alone), and
+            # evaluated only in a forward where a row that wants them ends: else the layers' states
+            # alone, so the last layer's attention runs for no query (each row's share of it grows
+            # with its context: most of a short chunk's forward after a long one)
             last = self.batch.forward_padded([p.ids[p.pos : p.pos + n] for p, n in zip(prompts, counts)],
                                              last_only=True)
-            mx.eval(last)
+            wanted = any(p.logits and p.pos + n == len(p.ids) for p, n in zip(prompts, counts))
+            mx.eval(last if wanted else [layer.state for layer in self.batch.cache])
         self.fed = dict(zip(ids, counts))
         log.debug("prefill forward: budget %d, %d rows fed %s", budget, len(ids), counts)
         out = []
@@ -237,7 +243,7 @@ class PrefillBatch:
             if p.pos == p.stops[0]:
                 p.stops.pop(0)
                 rt = self.solo[1] if self.solo is not None else self.batch.to_runtime(rid)
-                out.append(Reached(rid, p.pos, rt, last[i : i + 1] if not p.stops else None, not p.stops))
+                out.append(Reached(rid, p.pos, rt, last[i : i + 1] if not p.stops and p.logits else None, not p.stops))
         done = [r.row_id for r in out if r.done]
         if done:
             if self.solo is not None:

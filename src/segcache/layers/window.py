@@ -492,6 +492,11 @@ class BatchWindowLayer(RowTrees, RowLengths):
 
     # -- mlx-lm's batch-cache calls (BatchGenerator) -------------------------------------
 
+    @property
+    def state(self):
+        """(keys, values): what a batch forward's caller evaluates (as `BatchKVLayer.state`)."""
+        return self.keys, self.values
+
     @classmethod
     def merge(cls, caches) -> "BatchWindowLayer":
         """One row per single-sequence window cache (its committed state), as mlx-lm's merge.

@@ -213,7 +213,9 @@ class Session:
         """Feed the rest as row `row_id` of a `PrefillBatch` (its forwards run by the caller,
         each row's outcome handed to `reached`), up to `batch_end`."""
         end = self.batch_end
-        batch.add(row_id, self.runtime, self.plan.ids[:end], [p for p in self.plan.stops if p <= end])
+        # no logits at the row's end: the decoder's first step (or, `whole`, the last token's own
+        # forward) computes the ones it reads
+        batch.add(row_id, self.runtime, self.plan.ids[:end], [p for p in self.plan.stops if p <= end], logits=False)
         self.in_batch, self.fed = True, self.plan.pos
 
     def reached(self, fed: int, seconds: float, stop=None) -> None:

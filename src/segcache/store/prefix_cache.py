@@ -184,18 +184,20 @@ class PrefixCache:
 
     # -- lookup and load --
 
-    def lookup(self, rt, ids: list[int], held: int) -> tuple[Plan, str]:
+    def lookup(self, rt, ids: list[int], held: int, logits: bool = True) -> tuple[Plan, str]:
         """The longest prefix of `ids` the store can restore (longer than `held`), and a branch
         point; and the tiers its records came from ("ram+disk", "-" when it restores nothing).
+        `logits`: the caller needs the last position's logits, so a checkpoint of the whole
+        prompt serves only if it holds them (a server's prefill of all but the last token does not).
 
         Raises:
             _Miss, StoreError, lmdb.Error: the caller treats any failure as a miss.
         """
         ix = self._prompt(rt, ids)
-        plan = self._plan(ix, held)
+        plan = self._plan(ix, held, logits)
         return plan, joined(ix.tiers[k] for k in plan.sources)
 
-    def _plan(self, ix: PromptKeys, held: int) -> Plan:
+    def _plan(self, ix: PromptKeys, held: int, logits: bool = True) -> Plan:
         lay, store, ids = self.layout, self.store, ix.ids
         L, P = len(ids), lay.page_tokens
         m = L // P
@@ -227,7 +229,7 @@ class PrefixCache:
                 if len(s) > len(rem) or rem[: len(s)] != s:
                     continue
                 try:
-                    plan.ckpt = self._ckpt(ix, r, need_logits=r == L)
+                    plan.ckpt = self._ckpt(ix, r, need_logits=logits and r == L)
                     plan.resume, plan.sources = r, [ix.ckpt_key(r)]
                     break
                 except _Miss:
@@ -235,7 +237,7 @@ class PrefixCache:
 
         if not lay.stateful and plan.resume < L:
             # Pages only: any position whose rows a page or a tail holds will do, short
-            # of the last token (its logits must be computed, unless checkpointed).
+            # of the last token where its logits are wanted (computed, unless checkpointed).
             rem = ix.rem(j_max, L)
             d, src = 0, None
             for c in ix.node(j_max).conts:
@@ -250,7 +252,7 @@ class PrefixCache:
                     tail = self._fetch(ix, key, spec, (), "the rows' tail")
                 except _Miss:  # evicted or dropped: the pages alone still serve
                     d = 0
-            r = min(j_max * P + d, L - 1)
+            r = min(j_max * P + d, L - 1 if logits else L)
             if r > max(plan.resume, held):
                 use_tail = tail is not None and r > j_max * P
                 plan.ckpt, plan.resume = None, r
@@ -456,8 +458,9 @@ class PrefixCache:
 
     # -- the runtime's entry points --
 
-    def resume(self, rt, ids: list[int], held: int) -> Resume:
-        """How far the store can take a prefill of `ids` on `rt`, which holds ids[:held].
+    def resume(self, rt, ids: list[int], held: int, logits: bool = True) -> Resume:
+        """How far the store can take a prefill of `ids` on `rt`, which holds ids[:held]
+        (`logits`: with the last position's logits, see `lookup`).
 
         Looks the prompt up and validates every layer's state (nothing in `rt`
         changes): the longest prefix the store restores past `held`, its states and
@@ -468,16 +471,17 @@ class PrefixCache:
         if store.closed:
             return Resume(held)
         try:
-            plan, tier = self.lookup(rt, ids, held)
+            plan, tier = self.lookup(rt, ids, held, logits)
             start = max(plan.resume, held)
             stops = tuple(p for p in self.stops(plan, start, L) if start < p < L)
             if plan.resume <= held:
                 return Resume(held, stops=stops)
-            logits = plan.ckpt.arrays["logits"][...] if plan.resume == L else None  # own array object
+            last = plan.ckpt.arrays.get("logits") if plan.resume == L and plan.ckpt is not None else None
+            last = None if last is None else last[...]  # own array object
             states = tuple(self.states(rt, plan))
             drafters = drafter_records.resume(self._prompt(rt, ids), rt, plan.resume) \
                 if rt.drafters and plan.ckpt is not None else ()
-            return Resume(plan.resume, plan.resume, tier, stops, states, logits, drafters)
+            return Resume(plan.resume, plan.resume, tier, stops, states, last, drafters)
         except Exception as exc:
             if not isinstance(exc, _Miss):
                 _warn(store, "lookup", exc)
