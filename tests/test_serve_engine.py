@@ -161,3 +161,42 @@ def test_controls_reach_the_round_and_greedy_speculation_keeps_them(loaded):
         got = serve(loaded, [GenRequest("c", prompt, 32, controls=Controls(**fields))],
                     concurrency=concurrency, **drafting)["c"][0]
         assert got == want_text, (concurrency, drafting)
+
+
+@pytest.mark.parametrize("concurrency", (1, 3))
+def test_an_ended_rows_last_text_goes_out_before_it_leaves_and_its_finish_after(loaded, tmp_path, concurrency):
+    """The last text of a request that ended is sent while its row is still in the decoder (its
+    leave: a forward, the publish, keeping it hot, costs a decode step or more at long context);
+    its Finish only once it left, was kept hot and published, and no other request's event comes
+    between the two. The texts are mlx-lm's own greedy ones."""
+    from segcache.serve.hot import HotRuntimes
+
+    model, tok = loaded
+    prompts = [tok.encode(TEXT[3000 + 400 * i : 3300 + 400 * i]) for i in range(2)]
+    wanted = [mlx_lm.generate(model, tok, prompt=p, max_tokens=n) for p, n in zip(prompts, (6, 14))]
+    with open_store(tmp_path / "s") as store:
+        engine = Engine(model, tok, store=store, decode_concurrency=concurrency, hot=HotRuntimes(4))
+        sched = Scheduler(engine, max_running=concurrency, begin_step=engine.begin_step)
+        seen = []  # (request, event, rows in the decoder, hot runtimes kept) as each event arrives
+
+        def deliver(rid):
+            return lambda e: seen.append((rid, e, len(engine.decoder), engine.hot.kept))
+
+        for i, (p, n) in enumerate(zip(prompts, (6, 14))):
+            sched.submit(Job(GenRequest(f"r{i}", p, n), deliver(f"r{i}")))
+        for _ in range(5000):
+            if not sched.step():
+                break
+        for i, rid in enumerate(("r0", "r1")):
+            mine = [(k, e, rows, kept) for k, (r, e, rows, kept) in enumerate(seen) if r == rid]
+            assert "".join(e.text for _, e, _, _ in mine if isinstance(e, Chunk)) == wanted[i]
+            (k_fin, fin, rows_fin, kept_fin), (k_last, last, rows_last, kept_last) = mine[-1], mine[-2]
+            assert isinstance(fin, Finish) and fin.reason == "length" and isinstance(last, Chunk)
+            assert k_fin == k_last + 1  # nothing of another request between them
+            assert rows_last == rows_fin + 1 and kept_fin == kept_last + 1  # it left in between, kept hot
+            # published at the Finish: the whole of prompt + answer resumes from the store
+            ends = [e.tokens for e in store.entries() if e.kind == "ckpt"]
+            assert len(prompts[i]) + fin.usage.completion_tokens in ends
+    # with concurrency 3 both decoded together: r0 ended while r1 still ran
+    if concurrency > 1:
+        assert [rows for r, e, rows, _ in seen if r == "r0" and isinstance(e, Finish)] == [1]

@@ -52,10 +52,10 @@ from ..session.hidden import collecting
 from ..session.session import Session, prompt_checkpoints
 from .choice import Choice
 from .fanout import Fanout
-from .events import Chunk, Failure, Finish, GenRequest, Progress, StepFailed, TokenLogprob, Usage
+from .events import Chunk, Early, Failure, Finish, GenRequest, Progress, StepFailed, TokenLogprob, Usage
 from .hot import HotRuntimes
 
-__all__ = ["Chunk", "Engine", "Failure", "Finish", "GenRequest", "Progress", "StepFailed", "TokenLogprob", "Usage"]
+__all__ = ["Chunk", "Early", "Engine", "Failure", "Finish", "GenRequest", "Progress", "StepFailed", "TokenLogprob", "Usage"]
 
 log = logging.getLogger("segcache.serve")
 
@@ -190,7 +190,8 @@ class Engine:
 
         The prompt is resumed and prefilled once; each of the `n` choices is a row of its own on a
         copy-on-write clone of it (with several rows all at once, else one after another), with its own
-        random stream (`Keys.spawn`) and processors. A choice leaves before its last chunk goes out.
+        random stream (`Keys.spawn`) and processors. A choice that ended sends its last text at once
+        (an `Early` list), then leaves, then sends its `Finish`.
         Closing the generator cancels the request: its rows leave and each publishes prompt + what its
         client received."""
         session = yield from self._prefill(req)
@@ -201,6 +202,7 @@ class Engine:
         draft = session.ready()
         waiting = list(range(req.n))
         running: list[Choice] = []
+        leaving: list[Choice] = []  # ended, their text sent: they leave before their Finish goes out
         try:
             while waiting or running:
                 while waiting and not (running and self.decoder.one_row):  # one row: one choice at a time
@@ -218,17 +220,27 @@ class Engine:
                 if not any(c.buffer for c in running):
                     yield None  # this scheduler step's decoder step ran before these rows joined
                     continue
-                events = []
+                events, finishes = [], []
                 for choice in [c for c in running if c.buffer]:
-                    events += choice.drain()
-                    if choice.finish is not None:  # it ended: it leaves before its last chunk goes out
+                    drained = choice.drain()
+                    if choice.finish is None:
+                        events += drained
+                    else:  # it ended: its text goes out now, its Finish once it has left
                         running.remove(choice)
-                        self._leave(choice)
+                        leaving.append(choice)
+                        events += [e for e in drained if not isinstance(e, Finish)]
+                        finishes += [e for e in drained if isinstance(e, Finish)]
+                if leaving:
+                    yield Early(events)
+                    while leaving:
+                        self._leave(leaving[0])
+                        leaving.pop(0)
+                    events = finishes
                 if not waiting and not running:
                     events[-1].last = True
                 yield events
         finally:
-            for choice in running:  # cancelled, or a step failed
+            for choice in leaving + running:  # cancelled, or a step failed
                 self._leave(choice)
 
     def _draft_runtime(self, req: GenRequest) -> Runtime | None:

@@ -4,6 +4,9 @@
     Progress                    out: the prompt's prefill fed another chunk (processed of total)
     Chunk (TokenLogprob)        out: the text a choice produced in one step
     Finish (Usage) / Failure    out: a choice ended / the request failed
+    Early                       out: events to send now; the request's generator goes on in
+                                the same scheduler step (a choice's last text, before its row
+                                leaves and publishes; its Finish follows)
 
 Consumers of a request's events skip what they do not know (a `Progress` above all).
 """
@@ -17,7 +20,7 @@ from typing import Optional
 from ..controls import Controls
 from ..session.session import Progress
 
-__all__ = ["Chunk", "Failure", "Finish", "GenRequest", "Progress", "StepFailed", "TokenLogprob", "Usage"]
+__all__ = ["Chunk", "Early", "Failure", "Finish", "GenRequest", "Progress", "StepFailed", "TokenLogprob", "Usage"]
 
 
 @dataclass
@@ -116,6 +119,13 @@ class Finish:
     index: int = 0
     last: bool = True
     stop: Optional[str] = None
+
+
+class Early(list):
+    """Events the scheduler delivers at once and then advances the request's generator again in
+    the same scheduler step, before any other request's: a choice's last text goes out while its
+    row leaves (a forward, the publish, keeping it hot), and its `Finish` only after that, so an
+    answer ends once its state is where the next turn resumes it."""
 
 
 @dataclass

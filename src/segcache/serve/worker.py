@@ -30,7 +30,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from .engine import Engine, Failure, Finish, GenRequest
+from .engine import Early, Engine, Failure, Finish, GenRequest
 
 log = logging.getLogger("segcache.serve")
 
@@ -151,25 +151,28 @@ class Scheduler:
                          time.monotonic() - job.queued)
             self._drop(job)
             return
-        try:
-            event = next(job.steps)
-        except StopIteration:
-            self._drop(job)
-            return
-        except Exception as exc:  # an error in one request must not stop the others
-            log.exception("%s failed", job.request.id)
-            self._drop(job)
-            job.deliver(Failure(f"generation failed: {type(exc).__name__}: {exc}"))
-            return
-        if event is None:  # no token for this job in this step (it waits to join the batch)
-            return
-        events = event if isinstance(event, list) else [event]
-        if any(isinstance(e, Finish) and e.last for e in events):
-            self._drop(job)
-            self._maybe_flush()  # before the answer ends: a finished request is on disk
-        job.delivered = True
-        for e in events:
-            job.deliver(e)
+        while True:
+            try:
+                event = next(job.steps)
+            except StopIteration:
+                self._drop(job)
+                return
+            except Exception as exc:  # an error in one request must not stop the others
+                log.exception("%s failed", job.request.id)
+                self._drop(job)
+                job.deliver(Failure(f"generation failed: {type(exc).__name__}: {exc}"))
+                return
+            if event is None:  # no token for this job in this step (it waits to join the batch)
+                return
+            events = event if isinstance(event, list) else [event]
+            if any(isinstance(e, Finish) and e.last for e in events):
+                self._drop(job)
+                self._maybe_flush()  # before the answer ends: a finished request is on disk
+            job.delivered = True
+            for e in events:
+                job.deliver(e)
+            if not isinstance(event, Early):  # an Early list: the generator goes on now, in this step
+                return
 
     def _drop(self, job: Job) -> None:
         try:
