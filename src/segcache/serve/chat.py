@@ -57,6 +57,7 @@ from mlx_lm import tokenizer_utils
 
 from .errors import APIError
 from .output import REASONING, TEXT, TOOL, Markup
+from .reencode import Reencoder, common_chars
 
 log = logging.getLogger("segcache.serve")
 
@@ -84,18 +85,6 @@ RESERVED_KWARGS = frozenset({
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
 })
-
-
-def _common_chars(a: str, b: str) -> int:
-    """The length of the longest common prefix of two strings (slices compared in C, halving)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:
@@ -142,6 +131,8 @@ class Prompter:
         self.markup = markup_for(tokenizer, chat_template)
         self._sources: dict = {}
         self._rendered: collections.OrderedDict[str, list[int]] = collections.OrderedDict()  # boundary text -> ids
+        hf = getattr(tokenizer, "_tokenizer", None)  # mlx-lm's wrapper holds the transformers tokenizer
+        self._encoder = Reencoder(hf) if getattr(hf, "is_fast", False) else None
 
     # -- what the model can do -----------------------------------------------------------
 
@@ -296,15 +287,12 @@ class Prompter:
     def _ids_and_ends(self, text: str) -> tuple[list[int], Optional[list[int]]]:
         """The prompt's ids (`_ids`'s) and where each token ends in `text`, from one encode where the
         tokenizer tells its offsets (a fast tokenizer, a templated chat); else (ids, None)."""
-        hf = getattr(self.tokenizer, "_tokenizer", None)  # mlx-lm's wrapper holds the transformers tokenizer
-        if not self.templated or not getattr(hf, "is_fast", False):
+        if not self.templated or self._encoder is None:
             return self._ids(text), None
-        # the very call `encode` makes (encode_plus), with the offsets it computes anyway
-        enc = hf(text, add_special_tokens=False, return_offsets_mapping=True)
-        ends = [end for _, end in enc["offset_mapping"]]
-        if ends != sorted(ends):  # offsets that do not follow the text: boundaries by encoding
-            return list(enc["input_ids"]), None
-        return list(enc["input_ids"]), ends
+        # the very call `encode` makes (encode_plus), with the offsets it computes anyway; a prompt
+        # extending a recent one encodes only its new part (reencode.py). Ends None: offsets that
+        # do not follow the text, boundaries by encoding.
+        return self._encoder.encode(text)
 
     def _boundary(self, render, before: list[dict], ids: list[int], prompt: str, ends: Optional[list[int]]) -> int:
         try:
@@ -312,7 +300,7 @@ class Prompter:
         except Exception:  # a template may refuse a partial conversation: no checkpoint then
             return 0
         if ends is not None:  # the prompt's tokens that end within the text the two renderings share
-            return bisect.bisect_right(ends, _common_chars(text, prompt))
+            return bisect.bisect_right(ends, common_chars(text, prompt))
         known = self._rendered.get(text)
         if known is None:
             known = self._rendered[text] = self._ids(text)
