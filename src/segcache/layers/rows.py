@@ -79,7 +79,7 @@ class RowLengths:
         if self.keys is not None:
             if not rows:
                 self.keys = self.values = None
-            else:
+            elif rows != list(range(self.keys.shape[0])):  # every row in order: the arrays as they are
                 idx = mx.array(rows, dtype=mx.int32)
                 self.keys, self.values = self.keys[idx], self.values[idx]
 
