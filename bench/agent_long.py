@@ -12,10 +12,11 @@ servers can continue from their last turn's cache (a re-rendered answer is the t
 
 Reported: each follow-up's time to first token at the client (medians), the cached tokens each
 server reported, and the follow-ups' decode rate (`--tokens` each; tokens after the first / seconds,
-at the client; medians). In process (`--no-inproc` skips it): mlx-lm's own model call and cache on
-the same text: its cold prefill rate at 8k, 32k and the first turn's prompt, and the time of a
-prefill of the follow-ups' new tokens (their median count) after that context (states, then the
-last token's logits, as mlx-lm's generate does), the figure a follow-up turn is held to (<= 1.2x).
+at the client; medians). In process (`--no-inproc` skips it), first: mlx-lm's own model call and
+cache on the same text, its cold prefill rate at 8k, 32k and `--context` tokens; then right after
+each follow-up, a prefill of as many new tokens as that follow-up added after that context (states,
+then the last token's logits, as mlx-lm's generate does): the figure a follow-up turn is held to
+(<= 1.2x), measured in the same minute, since this machine's speed drifts by 30% between runs.
 
 The shipped target's context is 4,096 tokens: the bench serves a copy whose config allows 131,072.
 """
@@ -119,7 +120,7 @@ def tool_result(k: int, new: int, chars_per_token: float) -> list:
              "content": corpus[start : start + int(new * chars_per_token)]}]
 
 
-def run_servers(args, model: Path, work: Path, cpt: float) -> None:
+def run_servers(args, model: Path, work: Path, cpt: float, ref: "InProcess | None" = None) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1] / "src"),
                                                                     os.environ.get("PYTHONPATH")])))
     mlx_env = dict(env)
@@ -147,62 +148,76 @@ def run_servers(args, model: Path, work: Path, cpt: float) -> None:
             t = send_mlx(m, req)
             seg.append(s)
             mlx.append(t)
+            line = ""
+            if ref is not None and k:  # the same count of new tokens after that context, in process, now
+                s["ref"] = ref.follow_up(s["prompt"] - seg[-2]["prompt"])
+                line = f"; in process {s['ref'] * 1000:.0f} ms"
             print(f"turn {k + 1}: prompt {s['prompt']} tokens; ttft segcache {s['ttft'] * 1000:.0f} ms (cached "
-                  f"{s['cached']}), mlx_lm.server {t['ttft'] * 1000:.0f} ms (cached {t['cached']})", flush=True)
+                  f"{s['cached']}), mlx_lm.server {t['ttft'] * 1000:.0f} ms (cached {t['cached']}){line}", flush=True)
             messages = messages + [{"role": "assistant", "content": s["blocks"] or [{"type": "text", "text": "."}]},
                                    {"role": "user", "content": tool_result(k, args.new, cpt)}]
         fs = statistics.median(r["ttft"] for r in seg[1:])
         fm = statistics.median(r["ttft"] for r in mlx[1:])
         print(f"\nfollow-up TTFT (turns 2..{args.turns}), medians: segcache {fs * 1000:.0f} ms, "
               f"mlx_lm.server {fm * 1000:.0f} ms: {fs / fm:.2f}x")
+        if ref is not None:
+            r = statistics.median(x["ref"] for x in seg[1:])
+            print(f"in process, the follow-ups' new tokens after {ref.context} tokens (median): {r * 1000:.0f} ms; "
+                  f"segcache serve's follow-up TTFT (at the client) against it: {fs / r:.2f}x")
         print(f"cold TTFT: segcache {seg[0]['ttft']:.1f} s, mlx_lm.server {mlx[0]['ttft']:.1f} s")
         ds = statistics.median(r["rate"] for r in seg[1:])
         dm = statistics.median(r["rate"] for r in mlx[1:])
         print(f"decode after {seg[1]['prompt']}..{seg[-1]['prompt']} tokens ({args.tokens} tokens a turn, medians): "
               f"segcache {ds:.1f} tok/s, mlx_lm.server {dm:.1f} tok/s: {ds / dm:.2f}x")
-        # each follow-up's new tokens: its prompt past the previous one (answer, tool result, template)
-        new = round(statistics.median(b["prompt"] - a["prompt"] for a, b in zip(seg, seg[1:])))
-        return seg[0]["prompt"], new, fs
     finally:
         for p in (ours, theirs):
             p.stop()
 
 
-def run_inproc(args, model: Path, cpt: float, context: int, new: int, follow_up: float | None) -> None:
-    """mlx-lm's own model call and cache: cold prefill rates to `context` tokens, and a `new`-token prefill
-    after them (the follow-ups' context and median new tokens; `follow_up`: their median TTFT, compared)."""
-    import mlx.core as mx
-    import mlx_lm
-    from mlx_lm.models.cache import make_prompt_cache
+class InProcess:
+    """mlx-lm's own model call and cache on the bench's text: cold prefill rates to `context` tokens,
+    then prefills of a follow-up's new tokens after that context (each from a copy of it)."""
 
-    lm, tok = mlx_lm.load(str(model))
-    ids = tok.encode(system_text(int(1.3 * (context + 8 * new)), cpt))  # chars per token vary
-    assert len(ids) >= context + 4 * new, len(ids)
-    cache, pos, marks = make_prompt_cache(lm), 0, {}
-    tic = time.perf_counter()
-    for stop in sorted({s for s in (8000, 32000) if s < context} | {context}):
-        while pos < stop:
-            end = min(pos + 2048, stop)
-            lm(mx.array([ids[pos:end]]), cache=cache)
-            mx.eval([c.state for c in cache])
-            pos = end
-        marks[pos] = time.perf_counter() - tic
-    print("\nin process, mlx-lm's model call: cold prefill " + ", ".join(
-        f"{n} tokens in {s:.1f} s ({n / s:.0f} tok/s)" for n, s in marks.items()))
-    times = []
-    for k in range(3):
-        c = copy.deepcopy(cache)  # each from the same context
-        chunk = ids[pos + k * new : pos + (k + 1) * new]
+    def __init__(self, model: Path, cpt: float, context: int):
+        import mlx_lm
+
+        self.lm, tok = mlx_lm.load(str(model))
+        self.ids = tok.encode(system_text(int(1.3 * context) + 8000, cpt))  # chars per token vary
+        assert len(self.ids) >= context + 2000, len(self.ids)
+        self.context, self.samples = context, 0
+        self.cache = None
+
+    def prefill(self) -> None:
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache, pos, marks = make_prompt_cache(self.lm), 0, {}
+        tic = time.perf_counter()
+        for stop in sorted({s for s in (8000, 32000) if s < self.context} | {self.context}):
+            while pos < stop:
+                end = min(pos + 2048, stop)
+                self.lm(mx.array([self.ids[pos:end]]), cache=cache)
+                mx.eval([c.state for c in cache])
+                pos = end
+            marks[pos] = time.perf_counter() - tic
+        self.cache = cache
+        print("in process, mlx-lm's model call: cold prefill " + ", ".join(
+            f"{n} tokens in {s:.1f} s ({n / s:.0f} tok/s)" for n, s in marks.items()), flush=True)
+
+    def follow_up(self, new: int) -> float:
+        """Seconds of a `new`-token prefill after the context (states, then the last token's logits,
+        as mlx-lm's generate does)."""
+        import mlx.core as mx
+
+        c = copy.deepcopy(self.cache)  # each from the same context
+        at = self.context + (self.samples % 4) * 400
+        self.samples += 1
+        chunk = self.ids[at : at + new]
         t = time.perf_counter()
-        lm(mx.array([chunk[:-1]]), cache=c)
+        self.lm(mx.array([chunk[:-1]]), cache=c)
         mx.eval([x.state for x in c])
-        mx.eval(lm(mx.array([chunk[-1:]]), cache=c))
-        times.append(time.perf_counter() - t)
-    ref = statistics.median(times)
-    print(f"a {new}-token prefill after {pos} tokens (states, then the last token's logits): "
-          f"median {ref * 1000:.0f} ms of {[round(t * 1000) for t in times]}")
-    if follow_up is not None:
-        print(f"segcache serve's follow-up TTFT (at the client) against it: {follow_up / ref:.2f}x")
+        mx.eval(self.lm(mx.array([chunk[-1:]]), cache=c))
+        return time.perf_counter() - t
 
 
 def main() -> int:
@@ -226,11 +241,16 @@ def main() -> int:
     text = system_text(args.context, cpt)
     cpt = len(text) / len(tok.encode(text))  # the corpus repeated reads otherwise: the system prompt is --context
     print(f"model {args.model} with {how}, 131,072 positions; ~{args.context} tokens of context; logs in {work}")
-    context, new, follow_up = args.context, args.new, None
+    ref = None
+    if not args.no_inproc:  # first, so that each follow-up is compared with a prefill measured just after it
+        ref = InProcess(model, cpt, args.context)
+        ref.prefill()
     if not args.no_servers:
-        context, new, follow_up = run_servers(args, model, work, cpt)
-    if not args.no_inproc:
-        run_inproc(args, model, cpt, context, new, follow_up)
+        run_servers(args, model, work, cpt, ref)
+    elif ref is not None:
+        times = [ref.follow_up(args.new) for _ in range(3)]
+        print(f"a {args.new}-token prefill after {args.context} tokens: median "
+              f"{statistics.median(times) * 1000:.0f} ms of {[round(t * 1000) for t in times]}")
     return 0
 
 
