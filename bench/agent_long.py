@@ -129,7 +129,7 @@ def run_servers(args, model: Path, work: Path, cpt: float, ref: "InProcess | Non
         mlx_env.update(LD_PRELOAD=libs[0], OPENBLAS_THREAD_TIMEOUT="4")
     port = _port()
     ours = Proc("segcache", [sys.executable, "-m", "segcache.cli", "serve", "--model", str(model), "--port",
-                             str(port), "--prompt-cache-dir", str(work / "store"), "--log-level", "WARNING"],
+                             str(port), "--prompt-cache-dir", str(work / "store"), "--log-level", "INFO"],
                 env, port, work / "segcache.log")
     port = _port()
     theirs = Proc("mlx_lm.server", [sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port),

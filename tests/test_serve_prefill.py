@@ -292,3 +292,30 @@ def test_a_lone_prompt_is_fed_on_its_own_runtime_and_publishes_as_runtime_prefil
         _prefilled_alone(model, alone, h.engine, p)
         assert {(e.key, e.kind, e.tokens) for e in alone.entries() if e.kind != "node"} <= {
             (e.key, e.kind, e.tokens) for e in served.entries()}
+
+
+def test_a_prompt_fed_alone_while_no_row_decodes_takes_whole_steps_and_chunks_once_one_does(loaded, prompts, tmp_path):
+    """Beside a batch decoder, a mostly restored prompt is fed alone, cut in `prefill_chunk`s only
+    while rows decode between them: with none decoding its rest goes in `prefill_step` forwards (an
+    agent's next turn in one, not two). Both exact."""
+    long = prompts["long"]
+    left = len(long) - 600
+
+    def next_turn(decoding: bool):
+        with open_store(tmp_path / f"s{decoding}") as store:
+            h = Harness(loaded, store=store)
+            h.engine.prefill_step = 4 * CHUNK
+            h.submit("turn1", long[:600], 4)
+            h.run()
+            if decoding:
+                h.submit("other", prompts["a"], 200)
+                h.until(lambda: h.events["other"])
+            before = h.engine.prefill_chunks
+            h.submit("turn2", long, 8)
+            h.run()
+            assert h.text("turn2") == _alone(loaded, long, 8)
+            assert h.progress["turn2"][0].processed >= 600  # resumed: fed alone, not in the prefill batch
+            return h.engine.prefill_chunks - before
+
+    alone, beside = next_turn(False), next_turn(True)
+    assert alone <= math.ceil(left / (4 * CHUNK)) + 1 < math.ceil(left / CHUNK) <= beside

@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import time
-from typing import Generator, Iterable
+from typing import Callable, Generator, Iterable
 
 import mlx.core as mx
 
@@ -93,9 +93,10 @@ class Prefill:
         """Prompt tokens still to feed."""
         return len(self.ids) - self.pos
 
-    def feed(self, rt, step_size: int) -> Generator[int, None, mx.array | None]:
-        """Forward the rest on `rt` in chunks of `step_size`. Yields the position between two
-        forwards (never after the last); returns the last position's logits (None if not wanted).
+    def feed(self, rt, step_size: int | Callable[[], int]) -> Generator[int, None, mx.array | None]:
+        """Forward the rest on `rt` in chunks of `step_size` (or of what it returns, asked before
+        each forward). Yields the position between two forwards (never after the last); returns the
+        last position's logits (None if not wanted).
 
         A chunk passes the stops inside it where the runtime's layers keep their states there
         (`PrefixCache.capturing`: a warm turn's new tokens, its message boundaries among them, in
@@ -105,7 +106,8 @@ class Prefill:
             if self.pos > start:
                 yield self.pos
             tic = time.perf_counter()
-            cuts, layers, end = self._cuts(rt, step_size)
+            size = step_size() if callable(step_size) else step_size
+            cuts, layers, end = self._cuts(rt, size)
             stop = self.stops[len(cuts)]
             try:
                 # the head at the last position only (adapters/head.py); where no logits are wanted
@@ -124,7 +126,7 @@ class Prefill:
                     if end == stop:
                         self.logits = None  # its checkpoint holds none (an earlier stop's are not these)
                 del out, state
-                if end - self.pos >= step_size:  # a long prompt's chunks would otherwise keep their buffers cached;
+                if end - self.pos >= size:  # a long prompt's chunks would otherwise keep their buffers cached;
                     mx.clear_cache()  # after a short one (a warm turn's rest) mlx-lm keeps them too: the next reuses them
                 at, self.pos = self.pos, end
                 for position in cuts:

@@ -284,8 +284,7 @@ class Engine:
             if one or plan.left <= plan.last_alone or plan.resume.tokens > plan.left:
                 yield restored  # another scheduler step: the running rows decode before the first chunk
                 forwards = plan.left > 0
-                chunk = self.prefill_step if one else min(self.prefill_step, self.prefill_chunk)
-                with contextlib.closing(session.feed(chunk)) as feed:
+                with contextlib.closing(session.feed(self.prefill_step if one else self._chunk)) as feed:
                     for progress in feed:  # closed mid-prefill: it stops there, publishing what it computed
                         self.prefill_chunks += 1
                         yield progress
@@ -311,6 +310,13 @@ class Engine:
                 # cancelled mid-prefill: what its row computed is published, then it leaves
                 joining.keep_partial(self.prefill_batch, req.id)
                 self.prefill_batch.remove(req.id)
+
+    def _chunk(self) -> int:
+        """A prompt's next forward fed alone, beside a batch decoder: `prefill_chunk` tokens while
+        rows decode (they step between two chunks), up to `prefill_step` while none does (a lone
+        agent turn's ~300 new tokens in one forward, not two: at 52k tokens of context the second
+        cost 250 ms more)."""
+        return min(self.prefill_step, self.prefill_chunk) if len(self.decoder) else self.prefill_step
 
     def _prefill_step(self) -> None:
         """One forward of the prefill batch per scheduler step: while rows decode, at most one

@@ -169,8 +169,9 @@ class Session:
             self.plan = store_prefill.Prefill(ids, store_prefill.Resume(held), None, [], None, False)
         return self.plan
 
-    def feed(self, chunk: int) -> Generator[Progress, None, None]:
-        """Feed the rest on the runtime itself, one forward of at most `chunk` tokens per step;
+    def feed(self, chunk) -> Generator[Progress, None, None]:
+        """Feed the rest on the runtime itself, one forward of at most `chunk` tokens per step (an
+        int, or a callable asked before each forward);
         yields `Progress` between two forwards; the last one publishes the prompt."""
         plan, total = self.plan, len(self.history)
         steps = plan.feed(self.runtime, chunk)
