@@ -301,5 +301,24 @@ def test_a_real_server_continues_hot_turns_through_the_official_clients(tmp_path
         assert start.message.usage.cache_read_input_tokens == final.usage.cache_read_input_tokens
         assert final.usage.cache_read_input_tokens >= second.usage.input_tokens + second.usage.cache_read_input_tokens
         assert len(re.findall(r"cached \d+ \(hot\)", hot.log())) == 4
+        # a completion that extends the last prompt and its answer continues the hot runtime too
+        got, want = _continuations(hot.client()), _continuations(cold.client())
+        assert [t for t, _ in got] == [t for t, _ in want]
+        tiers = [u.model_extra["segcache"]["cached_tokens_by_tier"] for _, u in got]
+        # each resumes all of the last prompt; the hot runtime where its answer re-encodes as generated
+        # (here the second; the third's answer ends in spaces that merge with the text after them)
+        assert all(u.prompt_tokens_details.cached_tokens >= last.prompt_tokens
+                   for (_, last), (_, u) in zip(got, got[1:])), [u for _, u in got]
+        assert tiers[0] == {} and set(tiers[1]) == {"hot"}, tiers
     finally:
         hot.stop(), cold.stop()
+
+
+def _continuations(client, n=3):
+    """Completion prompts as editors send them: each the last prompt, its answer and more text."""
+    prompt, out = TEXT[9000:9600], []
+    for k in range(n):
+        r = client.completions.create(model="target", prompt=prompt, max_tokens=12, temperature=0.0)
+        out.append((r.choices[0].text, r.usage))
+        prompt += r.choices[0].text + TEXT[9700 + 200 * k : 9800 + 200 * k]
+    return out
