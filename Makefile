@@ -85,21 +85,22 @@ redis:
 		echo "redis: cannot install redis-server here (no apt-get or not root; try brew install redis); the remote-tier tests will be skipped"; \
 	fi
 
-# The coding agents tests/test_agent_clients.py runs against segcache serve: Claude Code and
-# Codex CLI from npm (where npm exists), aider in a venv of its own; never in .venv, never
+# The coding agents tests/test_agent_clients.py runs against segcache serve: Claude Code,
+# Codex CLI and opencode from npm (where npm exists), aider in a venv of its own; never in .venv, never
 # committed. A client that could not be installed is skipped by its test, saying why.
 AGENTS := tests/.agents
-AGENT_NPM := @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0
+AGENT_NPM := @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0 opencode-ai@1.18.33
 AGENT_AIDER := aider-chat==0.86.2
 agents:
-	@if [ -x $(AGENTS)/npm/node_modules/.bin/claude ] && [ -x $(AGENTS)/npm/node_modules/.bin/codex ]; then \
-		echo "agents: Claude Code and Codex CLI present"; \
+	@if [ -x $(AGENTS)/npm/node_modules/.bin/claude ] && [ -x $(AGENTS)/npm/node_modules/.bin/codex ] \
+		&& [ -x $(AGENTS)/npm/node_modules/.bin/opencode ]; then \
+		echo "agents: Claude Code, Codex CLI and opencode present"; \
 	elif command -v npm >/dev/null 2>&1; then \
 		echo "agents: installing $(AGENT_NPM) with npm into $(AGENTS)/npm"; \
 		mkdir -p $(AGENTS)/npm && npm install --silent --no-audit --no-fund --prefix $(AGENTS)/npm $(AGENT_NPM) >/dev/null \
-			|| echo "agents: npm install failed; the Claude Code and Codex CLI tests will be skipped"; \
+			|| echo "agents: npm install failed; the Claude Code, Codex CLI and opencode tests will be skipped"; \
 	else \
-		echo "agents: no npm here; the Claude Code and Codex CLI tests will be skipped"; \
+		echo "agents: no npm here; the Claude Code, Codex CLI and opencode tests will be skipped"; \
 	fi
 	@if [ -x $(AGENTS)/aider/bin/aider ]; then \
 		echo "agents: aider present"; \

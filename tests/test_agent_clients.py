@@ -1,5 +1,6 @@
 """Real coding agents against `segcache serve` (issue 47): Claude Code (`claude -p`), Codex CLI
-(`codex exec`) and aider (its Python scripting API, the chat kept in process) each run three
+(`codex exec`), opencode (`opencode run`) and aider (its Python scripting API, the chat kept in
+process) each run three
 turns non-interactively against a server on a free loopback port. Every request they send gets
 a 2xx, the client exits 0, turns 2 and 3 resume at least 95% of their prompt, and the fields a
 local model cannot honour that they send (Claude Code's `context_management`, Codex's
@@ -28,6 +29,7 @@ from segcache.testing.chat import build
 AGENTS = Path(__file__).resolve().parent / ".agents"
 CLAUDE = AGENTS / "npm" / "node_modules" / ".bin" / "claude"
 CODEX = AGENTS / "npm" / "node_modules" / ".bin" / "codex"
+OPENCODE = AGENTS / "npm" / "node_modules" / ".bin" / "opencode"
 AIDER_PYTHON = AGENTS / "aider" / "bin" / "python"
 MODEL_NAME = "local-model"
 ANSWER = "Done."
@@ -164,6 +166,33 @@ def test_codex_cli_runs_three_turns(server, tmp_path):
     assert ignored and all("client_metadata" in line for line in ignored)
     # its tools: a hosted one dropped with a note, its functions rendered
     assert "(a 'web_search' tool) dropped" in text
+
+
+def test_opencode_runs_three_turns(server, tmp_path):
+    """opencode with an OpenAI-compatible provider in its project config (`opencode.json`): chat
+    completions with tools; its first turn also asks for a session title (a request of its own)."""
+    _installed(OPENCODE)
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    (work / "opencode.json").write_text(json.dumps({
+        "$schema": "https://opencode.ai/config.json", "autoupdate": False, "share": "disabled",
+        "provider": {"segcache": {"npm": "@ai-sdk/openai-compatible", "name": "segcache serve",
+                                  "options": {"baseURL": server.url + "/v1", "apiKey": "sk-local"},
+                                  "models": {MODEL_NAME: {"name": MODEL_NAME,
+                                                          "limit": {"context": 131072, "output": 4096}}}}},
+        "model": f"segcache/{MODEL_NAME}"}))
+    # PWD too: opencode finds its project (and opencode.json) from the shell's PWD, not the process's cwd
+    env = {"HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"), "XDG_DATA_HOME": str(home / ".local/share"),
+           "XDG_CACHE_HOME": str(home / ".cache"), "XDG_STATE_HOME": str(home / ".local/state"), "PWD": str(work)}
+
+    def turn(k, question):
+        return _run([OPENCODE, "run", "-m", f"segcache/{MODEL_NAME}", *(["-c"] if k else []), question], env, work)
+
+    turns, _ = _turns(server, turn)
+    # turn 1: the title request and the turn itself; later turns continue the session
+    assert len(turns[0]) >= 2
+    _assert_served(turns, "/v1/chat/completions")
 
 
 AIDER_SCRIPT = """\
