@@ -45,6 +45,11 @@ def test_an_agent_conversation_is_spliced_turn_after_turn_and_each_prompt_is_mlx
     # the checkpoints too: the ends of a spliced prompt are a whole encode's
     assert got.checkpoints == Prompter(tok, TEMPLATE).chat(msgs[:-2]).checkpoints
     assert p._encoder.spliced >= 4 and p._encoder.reason is None
+    p._encoder.check()
+    # the same prompt again is the kept encoding, not a second entry
+    again = p.chat(msgs[:-2])
+    assert again.ids == got.ids and again.checkpoints == got.checkpoints
+    p._encoder.check()
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -60,8 +65,9 @@ def test_a_splice_is_the_whole_encode_of_any_text(tok, head, tail, keep):
     got = enc.encode(new)
     assert got == whole(hf, new)
     shared = common_chars(recent, new)
-    if shared >= 1 and _cut(new, shared) is not None:
+    if new != recent and shared >= 1 and _cut(new, shared) is not None:
         assert enc.spliced == 1  # a cut was there: the recent prompt's tokens were reused
+    enc.check()
 
 
 def _metaspace_tokenizer():
@@ -92,3 +98,40 @@ def test_a_tokenizer_outside_the_argument_encodes_whole_and_a_differing_splice_t
         assert enc.encode(new) == whole(hf, new)
     assert enc.spliced == 1 and enc.reason is not None and "encoded whole" in caplog.text
     assert enc.encode(new + " more") == whole(hf, new + " more") and enc.spliced == 1  # whole from now on
+
+
+def _trained(pre_tokenizer):
+    """A byte-level BPE trained here on held-out code, with `pre_tokenizer`."""
+    from tokenizers import Tokenizer, decoders, models, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizer
+    core.decoder = decoders.ByteLevel()
+    core.train_from_iterator([TEXT[:40000]], trainers.BpeTrainer(vocab_size=600, show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=core)
+
+
+# Llama 3's split pattern (its tokenizer.json): pieces before the byte-level step
+LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+          r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama3"])
+def test_gpt2_and_llama3_style_tokenizers_are_spliced_exactly(kind):
+    """The other byte-level kinds the module's argument names: GPT-2's (its regex inside the
+    byte-level step) and Llama 3's (a split regex, then the byte-level step)."""
+    from tokenizers import Regex, pre_tokenizers
+
+    pre = (pre_tokenizers.ByteLevel(add_prefix_space=False) if kind == "gpt2" else pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(LLAMA3), "isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                      use_regex=False)]))
+    hf = _trained(pre)
+    enc = Reencoder(hf, check_every=1 << 30, min_shared=1)
+    assert enc.reason is None
+    text = "\n".join(line.lstrip() for line in TEXT[50000:57000].splitlines())  # lines that may start a cut
+    for k, cut in enumerate(range(1000, 6000, 700)):
+        new = text[:cut] + TEXT[60000 + 300 * k : 60250 + 300 * k]
+        assert enc.encode(new) == whole(hf, new), (kind, cut)
+    assert enc.spliced >= 5
+    enc.check()

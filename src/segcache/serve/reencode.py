@@ -25,7 +25,9 @@ and a byte-level step; added tokens without "\\n" that strip nothing):
 - BPE merges only inside a piece.
 
 A recent prompt's tokens are cut at q only where one of them ends exactly at
-q. Every splice is what a whole encode gives; the first one and every
+q. In indented code q is the last line that starts with a letter (a newline
+before spaces is no such cut: GPT-2's pattern joins it to them), found within
+`MAX_LOOKS` newlines back, so the tail encoded again may be a few lines long. Every splice is what a whole encode gives; the first one and every
 `CHECK_EVERY`-th are compared with a whole encode anyway, and a difference
 turns splicing off for the tokenizer (logged), which then encodes whole.
 """
@@ -41,9 +43,11 @@ import threading
 from dataclasses import dataclass
 from typing import Optional
 
+from ..errors import InvariantError
+
 log = logging.getLogger("segcache.serve")
 
-RECENT = 8  # encoded prompts kept (least recently used out): a few conversations' last turns
+RECENT = 8  # encoded prompts kept (the oldest out): a few conversations' last turns
 MIN_SHARED = 2048  # characters shared at least for a splice (shorter: encoding whole costs little)
 CHECK_EVERY = 64  # a splice compared with a whole encode: the first, then every this many
 MAX_LOOKS = 4096  # newlines tried, back from the shared part's end, before encoding whole
@@ -121,8 +125,8 @@ class Reencoder:
         check_every: compare the first splice and every this many with a whole encode.
         min_shared: characters a prompt shares with a recent one at least, for a splice.
 
-    Invariants: every kept encoding is a whole encode's (ids and sorted ends) of its text;
-    `reason` is None iff splicing is on.
+    Invariants (check()): every kept encoding is a whole encode's (ids and sorted ends) of its
+    text, and no text is kept twice; `reason` is None iff splicing is on.
     """
 
     def __init__(self, hf, *, recent: int = RECENT, check_every: int = CHECK_EVERY, min_shared: int = MIN_SHARED):
@@ -137,12 +141,24 @@ class Reencoder:
         """(ids, where each token ends in `text`); ends None where the tokenizer's offsets do not
         follow the text (then nothing is kept for a later splice)."""
         with self._lock:
+            same = next((e for e in self._recent if e.text == text), None)
+            if same is not None:  # the same prompt again (a retry, a token count before the request)
+                return list(same.ids), list(same.ends)
             got = self._splice(text) if self.reason is None else None
             if got is None:
                 got = self._whole(text)
             if got[1] is not None:
                 self._recent.append(_Encoded(text, *got))
             return got
+
+    def check(self) -> None:
+        """Verify the invariants (see the class docstring): encodes every kept text whole."""
+        texts = [e.text for e in self._recent]
+        if len(set(texts)) != len(texts):
+            raise InvariantError("a prompt's encoding is kept twice")
+        for e in self._recent:
+            if (e.ids, e.ends) != self._whole(e.text) or e.ends != sorted(e.ends):
+                raise InvariantError(f"a kept encoding of {len(e.text)} characters is not its whole encode")
 
     def _whole(self, text: str) -> tuple[list[int], Optional[list[int]]]:
         enc = self.hf(text, add_special_tokens=False, return_offsets_mapping=True)
